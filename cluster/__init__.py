@@ -1,0 +1,1 @@
+"""The application: config, app builder, OpenAI ingress, routing, local cluster, CLI."""

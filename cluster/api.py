@@ -1,0 +1,179 @@
+"""HTTP routes of the OpenAI-compatible API, built per ingress replica."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.errors import APIError, install_error_handlers
+from cluster.generation import Final, Generation, GenerationError
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.service import OpenAIService
+from models.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _usage(final: Final) -> dict[str, Any]:
+    spec = final.spec
+    usage: dict[str, Any] = {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+    if spec.draft_tokens:
+        usage["speculative"] = {
+            "draft_tokens": spec.draft_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": spec.accepted_tokens / spec.draft_tokens,
+            "mean_accepted_length": (spec.accepted_tokens + spec.num_steps) / spec.num_steps,
+        }
+    return usage
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Shape:
+    """How one endpoint shapes its bodies: completions and chat differ only here."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + rid
+        self.model = model
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, final: Final) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": final.finish_reason,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
+        return self._base("chat.completion" if self.chat else "text_completion") | {
+            "choices": [choice],
+            "usage": _usage(final),
+        }
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return self._base("chat.completion.chunk" if self.chat else "text_completion") | {
+            "choices": [choice]
+        }
+
+    def usage_chunk(self, final: Final) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._base(obj) | {"choices": [], "usage": _usage(final)}
+
+
+async def _respond(
+    gen: Generation, req: Request, stops: list[str], shape: _Shape, stream: bool, usage: bool
+) -> Any:
+    if not stream:
+        parts: list[str] = []
+        try:
+            async for item in gen.run(req, stops):
+                if isinstance(item, Final):
+                    return JSONResponse(shape.whole("".join(parts), item))
+                parts.append(item)
+        except GenerationError as e:
+            raise APIError(e.status, str(e), code="service_unavailable") from e
+        raise APIError(500, "generation ended without a result")
+
+    items = gen.run(req, stops)
+    # Surface failures that happen before the first token as a proper HTTP error.
+    try:
+        first = await anext(items)
+    except GenerationError as e:
+        raise APIError(e.status, str(e), code="service_unavailable") from e
+
+    async def events() -> AsyncIterator[str]:
+        item: str | Final | None = first
+        if shape.chat:
+            yield _sse(shape.chunk(None, None, role=True))
+        try:
+            while item is not None:
+                if isinstance(item, Final):
+                    yield _sse(shape.chunk(None if shape.chat else "", item.finish_reason))
+                    if usage:
+                        yield _sse(shape.usage_chunk(item))
+                    break
+                yield _sse(shape.chunk(item, None))
+                item = await anext(items, None)
+        except GenerationError as e:
+            err = APIError(e.status, str(e), code="service_unavailable")
+            yield _sse(err.body())
+        finally:
+            await items.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def build_api(
+    service: OpenAIService, gen: Generation, health: Callable[[], Awaitable[dict[str, Any]]]
+) -> FastAPI:
+    app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
+    install_error_handlers(app)
+    settings = service.settings
+
+    @app.get("/health")
+    async def get_health() -> JSONResponse:
+        try:
+            body = await health()
+        except Exception as e:
+            log.warning("health check failed: %s", e)
+            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
+        return JSONResponse(body)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": settings.created,
+                    "owned_by": "tandem",
+                    "max_model_len": settings.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        service.check_model(body.model)
+        ids = service.completion_prompt(body)
+        req = service.build_request(body, ids, body.max_tokens, "prompt")
+        shape = _Shape(False, req.request_id, settings.model_name)
+        return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        service.check_model(body.model)
+        ids = service.chat_prompt(body)
+        req = service.build_request(body, ids, body.requested_max_tokens, "messages")
+        shape = _Shape(True, req.request_id, settings.model_name)
+        return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
+
+    return app

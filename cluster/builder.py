@@ -1,0 +1,154 @@
+"""Wires the deployments of a tandem app from a ``TandemConfig`` (behaviour lives elsewhere)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import PoolConfig, TandemConfig
+from cluster.ingress import OpenAIIngress
+from cluster.service import ServiceSettings
+from decode.config import DecodeEngineConfig
+from decode.server import DecodeServer
+from models.config import LlamaConfig
+from models.embedded import EMBEDDED_NAME
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from models.weights import resolve_checkpoint
+from prefill.config import PrefillWorkerConfig
+from prefill.server import PrefillServer
+
+log = logging.getLogger(__name__)
+
+
+class DraftMismatchError(ValueError):
+    """The draft model cannot draft for the target (different tokenizer)."""
+
+
+@dataclass(frozen=True)
+class ResolvedModels:
+    name: str
+    target: ModelSpec
+    draft: DraftSpec
+    max_model_len: int
+
+
+def _device(pool: PoolConfig) -> str:
+    if pool.device != "auto":
+        return pool.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_draft_vocab(target_folder: Path, draft_folder: Path) -> None:
+    """A draft must share the target's tokenizer: same vocabulary, token for token."""
+    from models.tokenizer import Tokenizer
+
+    tv, dv = Tokenizer(target_folder).vocabulary(), Tokenizer(draft_folder).vocabulary()
+    if tv != dv:
+        differing = len(set(tv.items()) ^ set(dv.items()))
+        raise DraftMismatchError(
+            f"draft vocabulary ({draft_folder}: {len(dv)} tokens) differs from target vocabulary "
+            f"({target_folder}: {len(tv)} tokens) in {differing} entries; a draft model must "
+            "share the target's tokenizer"
+        )
+
+
+def resolve_models(cfg: TandemConfig) -> ResolvedModels:
+    folder = resolve_checkpoint(cfg.model.source)
+    name = cfg.model.name or (EMBEDDED_NAME if cfg.model.source == "embedded" else folder.name)
+    target = ModelSpec(str(folder), cfg.model.dtype)
+    d = cfg.draft
+    draft_model = None
+    if d.kind == "draft_model":
+        assert d.source is not None
+        draft_folder = resolve_checkpoint(d.source)
+        check_draft_vocab(folder, draft_folder)
+        draft_model = ModelSpec(str(draft_folder), d.dtype)
+    draft = DraftSpec(
+        kind=DraftKind(d.kind),
+        model=draft_model,
+        num_speculative_tokens=d.num_speculative_tokens,
+        ngram_max=d.ngram_max,
+        ngram_min=d.ngram_min,
+    )
+    model_len = LlamaConfig.from_folder(folder).max_position_embeddings
+    max_len = min(cfg.limits.max_model_len or model_len, model_len)
+    return ResolvedModels(name, target, draft, max_len)
+
+
+def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "num_replicas": pool.replicas,
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": 0, "resources": {pool.resource: float(pool.tp)}},
+        "health_check_period_s": 5,
+    }
+
+
+def build_app(cfg: TandemConfig) -> Application:
+    """The Serve application: ingress → (prefill) → decode, each pinned to its pool."""
+    m = resolve_models(cfg)
+    bs = cfg.kv.block_size
+    decode_tokens = cfg.decode.num_blocks * bs
+    engine = DecodeEngineConfig(
+        model_name=m.name,
+        target=m.target,
+        draft=m.draft,
+        device=_device(cfg.decode),
+        num_blocks=cfg.decode.num_blocks,
+        block_size=bs,
+        max_batch_size=cfg.decode.max_batch_size,
+        max_model_len=m.max_model_len,
+        num_threads=cfg.decode.num_threads,
+    )
+    decode = serve.deployment(DecodeServer).options(**_options(cfg.decode, "decode")).bind(engine)
+    prefill = None
+    max_prompt = min(m.max_model_len - 1, decode_tokens - 1)
+    if cfg.mode == "disaggregated":
+        worker = PrefillWorkerConfig(
+            model_name=m.name,
+            target=m.target,
+            draft=m.draft,
+            device=_device(cfg.prefill),
+            num_blocks=cfg.prefill.num_blocks,
+            block_size=bs,
+            probe_window=cfg.prefill.probe_window,
+            lease_seconds=cfg.prefill.lease_seconds,
+            num_threads=cfg.prefill.num_threads,
+        )
+        prefill = serve.deployment(PrefillServer).options(**_options(cfg.prefill, "prefill")).bind(worker)
+        max_prompt = min(max_prompt, cfg.prefill.num_blocks * bs)
+    settings = ServiceSettings(
+        model_name=m.name,
+        model_folder=m.target.folder,
+        mode=cfg.mode,
+        max_model_len=m.max_model_len,
+        max_prompt_tokens=max_prompt,
+        default_max_tokens=cfg.limits.default_max_tokens,
+        max_stop_sequences=cfg.limits.max_stop_sequences,
+        eos_token_ids=m.target.config().eos_token_ids,
+        draft_kind=cfg.draft.kind,
+        created=int(time.time()),
+    )
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="ingress",
+        num_replicas=1,
+        max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0},
+    )
+    return ingress.bind(settings, prefill, decode)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry point for ``serve run cluster.builder:app_builder config=deploy/local.yaml``."""
+    path = args.get("config")
+    cfg = TandemConfig.from_yaml(path) if path else TandemConfig()
+    return build_app(cfg)

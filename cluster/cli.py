@@ -1,0 +1,100 @@
+"""The ``tandem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from cluster.config import TandemConfig
+
+log = logging.getLogger("tandem")
+
+
+def _load_config(args: argparse.Namespace) -> TandemConfig:
+    cfg = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
+    overrides: dict[str, Any] = {}
+    if args.model:
+        overrides["model.source"] = args.model
+    if args.mode:
+        overrides["mode"] = args.mode
+    if args.host:
+        overrides["http.host"] = args.host
+    if args.port:
+        overrides["http.port"] = args.port
+    if args.draft:
+        overrides["draft.kind"] = args.draft
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
+def serve_cmd(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from cluster.builder import build_app
+    from cluster.local_cluster import shutdown, start_ray, start_serve
+
+    cfg = _load_config(args)
+    if cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding to %s: the API is reachable from other machines", cfg.http.host)
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _: Any) -> None:
+        log.info("signal %d: shutting down", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    t0 = time.time()
+    start_ray(cfg, address=args.address)
+    try:
+        start_serve(cfg)
+        app = build_app(cfg)
+        serve.run(app, name="tandem", route_prefix="/", blocking=False)
+        base = f"http://{cfg.http.host}:{cfg.http.port}"
+        print(f"\ntandem is serving ({cfg.mode}, draft={cfg.draft.kind}) at {base} "
+              f"after {time.time() - t0:.0f} s. Try:\n", flush=True)
+        print(
+            f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            "'{\"model\": \"" + _model_name(cfg) + "\", \"messages\": [{\"role\": \"user\", "
+            "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 64}'\n",
+            flush=True,
+        )
+        print("Ctrl-C stops it.", flush=True)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        shutdown()
+        print("tandem stopped.", flush=True)
+    return 0
+
+
+def _model_name(cfg: TandemConfig) -> str:
+    from cluster.builder import resolve_models
+
+    return resolve_models(cfg).name
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="start a local cluster and serve the OpenAI API")
+    s.add_argument("--config", help="YAML config (see deploy/local.yaml)")
+    s.add_argument("--model", help="model: 'embedded', an HF folder, a .gguf, or a cached HF id")
+    s.add_argument("--mode", choices=["disaggregated", "colocated"])
+    s.add_argument("--draft", choices=["none", "ngram", "draft_model"])
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--address", help="join an existing Ray cluster instead of starting one")
+    s.set_defaults(fn=serve_cmd)
+    args = p.parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

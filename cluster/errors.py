@@ -1,0 +1,81 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class APIError(Exception):
+    """An error a client caused or should know about, rendered as an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # Drop pydantic's union-branch tags (e.g. "str", "list[int]") from the location.
+    parts = [p for p in parts if not (p.startswith(("list[", "function-")) or p in ("str", "int"))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", code="invalid_json")
+    param = _param(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing":
+        return APIError(400, f"'{param}' is a required property", param=param, code="missing_field")
+    return APIError(400, f"invalid value for '{param}': {msg}", param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render every error the app can raise as an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()

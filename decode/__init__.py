@@ -1,0 +1,1 @@
+"""Decode: continuous batching, drafters, speculative verification, the decode deployment."""

@@ -1,0 +1,21 @@
+"""What a decode engine is built from (filled in by ``cluster.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.spec import DraftSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class DecodeEngineConfig:
+    model_name: str
+    target: ModelSpec
+    draft: DraftSpec = DraftSpec()
+    device: str = "cpu"
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_batch_size: int = 64  # sequences per forward step
+    max_model_len: int = 8192  # prompt plus output tokens of one request
+    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    pull_margin_s: float = 1.0  # refuse to start a pull whose lease ends sooner than this

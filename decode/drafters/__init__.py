@@ -1,0 +1,1 @@
+"""Drafters: what proposes the tokens the target verifies."""

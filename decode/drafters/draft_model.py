@@ -1,0 +1,62 @@
+"""An independent small causal LM that shares the target's tokenizer, with its own KV group."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decode.drafters.base import DraftProposal, Drafter
+from models.llama import LlamaModel
+from models.request import Request
+from models.runner import SeqInput, run_step
+from models.sampling import Stream, probs_from_logits, sample_token
+
+
+class DraftModelDrafter(Drafter):
+    """Runs the draft model autoregressively, k forwards per step, each over the whole batch.
+
+    The first forward of a step also catches the draft's KV up on every token it has not seen
+    (the previous step's bonus or recovered token, or the whole prompt when the prompt was
+    computed locally), so the draft never needs a separate prefill on decode.
+    """
+
+    uses_kv = True
+
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool  # [num_blocks, Hkv, num_layers, 2, block_size, head_dim]
+        self.block_size = block_size
+        self._fed = 0
+
+    @property
+    def tokens_fed(self) -> int:
+        return self._fed
+
+    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[DraftProposal]:
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        kmax = max(ks, default=0)
+        for j in range(kmax):
+            live = [i for i, k in enumerate(ks) if k > j]
+            batch = []
+            for i in live:
+                r = reqs[i]
+                if j == 0:
+                    feed = r.all_token_ids[r.num_draft_computed :]
+                else:
+                    feed = [tokens[i][-1]]
+                batch.append(SeqInput(r.block_table, r.num_draft_computed, feed, [len(feed) - 1]))
+                self._fed += len(feed)
+            out = run_step(self.model, self.kv_pool, self.block_size, batch)
+            q = probs_from_logits(out.logits, [reqs[i].sampling for i in live])  # [B_j, V]
+            for row, i in enumerate(live):
+                r = reqs[i]
+                r.num_draft_computed += len(batch[row].token_ids)
+                pos = len(r.output_token_ids) + j
+                tokens[i].append(sample_token(q[row], r.sampling, pos, Stream.DRAFT))
+                probs[i].append(q[row])
+        return [
+            DraftProposal(tuple(t), torch.stack(p) if p else None) if t else DraftProposal((), None)
+            for t, p in zip(tokens, probs, strict=True)
+        ]

@@ -1,0 +1,103 @@
+"""Drives a ``DecodeEngine`` from a dedicated thread, so the replica's event loop stays free.
+
+Commands (add, abort) enter through a thread-safe inbox; outputs leave through a callback run
+on the engine thread (the server bridges it into asyncio queues).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from decode.engine import DecodeEngine
+from decode.outputs import SpecUsage, StepOutput
+from kvtransfer.handoff import KVHandoff
+from models.request import FinishReason, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    req: Request
+    handoff: KVHandoff | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: DecodeEngine, on_output: Callable[[StepOutput], None]) -> None:
+        self.engine = engine
+        self.on_output = on_output
+        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-decode", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: Request, handoff: KVHandoff | None) -> None:
+        self._inbox.put(_Add(req, handoff))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout_s)
+
+    def _drain(self, block: bool) -> None:
+        """Apply every queued command; wait up to 0.5 s for one when ``block`` (idle engine)."""
+        try:
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, _Add):
+                self.engine.add(cmd.req, cmd.handoff)
+            elif isinstance(cmd, _Abort):
+                self.engine.abort(cmd.request_id)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_work)
+                if not self.engine.has_work:
+                    continue
+                if self.engine.only_waiting_on_pulls:
+                    time.sleep(0.0005)  # nothing to compute while reads land
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a bug must not strand clients: fail what was running
+                    log.exception("decode step failed")
+                    outputs = self._fail_running(f"decode step failed: {e}")
+                for out in outputs:
+                    self.on_output(out)
+        except BaseException as e:  # pragma: no cover - surfaced through health checks
+            self.error = e
+            log.exception("decode loop died")
+            raise
+
+    def _fail_running(self, error: str) -> list[StepOutput]:
+        outs = []
+        for rid in list(self.engine.running):
+            self.engine.abort(rid)
+            outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0), error))
+        return outs

@@ -1,0 +1,73 @@
+"""The decode Ray Serve deployment: a ``DecodeEngine`` on its own thread, streaming outputs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from decode.loop import EngineLoop
+from decode.outputs import StepOutput
+from kvtransfer.handoff import KVHandoff
+from models.request import Request
+
+
+class DecodeServer:
+    """One decode replica. ``generate`` streams a request's outputs until it finishes.
+
+    A request arrives with the ``KVHandoff`` from prefill (its prompt's KV is pulled over the
+    transport) or with ``None`` (colocated mode: the engine computes the prompt itself).
+    Cancelling the stream (client gone, stop string hit) aborts the request and frees its KV.
+    """
+
+    def __init__(self, cfg: DecodeEngineConfig) -> None:
+        self.cfg = cfg
+        self.engine = DecodeEngine(cfg)
+        self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.loop = EngineLoop(self.engine, self._deliver)
+        self.loop.start()
+
+    def _deliver(self, out: StepOutput) -> None:
+        """Runs on the engine thread: hand the output to the request's asyncio queue."""
+        if self._aloop is not None:
+            self._aloop.call_soon_threadsafe(self._put, out)
+
+    def _put(self, out: StepOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
+
+    async def generate(self, req: Request, handoff: KVHandoff | None) -> AsyncIterator[StepOutput]:
+        self._aloop = asyncio.get_running_loop()
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._queues[req.request_id] = q
+        self.loop.submit(req, handoff)
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                self.loop.abort(req.request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        out = asdict(self.engine.stats())
+        out["transport"] = self.engine.transport.name
+        out["transfer"] = asdict(self.engine.transport.counters)
+        return out
+
+    async def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError(f"decode engine thread is not running: {self.loop.error!r}")
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop(timeout_s=1.0)

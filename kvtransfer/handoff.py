@@ -1,0 +1,89 @@
+"""``KVHandoff``: what prefill returns and decode needs to pull a prompt's KV cache.
+
+Typed, versioned and small: block ids and a reference to the source's agent, never the KV
+bytes themselves (those move over the transport). Frozen, so it can be pickled through Ray
+Serve handles unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+HANDOFF_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """One registered pool tensor of the source: where block ``b`` of a group lives."""
+
+    group: str
+    base_address: int
+    block_bytes: int
+    num_blocks: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Enough about a source agent to read its pool; ``version`` changes when it restarts."""
+
+    transport: str  # the transport's name, e.g. "nixl"
+    agent_name: str
+    version: int
+    metadata: bytes  # the transport's agent metadata (a few hundred bytes for NIXL)
+    regions: tuple[KVRegion, ...]
+
+
+@dataclass(frozen=True)
+class KVCompat:
+    """Everything both sides must agree on for the bytes of a block to mean the same thing."""
+
+    model: str
+    dtype: str
+    block_size: int
+    kv_layout: str
+    tp_size: int
+    draft: str
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+class KVCompatError(RuntimeError):
+    """The two sides of a transfer disagree on model, dtype or layout."""
+
+
+def check_compat(local: KVCompat, remote: KVCompat) -> None:
+    if local != remote:
+        raise KVCompatError(
+            f"KV layouts differ: this side has ({local.describe()}), "
+            f"the source has ({remote.describe()})"
+        )
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A prompt's KV cache, ready on a prefill replica, under a lease until ``lease_expiry``."""
+
+    request_id: str
+    source: KVSource
+    block_ids: tuple[int, ...]  # shared by every group of the source pool
+    groups: tuple[str, ...]  # KV groups shipped, e.g. ("target", "draft")
+    num_tokens: int  # tokens whose KV the blocks hold (the prompt)
+    first_token: int  # sampled by prefill, not yet in the cache
+    compat: KVCompat
+    lease_expiry: float  # unix time after which the source may reuse the blocks
+    acceptance_probe: float | None = None
+    hidden_state: bytes | None = None  # the last position's feature, for drafters that need it
+    finish_reason: str | None = None  # set when the first token already ends the request
+    version: int = HANDOFF_VERSION
+
+    @property
+    def has_blocks(self) -> bool:
+        return bool(self.block_ids)

@@ -1,0 +1,41 @@
+"""Leases: the blocks a prefill worker keeps alive until decode has pulled them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Lease:
+    request_id: str
+    blocks: tuple[int, ...]
+    expires_at: float
+
+
+class LeaseTable:
+    """Blocks held for pending transfers, keyed by request id. Pure bookkeeping, no clock."""
+
+    def __init__(self) -> None:
+        self._leases: dict[str, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def add(self, lease: Lease) -> None:
+        if lease.request_id in self._leases:
+            raise ValueError(f"request {lease.request_id} already holds a lease")
+        self._leases[lease.request_id] = lease
+
+    def pop(self, request_id: str) -> Lease | None:
+        """Remove and return the lease (None if it already ended, e.g. it expired)."""
+        return self._leases.pop(request_id, None)
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.request_id]
+        return expired
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(lease.blocks) for lease in self._leases.values())

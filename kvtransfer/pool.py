@@ -1,0 +1,98 @@
+"""The KV block pools of one worker: one tensor per KV group (target, draft), same block ids.
+
+Layout of every group's tensor (what ``models.attention`` reads and writes)::
+
+    [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]
+
+Block ``b`` is the contiguous byte range ``[b * block_bytes, (b + 1) * block_bytes)`` of its
+group's tensor, and inside it the heads are outermost, so one rank's heads of a block are also
+one contiguous range. Target and draft share block ids: a sequence has one block table, and the
+draft group simply has smaller blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from models.config import DTYPES
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """Shape of one model's KV cache on one rank."""
+
+    name: str  # "target" or "draft"
+    num_layers: int
+    num_kv_heads: int  # heads held by this rank
+    head_dim: int
+    dtype: str  # a key of models.config.DTYPES
+
+    def block_bytes(self, block_size: int) -> int:
+        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.num_kv_heads * self.num_layers * 2 * block_size * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    num_blocks: int
+    block_size: int
+    groups: tuple[KVGroupSpec, ...]
+
+    def group(self, name: str) -> KVGroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no KV group {name!r}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(g.block_bytes(self.block_size) for g in self.groups) // self.block_size
+
+
+class KVPool:
+    """Allocated KV tensors of one worker, one per group, on one device."""
+
+    def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        self.tensors: Mapping[str, torch.Tensor] = {
+            g.name: torch.zeros(
+                (spec.num_blocks, g.num_kv_heads, g.num_layers, 2, spec.block_size, g.head_dim),
+                dtype=DTYPES[g.dtype],
+                device=self.device,
+            )
+            for g in spec.groups
+        }
+
+    def tensor(self, group: str) -> torch.Tensor:
+        return self.tensors[group]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def mem_type(self) -> str:
+        """NIXL's name for where the pool lives."""
+        return "VRAM" if self.device.type == "cuda" else "DRAM"
+
+    @property
+    def device_id(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return self.device.index or 0
+
+
+KV_LAYOUT = "blocks,kv_heads,layers,kv,block_size,head_dim"
+
+
+def group_spec(
+    name: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tp_size: int = 1
+) -> KVGroupSpec:
+    """The KV group of a model whose KV heads are split over ``tp_size`` ranks."""
+    if num_kv_heads % tp_size:
+        raise ValueError(f"{name}: {num_kv_heads} KV heads cannot be split over TP={tp_size}")
+    return KVGroupSpec(name, num_layers, num_kv_heads // tp_size, head_dim, dtype)

@@ -1,0 +1,99 @@
+"""The KV transport interface: how a prompt's blocks move from a prefill pool to a decode pool.
+
+Source side (prefill): the transport registers the worker's pool once at start-up;
+:meth:`KVTransport.source` describes it for handoffs; :meth:`KVTransport.completed` returns the
+request ids whose blocks a destination has finished reading, so the source can end their
+leases. Destination side (decode): :meth:`KVTransport.start_pull` issues one batched read of a
+handoff's blocks into local blocks and returns at once; :meth:`KVTransport.poll` reports
+progress without blocking, so pulls overlap with decoding other requests;
+:meth:`KVTransport.finish` releases what a done or failed pull held.
+
+Thread contract: a transport object is used from one thread (the worker's engine thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvtransfer.handoff import KVHandoff, KVSource
+
+
+class PullState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class KVTransferError(RuntimeError):
+    """A pull could not be started or did not complete."""
+
+
+@dataclass(frozen=True)
+class PullHandle:
+    request_id: str
+    nbytes: int
+    started_at: float
+    token: Any  # the transport's own handle
+
+
+@dataclass
+class TransferCounters:
+    """What a transport has moved (destination side) and handed out (source side)."""
+
+    pulls_started: int = 0
+    pulls_done: int = 0
+    pulls_failed: int = 0
+    bytes_pulled: int = 0
+    seconds_pulling: float = 0.0
+    exports_completed: int = 0
+    failures_by_cause: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, cause: str) -> None:
+        self.pulls_failed += 1
+        self.failures_by_cause[cause] = self.failures_by_cause.get(cause, 0) + 1
+
+
+class KVTransport(ABC):
+    """Moves KV blocks between the pools of two workers (see the module docstring)."""
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.counters = TransferCounters()
+
+    @abstractmethod
+    def source(self) -> KVSource:
+        """Describe this worker's registered pool for the handoffs it hands out."""
+
+    @abstractmethod
+    def completed(self) -> list[str]:
+        """Request ids whose blocks a destination finished reading since the last call."""
+
+    @abstractmethod
+    def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
+        """Begin reading every group of ``handoff``'s blocks into ``local_blocks`` (same order)."""
+
+    @abstractmethod
+    def poll(self, pull: PullHandle) -> PullState:
+        """Non-blocking progress check."""
+
+    @abstractmethod
+    def finish(self, pull: PullHandle) -> None:
+        """Release the transport resources of a pull that is done or failed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the transport's own resources (agents, registrations)."""
+
+    def wait(self, pull: PullHandle, timeout_s: float = 30.0) -> PullState:
+        """Poll until the pull leaves PENDING or ``timeout_s`` passes (for tools and tests)."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.poll(pull)) is PullState.PENDING:
+            if time.monotonic() > deadline:
+                return PullState.FAILED
+            time.sleep(0.0002)
+        return state

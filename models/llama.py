@@ -1,0 +1,166 @@
+"""The Llama-family decoder over a paged KV cache, tensor-parallel by heads and MLP columns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from models.attention import AttentionMetadata, paged_attention
+from models.config import LlamaConfig
+from models.layers import RMSNorm, RotaryEmbedding
+from models.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h = cfg.hidden_size
+        self.qkv_proj = ColumnParallelLinear(h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer_kv: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x: [T, hidden]; layer_kv: [num_blocks, Hkv_local, 2, block_size, D]
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_end = self.num_heads * self.head_dim
+        k_end = q_end + self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
+        q = rope(meta.positions, q)
+        k = rope(meta.positions, k)
+        out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.local_inter = tp.shard(inter, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]
+        gate, up = gate_up.split(self.local_inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(cfg, tp, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(cfg, tp, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer_kv: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, layer_kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """A causal LM whose forward reads and writes a paged KV pool given as an argument.
+
+    ``forward`` returns final hidden states (after the last norm) for every new token;
+    ``logits`` projects the rows the caller asks for, so a step only pays the vocabulary
+    projection where it samples.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        tp: TPContext | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        tp = tp or TPContext()
+        dev = torch.device(device)
+        self.cfg = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.device = dev
+        self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids: [T]; kv_pool: [num_blocks, Hkv_local, num_layers, 2, block_size, D].
+
+        Returns hidden states [T, hidden].
+        """
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.rope, kv_pool[:, :, i], meta)
+        return self.norm(x)  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head.logits(hidden).float()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named full (unsharded) weights; each layer keeps its own rank's shard."""
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(self.dtype)
+
+        self.embed_tokens.load(w("model.embed_tokens.weight"))
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.load(w("lm_head.weight"))
+        self.norm.weight.data.copy_(w("model.norm.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            assert isinstance(layer, LlamaDecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.load([w(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+            attn.o_proj.load(w(p + "self_attn.o_proj.weight"))
+            mlp.gate_up_proj.load([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+            mlp.down_proj.load(w(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.weight.data.copy_(w(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.data.copy_(w(p + "post_attention_layernorm.weight"))

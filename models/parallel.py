@@ -1,0 +1,138 @@
+"""Tensor-parallel linear layers that load their own shard and do their own collective.
+
+Rank and world size come in through a :class:`TPContext`; nothing reads a global. With
+``world_size == 1`` every layer is a plain dense layer and no collective is issued, so the
+same model code runs in a unit test on the CPU and in a TP group on GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where this process sits in its tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup when world_size > 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dimension, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, size: int, what: str) -> int:
+        if size % self.world_size:
+            raise ValueError(f"{what}={size} is not divisible by tensor-parallel size {self.world_size}")
+        return size // self.world_size
+
+    def narrow(self, w: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        n = self.shard(w.shape[dim], what)
+        return w.narrow(dim, self.rank * n, n)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with the output features split across ranks.
+
+    Several logical outputs (e.g. q, k, v) can be merged: each is split across ranks separately
+    and the local slices are concatenated, so one matmul computes this rank's part of all.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: Sequence[int],
+        tp: TPContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.out_features = tuple(out_features)
+        local = sum(tp.shard(o, "output features") for o in self.out_features)
+        self.weight = nn.Parameter(
+            torch.empty(local, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def load(self, full_weights: Sequence[torch.Tensor]) -> None:
+        """Copy this rank's rows of each full ``[out_i, in]`` weight into the merged shard."""
+        parts = [self.tp.narrow(w, 0, "output features") for w in full_weights]
+        self.weight.data.copy_(torch.cat(parts, dim=0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, sum(out_i) / world_size]
+        return nn.functional.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with the input features split across ranks, followed by an all-reduce."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TPContext,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        local_in = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(
+            torch.empty(out_features, local_in, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def load(self, full_weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.tp.narrow(full_weight, 1, "input features"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in / world_size] -> [T, out], summed over ranks
+        return self.tp.all_reduce(nn.functional.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks; also serves as a tied LM head."""
+
+    def __init__(
+        self, vocab_size: int, hidden: int, tp: TPContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_local = tp.shard(vocab_size, "vocab_size")
+        self.vocab_start = tp.rank * self.vocab_local
+        self.weight = nn.Parameter(
+            torch.empty(self.vocab_local, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def load(self, full_weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.tp.narrow(full_weight, 0, "vocab_size"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, hidden]
+        if self.tp.world_size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_local)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden] -> [N, vocab] (full vocabulary on every rank)
+        return self.tp.all_gather_last(nn.functional.linear(hidden, self.weight))

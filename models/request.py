@@ -1,0 +1,84 @@
+"""The one ``Request`` object that flows from ingress through prefill to decode.
+
+It carries what the client asked for (prompt token ids, sampling parameters) and, once an
+engine owns it, that engine's view of its progress. Engines schedule by counters — how many
+tokens each model has computed into the KV cache versus how many tokens are known — never by
+phase flags: a request whose KV came from a prefill replica simply starts with its counters at
+the prompt length.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from models.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, no KV yet: the prompt will be computed locally
+    WAITING_FOR_KV = "waiting_for_kv"  # the prompt's KV is being pulled from a prefill replica
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine could not continue (the error text says why)
+
+
+@dataclass
+class AcceptanceStats:
+    """Speculation outcomes of one request."""
+
+    num_steps: int = 0  # verification steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        if self.num_draft_tokens == 0:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification step, the bonus or recovered token included."""
+        if self.num_steps == 0:
+            return None
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps
+
+
+@dataclass
+class Request:
+    """A generation request and an engine's progress on it (each process holds its own copy)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0  # tokens whose target KV is in this engine's cache
+    num_draft_computed: int = 0  # tokens whose draft KV is in this engine's cache
+    block_table: list[int] = field(default_factory=list)
+    acceptance_estimate: float | None = None  # prefill's probe, refined online by decode
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: prompt plus outputs (the last output is not yet in the KV cache)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,54 @@
+"""One forward step of a model over a ragged batch of sequences in a paged KV pool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.attention import SeqSlice, build_attention_metadata
+from models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """New tokens of one sequence, appended after ``num_cached`` tokens already in the pool."""
+
+    block_table: Sequence[int]
+    num_cached: int
+    token_ids: Sequence[int]
+    logit_positions: Sequence[int]  # indices into token_ids whose next-token logits are wanted
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: torch.Tensor  # [N, hidden] final hidden states at the requested positions
+    logits: torch.Tensor  # [N, vocab] float32, rows in batch order then position order
+    rows_per_seq: tuple[int, ...]
+
+
+def run_step(
+    model: LlamaModel, kv_pool: torch.Tensor, block_size: int, batch: Sequence[SeqInput]
+) -> StepResult:
+    """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
+
+    kv_pool: [num_blocks, Hkv_local, num_layers, 2, block_size, head_dim].
+    """
+    dev = model.device
+    meta = build_attention_metadata(
+        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch], block_size, dev
+    )
+    ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
+    hidden = model(ids, kv_pool, meta)  # [T, hidden]
+    rows: list[int] = []
+    start = 0
+    for s in batch:
+        rows.extend(start + p for p in s.logit_positions)
+        start += len(s.token_ids)
+    picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [N, hidden]
+    return StepResult(
+        hidden=picked,
+        logits=model.logits(picked),
+        rows_per_seq=tuple(len(s.logit_positions) for s in batch),
+    )

@@ -1,0 +1,68 @@
+"""What a worker loads: the target model and, optionally, what drafts for it."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.config import DTYPES, LlamaConfig
+from models.llama import LlamaModel
+from models.parallel import TPContext
+from models.weights import load_state_dict
+
+
+class DraftKind(enum.Enum):
+    NONE = "none"
+    NGRAM = "ngram"  # prompt lookup over prompt and output; one-hot proposals
+    DRAFT_MODEL = "draft_model"  # an independent causal LM sharing the target's tokenizer
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    folder: str  # a local HF folder (resolved by models.weights.resolve_checkpoint)
+    dtype: str = "float32"
+
+    def fingerprint(self) -> str:
+        """Identifies the weights: config.json and the weight files' names and sizes."""
+        folder = Path(self.folder)
+        h = hashlib.sha256((folder / "config.json").read_bytes())
+        for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+            h.update(f"{f.name}:{f.stat().st_size}".encode())
+        return h.hexdigest()[:16]
+
+    def config(self) -> LlamaConfig:
+        return LlamaConfig.from_folder(Path(self.folder))
+
+    def load(self, device: torch.device | str = "cpu", tp: TPContext | None = None) -> LlamaModel:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
+        model.load_weights(load_state_dict(Path(self.folder)))
+        return model.eval()
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The drafter decode runs, and what prefill must compute for it."""
+
+    kind: DraftKind = DraftKind.NONE
+    model: ModelSpec | None = None  # for DRAFT_MODEL
+    num_speculative_tokens: int = 4  # k: draft tokens verified per step
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.kind is DraftKind.DRAFT_MODEL) != (self.model is not None):
+            raise ValueError("a draft model spec is required exactly when kind is draft_model")
+
+    def identity(self) -> str:
+        """What both pools must agree on about the draft (part of the KV compatibility hash)."""
+        ident: dict[str, object] = {"kind": self.kind.value}
+        if self.model is not None:
+            ident.update(fingerprint=self.model.fingerprint(), dtype=self.model.dtype)
+        return json.dumps(ident, sort_keys=True)

@@ -1,0 +1,1 @@
+"""The prefill worker and its Ray Serve deployment: prompts in, ``KVHandoff`` out."""

@@ -1,0 +1,20 @@
+"""What a prefill worker is built from (filled in by ``cluster.config``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.spec import DraftSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    model_name: str  # the id clients use
+    target: ModelSpec
+    draft: DraftSpec = DraftSpec()
+    device: str = "cpu"
+    num_blocks: int = 512
+    block_size: int = 16
+    probe_window: int = 16  # prompt positions the acceptance probe averages over
+    lease_seconds: float = 30.0
+    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
