@@ -62,7 +62,12 @@ class _Shape:
                 "logprobs": None,
             }
         else:
-            choice = {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": final.finish_reason,
+                "logprobs": None,
+            }
         return self._base("chat.completion" if self.chat else "text_completion") | {
             "choices": [choice],
             "usage": _usage(final),
@@ -73,7 +78,12 @@ class _Shape:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         return self._base("chat.completion.chunk" if self.chat else "text_completion") | {

@@ -109,7 +109,7 @@ def build_app(cfg: TandemConfig) -> Application:
         max_model_len=m.max_model_len,
         num_threads=cfg.decode.num_threads,
     )
-    decode = serve.deployment(DecodeServer).options(**_options(cfg.decode, "decode")).bind(engine)
+    decode = serve.deployment(**_options(cfg.decode, "decode"))(DecodeServer).bind(engine)
     prefill = None
     max_prompt = min(m.max_model_len - 1, decode_tokens - 1)
     if cfg.mode == "disaggregated":
@@ -124,7 +124,7 @@ def build_app(cfg: TandemConfig) -> Application:
             lease_seconds=cfg.prefill.lease_seconds,
             num_threads=cfg.prefill.num_threads,
         )
-        prefill = serve.deployment(PrefillServer).options(**_options(cfg.prefill, "prefill")).bind(worker)
+        prefill = serve.deployment(**_options(cfg.prefill, "prefill"))(PrefillServer).bind(worker)
         max_prompt = min(max_prompt, cfg.prefill.num_blocks * bs)
     settings = ServiceSettings(
         model_name=m.name,
@@ -138,13 +138,14 @@ def build_app(cfg: TandemConfig) -> Application:
         draft_kind=cfg.draft.kind,
         created=int(time.time()),
     )
-    ingress = serve.deployment(OpenAIIngress).options(
+    ingress = serve.deployment(
         name="ingress",
         num_replicas=1,
         max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0},
-    )
-    return ingress.bind(settings, prefill, decode)
+    )(OpenAIIngress)
+    app: Application = ingress.bind(settings, prefill, decode)
+    return app
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -55,12 +55,15 @@ def serve_cmd(args: argparse.Namespace) -> int:
         app = build_app(cfg)
         serve.run(app, name="tandem", route_prefix="/", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
-        print(f"\ntandem is serving ({cfg.mode}, draft={cfg.draft.kind}) at {base} "
-              f"after {time.time() - t0:.0f} s. Try:\n", flush=True)
+        print(
+            f"\ntandem is serving ({cfg.mode}, draft={cfg.draft.kind}) at {base} "
+            f"after {time.time() - t0:.0f} s. Try:\n",
+            flush=True,
+        )
         print(
             f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d "
-            "'{\"model\": \"" + _model_name(cfg) + "\", \"messages\": [{\"role\": \"user\", "
-            "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 64}'\n",
+            '\'{"model": "' + _model_name(cfg) + '", "messages": [{"role": "user", '
+            '"content": "What is the capital of France?"}], "max_tokens": 64}\'\n',
             flush=True,
         )
         print("Ctrl-C stops it.", flush=True)

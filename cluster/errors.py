@@ -1,4 +1,4 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+"""OpenAI-style error bodies (`{"error": {message, type, param, code}}`) and their statuses."""
 
 from __future__ import annotations
 
@@ -54,9 +54,11 @@ def _param(loc: Sequence[Any]) -> str | None:
 
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", code="invalid_json")
+        ctx: dict[str, Any] = first.get("ctx") or {}
+        detail = ctx.get("error", first.get("msg"))
+        return APIError(400, f"request body is not valid JSON: {detail}", code="invalid_json")
     param = _param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing":

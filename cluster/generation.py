@@ -10,7 +10,7 @@ decode stream, which aborts the request on its replica and frees its KV blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ class Generation:
         self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
         self.decode = decode  # DeploymentHandle of DecodeServer
 
-    async def _tokens(self, req: Request) -> AsyncIterator[_Tokens]:
+    async def _tokens(self, req: Request) -> AsyncGenerator[_Tokens, None]:
         handoff = None
         if self.prefill is not None:
             try:
@@ -83,7 +83,7 @@ class Generation:
             if not finished:
                 stream.cancel()
 
-    async def run(self, req: Request, stops: Sequence[str]) -> AsyncIterator[str | Final]:
+    async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[str | Final, None]:
         """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`."""
         detok = IncrementalDetokenizer(self.tokenizer)
         hold = max((len(s) for s in stops), default=1) - 1
@@ -105,7 +105,9 @@ class Generation:
                 if cut is not None:
                     if cut:
                         yield pending[:cut]
-                    yield Final(FinishReason.STOP.value, len(req.prompt_token_ids), num_tokens, spec)
+                    yield Final(
+                        FinishReason.STOP.value, len(req.prompt_token_ids), num_tokens, spec
+                    )
                     return
                 safe = len(pending) if done else max(0, len(pending) - hold)
                 if safe:

@@ -56,7 +56,9 @@ class OpenAIService:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(
-                400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", param="prompt"
+                400,
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                param="prompt",
             )
         return ids
 
@@ -116,6 +118,8 @@ class OpenAIService:
             stop_token_ids=s.eos_token_ids,
         )
         return Request(
-            request_id=uuid.uuid4().hex, prompt_token_ids=prompt_ids, sampling=sampling,
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
             arrival_time=time.time(),
         )

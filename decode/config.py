@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from models.spec import DraftSpec, ModelSpec
 
@@ -11,7 +11,7 @@ from models.spec import DraftSpec, ModelSpec
 class DecodeEngineConfig:
     model_name: str
     target: ModelSpec
-    draft: DraftSpec = DraftSpec()
+    draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
     num_blocks: int = 1024
     block_size: int = 16

@@ -55,12 +55,16 @@ class DecodeEngine:
         self.cfg = cfg
         self.target = cfg.target.load(cfg.device)
         tc = self.target.cfg
-        groups = [group_spec("target", tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype)]
+        groups = [
+            group_spec("target", tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype)
+        ]
         draft_model = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
         if draft_model is not None and cfg.draft.model is not None:
             dc = draft_model.cfg
             groups.append(
-                group_spec("draft", dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype)
+                group_spec(
+                    "draft", dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype
+                )
             )
         self.pool = KVPool(KVPoolSpec(cfg.num_blocks, cfg.block_size, tuple(groups)), cfg.device)
         self.drafter: Drafter | None = None
@@ -149,7 +153,12 @@ class DecodeEngine:
             ks = [k for k, ok in zip(ks, ready, strict=True) if ok]
             if reqs:
                 emissions = decode_step(
-                    self.target, self.pool.tensor("target"), self.cfg.block_size, self.drafter, reqs, ks
+                    self.target,
+                    self.pool.tensor("target"),
+                    self.cfg.block_size,
+                    self.drafter,
+                    reqs,
+                    ks,
                 )
                 self._steps += 1
                 for r, em in zip(reqs, emissions, strict=True):
@@ -226,7 +235,9 @@ class DecodeEngine:
     def _start_pull(self, req: Request, handoff: KVHandoff) -> None:
         if handoff.lease_expiry - time.time() < self.cfg.pull_margin_s:
             self.transport.counters.fail("lease_expired")
-            self._finish(req, FinishReason.ERROR, "the prefill lease expired before decode could pull")
+            self._finish(
+                req, FinishReason.ERROR, "the prefill lease expired before decode could pull"
+            )
             return
         local = req.block_table[: len(handoff.block_ids)]
         try:

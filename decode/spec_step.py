@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.drafters.base import DraftProposal, Drafter
+from decode.drafters.base import Drafter, DraftProposal
 from decode.rejection import rejection_sample
 from models.llama import LlamaModel
 from models.request import Request
@@ -47,7 +47,9 @@ def decode_step(
     proposals: list[DraftProposal] = [DraftProposal((), None)] * len(reqs)
     spec = [i for i, k in enumerate(ks) if k > 0]
     if drafter is not None and spec:
-        for i, prop in zip(spec, drafter.propose([reqs[i] for i in spec], [ks[i] for i in spec]), strict=True):
+        for i, prop in zip(
+            spec, drafter.propose([reqs[i] for i in spec], [ks[i] for i in spec]), strict=True
+        ):
             proposals[i] = prop
 
     batch = [
@@ -69,17 +71,22 @@ def decode_step(
     with_probs = [prop.probs for prop in proposals if prop.probs is not None]
     draft_probs = torch.cat(with_probs).to(p.device) if with_probs else None  # [sum k_i, V]
     uniforms = torch.cat(
-        [accept_uniforms(r.sampling, len(r.output_token_ids), k) for r, k in zip(reqs, num_drafts, strict=True)]
+        [
+            accept_uniforms(r.sampling, len(r.output_token_ids), k)
+            for r, k in zip(reqs, num_drafts, strict=True)
+        ]
     )
     ver = rejection_sample(p, draft_tokens, num_drafts, draft_probs, uniforms)
 
     emissions = []
     for i, (r, prop) in enumerate(zip(reqs, proposals, strict=True)):
         n = int(ver.num_accepted[i])
-        final = sample_token(ver.final_dist[i], r.sampling, len(r.output_token_ids) + n, Stream.SAMPLE)
+        final = sample_token(
+            ver.final_dist[i], r.sampling, len(r.output_token_ids) + n, Stream.SAMPLE
+        )
         r.num_computed += len(pending[i]) + n
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
         emissions.append(
-            Emission(prop.tokens[:n] + (final,), len(prop.tokens), n, len(batch[i].token_ids))
+            Emission((*prop.tokens[:n], final), len(prop.tokens), n, len(batch[i].token_ids))
         )
     return emissions

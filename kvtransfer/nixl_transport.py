@@ -2,11 +2,13 @@
 
 Each worker registers every group tensor of its pool with its NIXL agent once, and prepares a
 descriptor list with one entry per block per group, so a handoff is described by block indices
-alone. Decode issues one READ per handoff (``make_prepped_xfer``) carrying the request id as a
-NIXL notification; when the read completes the source receives that notification and ends the
-lease. Agent metadata travels inside the handoff (a few hundred bytes) through Ray, so no extra
-port is opened; a peer whose ``(agent name, version)`` changed is re-added before any read, so a
-restarted prefill replica is never read through stale descriptors.
+alone. Decode issues one READ per handoff (``make_prepped_xfer``) carrying the request id as a NIXL
+notification; when the read completes the source receives that notification and ends the lease. The
+source must call :meth:`completed` often: without NIXL's own progress thread (which busy-polls a
+core, ruinous on small CPU hosts, so it is off unless asked for) that call is what lets UCX serve
+the peer's reads. Agent metadata travels inside the handoff (a few hundred bytes) through Ray, so
+no extra port is opened; a peer whose ``(agent name, version)`` changed is re-added before any
+read, so a restarted prefill replica is never read through stale descriptors.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ class _Peer:
 class NixlTransport(KVTransport):
     name = "nixl"
 
-    def __init__(self, pool: KVPool, role: str = "worker") -> None:
+    def __init__(self, pool: KVPool, role: str = "worker", progress_thread: bool = False) -> None:
         super().__init__()
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.agent_name = f"tandem-{role}-{uuid.uuid4().hex[:12]}"
         self.version = time.time_ns()
         self.mem_type = pool.mem_type
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl_agent(
+            self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+        )
         tensors = list(pool.tensors.items())
         self._registrations = [self.agent.register_memory(t) for _, t in tensors]
         self.regions = tuple(

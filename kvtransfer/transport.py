@@ -2,11 +2,12 @@
 
 Source side (prefill): the transport registers the worker's pool once at start-up;
 :meth:`KVTransport.source` describes it for handoffs; :meth:`KVTransport.completed` returns the
-request ids whose blocks a destination has finished reading, so the source can end their
-leases. Destination side (decode): :meth:`KVTransport.start_pull` issues one batched read of a
-handoff's blocks into local blocks and returns at once; :meth:`KVTransport.poll` reports
-progress without blocking, so pulls overlap with decoding other requests;
-:meth:`KVTransport.finish` releases what a done or failed pull held.
+request ids whose blocks a destination has finished reading, so the source can end their leases;
+the source calls it often (every millisecond or so while leases are open), because some transports
+only serve reads while their source makes progress. Destination side (decode):
+:meth:`KVTransport.start_pull` issues one batched read of a handoff's blocks into local blocks and
+returns at once; :meth:`KVTransport.poll` reports progress without blocking, so pulls overlap with
+decoding other requests; :meth:`KVTransport.finish` releases what a done or failed pull held.
 
 Thread contract: a transport object is used from one thread (the worker's engine thread).
 """

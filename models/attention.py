@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 
 
 def kv_pool_shape(
@@ -33,7 +33,7 @@ def kv_pool_shape(
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence's part of a forward step: ``num_new`` tokens after ``num_cached`` cached ones."""
+    """One sequence in a forward step: `num_new` tokens after `num_cached` cached ones."""
 
     block_table: Sequence[int]
     num_cached: int
@@ -123,7 +123,7 @@ def paged_attention(
     q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [num_blocks, Hkv, 2, block_size, D] (a view of
     one layer of the pool). Returns [T, Hq * D].
     """
-    t, hq, d = q.shape
+    _t, hq, d = q.shape
     hkv = k.shape[1]
     k_cache = layer_kv[:, :, 0].transpose(1, 2)  # [NB, BS, Hkv, D] view into the pool
     v_cache = layer_kv[:, :, 1].transpose(1, 2)

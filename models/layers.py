@@ -12,7 +12,9 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]

@@ -28,7 +28,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
-        self.qkv_proj = ColumnParallelLinear(h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device)
+        self.qkv_proj = ColumnParallelLinear(
+            h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device
+        )
         self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device)
 
     def forward(
@@ -49,7 +51,8 @@ class LlamaAttention(nn.Module):
         q = rope(meta.positions, q)
         k = rope(meta.positions, k)
         out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
-        return self.o_proj(out)
+        y: torch.Tensor = self.o_proj(out)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -65,7 +68,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]
         gate, up = gate_up.split(self.local_inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        y: torch.Tensor = self.down_proj(nn.functional.silu(gate) * up)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -86,7 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layer_kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
 
 
 class LlamaModel(nn.Module):
@@ -135,7 +140,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, self.rope, kv_pool[:, :, i], meta)
-        return self.norm(x)  # type: ignore[no-any-return]
+        y: torch.Tensor = self.norm(x)
+        return y
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,4 +169,6 @@ class LlamaModel(nn.Module):
             mlp.gate_up_proj.load([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
             mlp.down_proj.load(w(p + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.data.copy_(w(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.data.copy_(w(p + "post_attention_layernorm.weight"))
+            layer.post_attention_layernorm.weight.data.copy_(
+                w(p + "post_attention_layernorm.weight")
+            )

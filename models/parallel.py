@@ -39,7 +39,9 @@ class TPContext:
 
     def shard(self, size: int, what: str) -> int:
         if size % self.world_size:
-            raise ValueError(f"{what}={size} is not divisible by tensor-parallel size {self.world_size}")
+            raise ValueError(
+                f"{what}={size} is not divisible by tensor-parallel size {self.world_size}"
+            )
         return size // self.world_size
 
     def narrow(self, w: torch.Tensor, dim: int, what: str) -> torch.Tensor:

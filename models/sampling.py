@@ -70,7 +70,7 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     Greedy rows become one-hot at the argmax; other rows are softmax(logits / T), truncated to
     the top-k tokens and then to the smallest set whose mass reaches top-p, and renormalized.
     """
-    n, v = logits.shape
+    _n, v = logits.shape
     dev = logits.device
     greedy = torch.tensor([p.greedy for p in params], device=dev)  # [N]
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
@@ -103,15 +103,21 @@ def sample_token(probs: torch.Tensor, params: SamplingParams, position: int, str
 
 
 def accept_uniforms(params: SamplingParams, first_position: int, count: int) -> torch.Tensor:
-    """[count] uniforms for the accept tests of output positions first_position, first_position+1, ...
+    """[count] uniforms for the accept tests at output positions first_position, +1, ...
 
     Greedy requests need no randomness (acceptance is then deterministic), so they get zeros.
     """
     if params.greedy:
         return torch.zeros(count)
-    return torch.cat(
-        [
-            torch.rand(1, generator=generator_for(params.seed, first_position + j, Stream.ACCEPT))
-            for j in range(count)
-        ]
-    ) if count else torch.zeros(0)
+    return (
+        torch.cat(
+            [
+                torch.rand(
+                    1, generator=generator_for(params.seed, first_position + j, Stream.ACCEPT)
+                )
+                for j in range(count)
+            ]
+        )
+        if count
+        else torch.zeros(0)
+    )

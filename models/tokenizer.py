@@ -37,7 +37,9 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        out = self._tok.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]
 

@@ -76,8 +76,10 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
         from transformers import AutoTokenizer, LlamaForCausalLM
 
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        model.hf_quantizer = None  # the dequantized weights are plain tensors now
+        model = LlamaForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        setattr(model, "hf_quantizer", None)  # noqa: B010 - the weights are plain tensors now
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))

@@ -6,13 +6,17 @@ parameters, estimates the draft's acceptance rate from both models' distribution
 prompt (the probe), and returns a :class:`KVHandoff`. The blocks stay leased until decode has
 read them (the transport's completion notice) or the lease expires.
 
-Not thread-safe: the Serve deployment runs every call on one worker thread.
+Not thread-safe: the Serve deployment runs every call on one worker thread. After start-up
+only the worker's own progress thread touches the transport: it drives the transport's
+progress (so decode's reads are served) and collects completion notices for ``reap``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -33,6 +37,8 @@ from models.spec import DraftKind
 from prefill.config import PrefillWorkerConfig
 
 log = logging.getLogger(__name__)
+ACTIVE_POLL_S = 0.0002  # progress period while some lease may be read
+IDLE_POLL_S = 0.005
 
 
 class PrefillCapacityError(RuntimeError):
@@ -57,11 +63,15 @@ class PrefillWorker:
         self.target = cfg.target.load(cfg.device)
         self.draft_model = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
         tc = self.target.cfg
-        groups = [group_spec("target", tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype)]
+        groups = [
+            group_spec("target", tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype)
+        ]
         if self.draft_model is not None and cfg.draft.model is not None:
             dc = self.draft_model.cfg
             groups.append(
-                group_spec("draft", dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype)
+                group_spec(
+                    "draft", dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype
+                )
             )
         self.pool = KVPool(KVPoolSpec(cfg.num_blocks, cfg.block_size, tuple(groups)), cfg.device)
         self.allocator = BlockAllocator(cfg.num_blocks)
@@ -77,6 +87,18 @@ class PrefillWorker:
         )
         self._prefills = 0
         self._prompt_tokens = 0
+        self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._progress = threading.Thread(
+            target=self._progress_loop, name="tandem-kv-progress", daemon=True
+        )
+        self._progress.start()
+
+    def _progress_loop(self) -> None:
+        while not self._stop.is_set():
+            for rid in self.transport.completed():
+                self._completed.put(rid)
+            time.sleep(ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -85,8 +107,8 @@ class PrefillWorker:
     def reap(self, now: float | None = None) -> int:
         """End leases whose pull completed or that expired; return the blocks freed."""
         freed = 0
-        for rid in self.transport.completed():
-            lease = self.leases.pop(rid)
+        while not self._completed.empty():
+            lease = self.leases.pop(self._completed.get_nowait())
             if lease is not None:
                 self.allocator.free(lease.blocks)
                 freed += len(lease.blocks)
@@ -103,7 +125,8 @@ class PrefillWorker:
         need = math.ceil(n / self.cfg.block_size)
         if need > self.cfg.num_blocks:
             raise PrefillCapacityError(
-                f"prompt of {n} tokens exceeds the prefill KV pool ({self.max_prompt_tokens} tokens)"
+                f"prompt of {n} tokens exceeds the prefill KV pool "
+                f"({self.max_prompt_tokens} tokens)"
             )
         try:
             blocks = self.allocator.allocate(need)
@@ -181,4 +204,6 @@ class PrefillWorker:
         )
 
     def close(self) -> None:
+        self._stop.set()
+        self._progress.join(timeout=1.0)
         self.transport.close()

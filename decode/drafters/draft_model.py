@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.drafters.base import DraftProposal, Drafter
+from decode.drafters.base import Drafter, DraftProposal
 from models.llama import LlamaModel
 from models.request import Request
 from models.runner import SeqInput, run_step
@@ -42,10 +42,7 @@ class DraftModelDrafter(Drafter):
             batch = []
             for i in live:
                 r = reqs[i]
-                if j == 0:
-                    feed = r.all_token_ids[r.num_draft_computed :]
-                else:
-                    feed = [tokens[i][-1]]
+                feed = r.all_token_ids[r.num_draft_computed :] if j == 0 else [tokens[i][-1]]
                 batch.append(SeqInput(r.block_table, r.num_draft_computed, feed, [len(feed) - 1]))
                 self._fed += len(feed)
             out = run_step(self.model, self.kv_pool, self.block_size, batch)

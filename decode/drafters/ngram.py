@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decode.drafters.base import DraftProposal, Drafter
+from decode.drafters.base import Drafter, DraftProposal
 from models.ngram import ngram_lookup
 from models.request import Request
 

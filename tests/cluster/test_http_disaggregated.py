@@ -1,0 +1,225 @@
+"""The disaggregated app on a real local Ray cluster, driven by the official openai client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from cluster.config import TandemConfig
+from models.config import LlamaConfig
+from models.embedded import EMBEDDED_NAME
+from models.tokenizer import Tokenizer
+from tests.cluster.conftest import running_app
+
+MODEL = EMBEDDED_NAME
+CFG = TandemConfig.model_validate(
+    {
+        "mode": "disaggregated",
+        "draft": {"kind": "ngram", "num_speculative_tokens": 4},
+        "prefill": {"num_blocks": 256, "num_threads": 2},
+        "decode": {"num_blocks": 512, "num_threads": 2},
+        "limits": {"max_model_len": 2048},
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def base(embedded_folder: Path) -> Iterator[str]:
+    with running_app(CFG) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _health(base: str) -> dict[str, Any]:
+    r = httpx.get(f"{base}/health", timeout=30)
+    assert r.status_code == 200
+    body: dict[str, Any] = r.json()
+    return body
+
+
+def test_models_and_health(client: openai.OpenAI, base: str) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = _health(base)
+    assert h["status"] == "ok" and h["mode"] == "disaggregated" and h["kv_transport"] == "nixl"
+
+
+def test_chat_completion(client: openai.OpenAI, embedded_folder: Path) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and "Paris" in (choice.message.content or "")
+    assert choice.finish_reason in ("stop", "length")
+    prompt_len = len(Tokenizer(embedded_folder).apply_chat_template(msgs))
+    assert r.usage is not None and r.usage.prompt_tokens == prompt_len
+    assert 0 < r.usage.completion_tokens <= 20
+    assert r.usage.total_tokens == prompt_len + r.usage.completion_tokens
+
+
+def test_greedy_completion_matches_transformers(
+    client: openai.OpenAI, embedded_folder: Path
+) -> None:
+    tok = Tokenizer(embedded_folder)
+    hf = LlamaForCausalLM.from_pretrained(embedded_folder, dtype=torch.float32).eval()
+    for text in ("The three primary colors are", "def fibonacci(n):\n    "):
+        ids = tok.encode(text)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids) :]
+        ref_ids = ref.tolist()
+        if 2 in ref_ids:
+            ref_ids = ref_ids[: ref_ids.index(2) + 1]
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+        assert r.choices[0].text == tok.decode(ref_ids)
+        assert r.usage is not None and r.usage.completion_tokens == len(ref_ids)
+
+
+def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 30, "temperature": 0}
+    whole = client.completions.create(prompt="Once upon a time", **kw)
+    parts, finishes, usage = [], [], None
+    for chunk in client.completions.create(
+        prompt="Once upon a time", stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        if chunk.choices:
+            parts.append(chunk.choices[0].text)
+            finishes.append(chunk.choices[0].finish_reason)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == whole.choices[0].text
+    assert finishes[-1] == whole.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    assert usage is not None and whole.usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+    msgs: Any = [{"role": "user", "content": "Name three fruits."}]
+    chat_whole = client.chat.completions.create(messages=msgs, **kw)
+    deltas = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(messages=msgs, stream=True, **kw)
+        if c.choices
+    ]
+    assert "".join(deltas) == chat_whole.choices[0].message.content
+
+
+def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
+    msgs: Any = [{"role": "user", "content": "Tell me a very short story about a cat."}]
+    kw: dict[str, Any] = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "top_p": 0.95,
+    }
+    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    others = {
+        client.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (8, 9)
+    }
+    assert a == b
+    assert others != {a}
+
+
+def test_stop_string_truncates(client: openai.OpenAI) -> None:
+    r = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == " 5, 6,"
+
+
+def test_kv_came_over_nixl(client: openai.OpenAI, base: str, embedded_folder: Path) -> None:
+    ids = Tokenizer(embedded_folder).encode("The history of the Roman Empire " * 20)  # ~120 tokens
+    before = _health(base)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    after = _health(base)
+    assert r.usage is not None
+    d0, d1 = before["decode"], after["decode"]
+    c = LlamaConfig.from_folder(embedded_folder)
+    blocks = (len(ids) + 15) // 16
+    block_bytes = c.num_layers * c.num_kv_heads * c.head_dim * 2 * 16 * 4  # (k, v), 16 tokens, fp32
+    assert d1["transport"] == "nixl"
+    assert d1["transfer"]["pulls_done"] == d0["transfer"]["pulls_done"] + 1
+    assert d1["transfer"]["bytes_pulled"] - d0["transfer"]["bytes_pulled"] == blocks * block_bytes
+    fed = d1["target_tokens_fed"] - d0["target_tokens_fed"]
+    assert 0 < fed < len(ids)  # decode never ran the prompt through the target
+    assert (
+        after["prefill"]["transfer"]["exports_completed"]
+        > before["prefill"]["transfer"]["exports_completed"]
+    )
+
+
+def test_abandoned_stream_frees_decode_blocks(base: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long essay about the sea.",
+        "max_tokens": 400,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    total = CFG.decode.num_blocks
+    for _ in range(100):
+        h = _health(base)
+        if h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0
+    assert h["prefill"]["free_blocks"] == CFG.prefill.num_blocks
+
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BAD: list[tuple[str, str, Any, int, str | None]] = [
+    ("chat", "malformed json", "{not json", 400, None),
+    ("chat", "unknown model", {**GOOD, "model": "gpt-5"}, 404, "model"),
+    ("chat", "missing messages", {"model": MODEL}, 400, "messages"),
+    ("completions", "missing prompt", {"model": MODEL}, 400, "prompt"),
+    ("chat", "max_tokens zero", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("chat", "max_tokens negative", {**GOOD, "max_tokens": -3}, 400, "max_tokens"),
+    ("chat", "max_tokens beyond context", {**GOOD, "max_tokens": 10**6}, 400, "max_tokens"),
+    ("completions", "prompt beyond context", {"model": MODEL, "prompt": [5] * 3000}, 400, "prompt"),
+    ("chat", "negative temperature", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("chat", "top_p zero", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("chat", "top_p above one", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("chat", "temperature wrong type", {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ("chat", "messages wrong type", {**GOOD, "messages": "hello"}, 400, "messages"),
+    ("chat", "max_tokens wrong type", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),
+    (
+        "completions",
+        "token id outside vocabulary",
+        {"model": MODEL, "prompt": [10**7]},
+        400,
+        "prompt",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "case", "body", "status", "param"), BAD, ids=[b[1] for b in BAD]
+)
+def test_bad_input_is_refused_and_server_keeps_serving(
+    base: str, endpoint: str, case: str, body: Any, status: int, param: str | None
+) -> None:
+    url = f"{base}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+    if isinstance(body, str):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param
+        assert param in err["message"] or status == 404
+    ok = httpx.post(f"{base}/v1/chat/completions", json=GOOD, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"

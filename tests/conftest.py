@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.weights import resolve_checkpoint
+from tests.helpers import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads() -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def embedded_folder() -> Path:
+    """The embedded SmolLM2-135M-Instruct as an HF folder (dequantized once, then cached)."""
+    return resolve_checkpoint("embedded")
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), embedded_folder, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_draft"),
+        embedded_folder,
+        seed=2,
+        num_layers=1,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+    )

@@ -1,0 +1,49 @@
+"""Drive engines in-process (no Ray): the same components the Serve deployments wrap."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from decode.engine import DecodeEngine
+from kvtransfer.handoff import KVHandoff
+from models.request import Request
+from models.sampling import SamplingParams
+from prefill.worker import PrefillWorker
+
+
+def make_request(prompt: Sequence[int], sp: SamplingParams) -> Request:
+    return Request(uuid.uuid4().hex, list(prompt), sp)
+
+
+def run_all(
+    engine: DecodeEngine,
+    reqs: Sequence[Request],
+    prefill: PrefillWorker | None = None,
+    max_steps: int = 10_000,
+) -> dict[str, list[int]]:
+    """Admit every request at once (through prefill when given); return their output tokens."""
+    out: dict[str, list[int]] = {}
+    done: set[str] = set()
+    for r in reqs:
+        handoff: KVHandoff | None = None
+        out[r.request_id] = []
+        if prefill is not None:
+            handoff = prefill.prefill(r)
+            out[r.request_id].append(handoff.first_token)
+            if handoff.finish_reason:
+                done.add(r.request_id)
+                continue
+        engine.add(r, handoff)
+    for _ in range(max_steps):
+        if len(done) == len(reqs):
+            break
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                done.add(o.request_id)
+    assert len(done) == len(reqs), "engine did not finish every request"
+    if prefill is not None:
+        prefill.reap()
+    return out

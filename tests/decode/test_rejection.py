@@ -1,0 +1,79 @@
+"""The rejection rule emits tokens distributed exactly as the target (unit level)."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chisquare
+
+from decode.rejection import rejection_sample
+
+V = 6
+
+
+def _first_token_counts(
+    p: torch.Tensor, q: torch.Tensor | None, draft: torch.Tensor, n: int
+) -> torch.Tensor:
+    """Empirical distribution of the first emitted token over n independent trials (batched)."""
+    k = draft.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V)
+    batch = 2000
+    for _ in range(n // batch):
+        if q is not None:
+            d = torch.multinomial(q.expand(batch, k, V).reshape(-1, V), 1, generator=gen).view(
+                batch, k
+            )
+        else:
+            d = draft.expand(batch, k)
+        tp = p.repeat(batch, 1)  # [batch * (k + 1), V]
+        dp = q.repeat(batch, 1) if q is not None else None
+        u = torch.rand(batch * k, generator=gen)
+        ver = rejection_sample(tp, d.reshape(-1), [k] * batch, dp, u)
+        final = torch.multinomial(ver.final_dist, 1, generator=gen).squeeze(1)
+        first = torch.where(ver.num_accepted > 0, d[:, 0], final)
+        counts += torch.bincount(first, minlength=V).float()
+    return counts
+
+
+def _assert_target(counts: torch.Tensor, p0: torch.Tensor) -> None:
+    n = counts.sum()
+    mask = p0 > 0
+    assert counts[~mask].sum() == 0  # never a token the target excludes
+    stat = chisquare(counts[mask].numpy(), (p0[mask] / p0[mask].sum() * n).numpy())
+    assert stat.pvalue > 0.01, stat
+
+
+def test_random_draft_matches_target() -> None:
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(2, V, generator=g) * 2, -1)
+    _assert_target(_first_token_counts(p, q, torch.zeros(1, 2, dtype=torch.long), 100_000), p[0])
+
+
+def test_draft_with_zeros_where_target_has_mass() -> None:
+    p = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0, 0.0]] * 3)
+    q = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0]] * 2)
+    _assert_target(_first_token_counts(p, q, torch.zeros(1, 2, dtype=torch.long), 100_000), p[0])
+
+
+def test_one_hot_draft_matches_target() -> None:
+    p = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(2)), -1)
+    draft = torch.tensor([[3, 1, 2]])
+    _assert_target(_first_token_counts(p, None, draft, 100_000), p[0])
+
+
+def test_greedy_accepts_exactly_the_argmax_prefix() -> None:
+    p = torch.zeros(4, V)
+    p[0, 2] = p[1, 5] = p[2, 1] = p[3, 0] = 1.0  # greedy target path: 2, 5, 1, then 0
+    ver = rejection_sample(p, torch.tensor([2, 5, 3]), [3], None, torch.zeros(3))
+    assert int(ver.num_accepted[0]) == 2
+    assert int(ver.final_dist[0].argmax()) == 1  # the recovered token is the target's argmax
+    ver = rejection_sample(p, torch.tensor([2, 5, 1]), [3], None, torch.zeros(3))
+    assert int(ver.num_accepted[0]) == 3 and int(ver.final_dist[0].argmax()) == 0  # bonus
+
+
+def test_ragged_batch_with_zero_drafts() -> None:
+    p = torch.softmax(torch.randn(1 + 4 + 1, V, generator=torch.Generator().manual_seed(3)), -1)
+    ver = rejection_sample(p, torch.tensor([1, 2, 3]), [0, 3, 0], None, torch.full((3,), 0.999))
+    assert ver.num_accepted.tolist()[0] == 0 and ver.num_accepted.tolist()[2] == 0
+    assert torch.allclose(ver.final_dist[0], p[0]) and torch.allclose(ver.final_dist[2], p[5])

@@ -1,0 +1,86 @@
+"""NIXL moves blocks between two real agents (two pools in one process, UCX loopback)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvtransfer.handoff import KVCompat, KVCompatError, KVHandoff, check_compat
+from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+from kvtransfer.transport import KVTransferError, PullState
+
+SPEC = KVPoolSpec(
+    32, 16, (KVGroupSpec("target", 4, 2, 8, "float32"), KVGroupSpec("draft", 2, 1, 8, "float32"))
+)
+COMPAT = KVCompat("m", "float32", 16, "layout", 1, "draft")
+
+
+def _handoff(src: NixlTransport, rid: str, blocks: tuple[int, ...]) -> KVHandoff:
+    return KVHandoff(
+        rid, src.source(), blocks, ("target", "draft"), 40, 7, COMPAT, time.time() + 30
+    )
+
+
+def _pull(
+    src: NixlTransport, dst: NixlTransport, handoff: KVHandoff, local: list[int]
+) -> list[str]:
+    """Pull to completion, progressing the source as its worker's progress thread would;
+    return the completion notices the source received."""
+    pull = dst.start_pull(handoff, local)
+    notices: list[str] = []
+    deadline = time.time() + 10
+    while (state := dst.poll(pull)) is PullState.PENDING and time.time() < deadline:
+        notices += src.completed()
+    dst.finish(pull)
+    assert state is PullState.DONE
+    while handoff.request_id not in notices and time.time() < deadline:
+        notices += src.completed()
+    return notices
+
+
+def test_pull_moves_every_group_bit_exact_and_notifies_source() -> None:
+    a, b = KVPool(SPEC), KVPool(SPEC)
+    for t in a.tensors.values():
+        t.normal_()
+    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
+    notices = _pull(src, dst, _handoff(src, "req-1", (3, 4, 5)), [10, 0, 31])
+    for g in ("target", "draft"):
+        assert torch.equal(b.tensor(g)[[10, 0, 31]], a.tensor(g)[[3, 4, 5]])
+        assert b.tensor(g)[1].abs().sum() == 0  # nothing else written
+    assert notices == ["req-1"]
+    per_block = sum(t[0].numel() * 4 for t in a.tensors.values())
+    assert dst.counters.bytes_pulled == 3 * per_block and dst.counters.pulls_done == 1
+
+
+def test_restarted_source_is_re_added_not_read_through_stale_descriptors() -> None:
+    a1, b = KVPool(SPEC), KVPool(SPEC)
+    a1.tensor("target").fill_(1.0)
+    src1, dst = NixlTransport(a1, "prefill"), NixlTransport(b, "decode")
+    _pull(src1, dst, _handoff(src1, "r1", (0,)), [0])
+    src1.close()
+    a2 = KVPool(SPEC)  # a new incarnation: new memory, new agent, new version
+    a2.tensor("target").fill_(2.0)
+    src2 = NixlTransport(a2, "prefill")
+    _pull(src2, dst, _handoff(src2, "r2", (0,)), [1])
+    assert torch.all(b.tensor("target")[1] == 2.0)
+
+
+def test_mismatched_block_sizes_are_refused() -> None:
+    other = KVPoolSpec(
+        32,
+        16,
+        (KVGroupSpec("target", 4, 2, 4, "float32"), KVGroupSpec("draft", 2, 1, 8, "float32")),
+    )
+    src, dst = NixlTransport(KVPool(other), "prefill"), NixlTransport(KVPool(SPEC), "decode")
+    with pytest.raises(KVTransferError, match="group target"):
+        dst.start_pull(_handoff(src, "r", (1,)), [1])
+
+
+def test_compat_mismatch_names_both_sides() -> None:
+    other = KVCompat("m", "bfloat16", 16, "layout", 1, "draft")
+    with pytest.raises(KVCompatError, match=r"dtype=float32.*dtype=bfloat16"):
+        check_compat(COMPAT, other)
+    assert COMPAT.digest() != other.digest()
