@@ -1,0 +1,109 @@
+"""Batch-1 latency through HTTP: speculation off vs n-gram speculation, in one run.
+
+Starts a local disaggregated cluster per configuration (same machine, same prompts, greedy),
+streams each prompt alone, and reports time to first token and decode tokens/s per prompt set,
+with the n-gram/off ratio. Writes bench/results/http_batch1.json.
+
+    .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import ray
+from ray import serve
+
+from bench.copy_prompts import COPY_PROMPTS
+from bench.http_client import Timing, timed_chat
+from bench.sharegpt import first_prompts
+from cluster.builder import build_app, resolve_models
+from cluster.config import TandemConfig
+from cluster.local_cluster import start_ray
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _config(draft: str, port: int) -> TandemConfig:
+    return TandemConfig.model_validate(
+        {
+            "mode": "disaggregated",
+            "draft": {"kind": draft, "num_speculative_tokens": 4},
+            "prefill": {"num_blocks": 256, "num_threads": 2},
+            "decode": {"num_blocks": 512, "num_threads": 2},
+            "http": {"port": port},
+        }
+    )
+
+
+def _summary(ts: list[Timing]) -> dict[str, float]:
+    drafted = sum(t.draft_tokens for t in ts)
+    return {
+        "ttft_ms_median": 1000 * statistics.median(t.ttft_s for t in ts),
+        "decode_tok_s_mean": sum(t.completion_tokens - 1 for t in ts)
+        / sum(t.total_s - t.ttft_s for t in ts),
+        "e2e_tok_s_mean": sum(t.completion_tokens for t in ts) / sum(t.total_s for t in ts),
+        "completion_tokens": float(sum(t.completion_tokens for t in ts)),
+        "acceptance_rate": sum(t.accepted_tokens for t in ts) / drafted if drafted else 0.0,
+    }
+
+
+def run_config(draft: str, sets: dict[str, list[str]], max_tokens: int, port: int) -> dict[str, Any]:
+    cfg = _config(draft, port)
+    start_ray(cfg, num_cpus=2)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(cfg), name="tandem", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=600)
+        model = resolve_models(cfg).name
+        timed_chat(client, model, "Hello!", 8, temperature=0)  # warm-up
+        out: dict[str, Any] = {}
+        for name, prompts in sets.items():
+            ts = [timed_chat(client, model, p, max_tokens, temperature=0) for p in prompts]
+            out[name] = _summary(ts)
+            print(f"  {draft:6s} {name:9s} {out[name]}", flush=True)
+        return out
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--sharegpt", type=int, default=8, help="ShareGPT prompts in the chat set")
+    ap.add_argument("--port", type=int, default=8123)
+    args = ap.parse_args()
+    sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
+    t0 = time.time()
+    results = {d: run_config(d, sets, args.max_tokens, args.port) for d in ("none", "ngram")}
+    ratios = {
+        name: {
+            "decode_tok_s": results["ngram"][name]["decode_tok_s_mean"] / results["none"][name]["decode_tok_s_mean"],
+            "ttft": results["ngram"][name]["ttft_ms_median"] / results["none"][name]["ttft_ms_median"],
+        }
+        for name in sets
+    }
+    report = {
+        "benchmark": "http_batch1",
+        "machine": {"cpus": 2, "platform": platform.platform()},
+        "max_tokens": args.max_tokens,
+        "prompts": {k: len(v) for k, v in sets.items()},
+        "results": results,
+        "ngram_over_off": ratios,
+        "wall_s": time.time() - t0,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "http_batch1.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(ratios, indent=2))
+
+
+if __name__ == "__main__":
+    main()

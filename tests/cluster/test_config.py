@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.builder import DraftMismatchError, check_draft_vocab, resolve_models
+from cluster.config import TandemConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_local_yaml_loads() -> None:
+    cfg = TandemConfig.from_yaml(REPO / "deploy" / "local.yaml")
+    assert cfg.mode == "disaggregated" and cfg.draft.kind == "ngram"
+    assert cfg.local_resources() == {"decode_pool": 1.0, "prefill_pool": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"draft": {"kind": "draft_model"}}, "draft.source"),
+        ({"draft": {"kind": "ngram", "source": "/x"}}, "only used with kind=draft_model"),
+        ({"mode": "both"}, "mode"),
+        ({"decode": {"tp": 2}}, "tensor parallelism"),
+        ({"kv": {"block_size": 0}}, "block_size"),
+        ({"decode": {"num_blockz": 3}}, "num_blockz"),
+    ],
+)
+def test_bad_config_names_the_field(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(ValidationError, match=needle):
+        TandemConfig.model_validate(data)
+
+
+def test_colocated_needs_no_prefill_pool() -> None:
+    cfg = TandemConfig.model_validate({"mode": "colocated"})
+    assert cfg.local_resources() == {"decode_pool": 1.0}
+
+
+def test_draft_with_another_vocabulary_is_refused(embedded_folder: Path, tmp_path: Path) -> None:
+    from tests.helpers import make_tiny_checkpoint
+
+    from transformers import AutoTokenizer
+
+    draft = make_tiny_checkpoint(tmp_path, embedded_folder, seed=3)
+    tok = AutoTokenizer.from_pretrained(draft)
+    tok.add_tokens(["<only-in-the-draft>"])
+    tok.save_pretrained(draft)
+    with pytest.raises(DraftMismatchError, match=r"draft vocabulary .* differs from target vocabulary"):
+        check_draft_vocab(embedded_folder, draft)
+    cfg = TandemConfig.model_validate({"draft": {"kind": "draft_model", "source": str(draft)}})
+    with pytest.raises(DraftMismatchError, match=str(draft)):
+        resolve_models(cfg)
+
+
+def test_unknown_model_source_says_nothing_is_downloaded() -> None:
+    cfg = TandemConfig.model_validate({"model": {"source": "nobody/no-such-model"}})
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        resolve_models(cfg)
