@@ -55,7 +55,9 @@ def _summary(ts: list[Timing]) -> dict[str, float]:
     }
 
 
-def run_config(draft: str, sets: dict[str, list[str]], max_tokens: int, port: int) -> dict[str, Any]:
+def run_config(
+    draft: str, sets: dict[str, list[str]], max_tokens: int, port: int
+) -> dict[str, Any]:
     cfg = _config(draft, port)
     start_ray(cfg, num_cpus=2)
     try:
@@ -86,8 +88,10 @@ def main() -> None:
     results = {d: run_config(d, sets, args.max_tokens, args.port) for d in ("none", "ngram")}
     ratios = {
         name: {
-            "decode_tok_s": results["ngram"][name]["decode_tok_s_mean"] / results["none"][name]["decode_tok_s_mean"],
-            "ttft": results["ngram"][name]["ttft_ms_median"] / results["none"][name]["ttft_ms_median"],
+            "decode_tok_s": results["ngram"][name]["decode_tok_s_mean"]
+            / results["none"][name]["decode_tok_s_mean"],
+            "ttft": results["ngram"][name]["ttft_ms_median"]
+            / results["none"][name]["ttft_ms_median"],
         }
         for name in sets
     }

@@ -24,7 +24,9 @@ class Timing:
         return (self.completion_tokens - 1) / span if span > 0 else 0.0
 
 
-def timed_chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, **kw: Any) -> Timing:
+def timed_chat(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int, **kw: Any
+) -> Timing:
     t0 = time.perf_counter()
     first: float | None = None
     usage: Any = None

@@ -58,7 +58,9 @@ def iter_conversations(path: Path | None = None) -> Iterator[Conversation]:
         yield Conversation(str(obj.get("id", "")), turns)
 
 
-def first_prompts(limit: int, min_chars: int = 16, max_chars: int = 2000, skip: int = 0) -> list[str]:
+def first_prompts(
+    limit: int, min_chars: int = 16, max_chars: int = 2000, skip: int = 0
+) -> list[str]:
     """The first human turn of conversations, filtered by length, after skipping ``skip``."""
     out: list[str] = []
     seen = 0

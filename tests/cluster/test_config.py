@@ -39,15 +39,17 @@ def test_colocated_needs_no_prefill_pool() -> None:
 
 
 def test_draft_with_another_vocabulary_is_refused(embedded_folder: Path, tmp_path: Path) -> None:
-    from tests.helpers import make_tiny_checkpoint
-
     from transformers import AutoTokenizer
+
+    from tests.helpers import make_tiny_checkpoint
 
     draft = make_tiny_checkpoint(tmp_path, embedded_folder, seed=3)
     tok = AutoTokenizer.from_pretrained(draft)
     tok.add_tokens(["<only-in-the-draft>"])
     tok.save_pretrained(draft)
-    with pytest.raises(DraftMismatchError, match=r"draft vocabulary .* differs from target vocabulary"):
+    with pytest.raises(
+        DraftMismatchError, match=r"draft vocabulary .* differs from target vocabulary"
+    ):
         check_draft_vocab(embedded_folder, draft)
     cfg = TandemConfig.model_validate({"draft": {"kind": "draft_model", "source": str(draft)}})
     with pytest.raises(DraftMismatchError, match=str(draft)):

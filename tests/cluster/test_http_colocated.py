@@ -19,7 +19,11 @@ def app(tiny_folder: Path, tiny_draft_folder: Path) -> Iterator[str]:
         {
             "mode": "colocated",
             "model": {"source": str(tiny_folder), "name": "tiny"},
-            "draft": {"kind": "draft_model", "source": str(tiny_draft_folder), "num_speculative_tokens": 3},
+            "draft": {
+                "kind": "draft_model",
+                "source": str(tiny_draft_folder),
+                "num_speculative_tokens": 3,
+            },
             "decode": {"num_blocks": 128, "num_threads": 2},
         }
     )
@@ -29,7 +33,9 @@ def app(tiny_folder: Path, tiny_draft_folder: Path) -> Iterator[str]:
 
 def test_colocated_draft_model_serves_and_reports_speculation(app: str) -> None:
     client = openai.OpenAI(base_url=f"{app}/v1", api_key="unused", max_retries=0)
-    r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=12, temperature=0)
+    r = client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=12, temperature=0
+    )
     assert r.usage is not None and r.usage.completion_tokens >= 1
     body = httpx.post(
         f"{app}/v1/completions",
@@ -43,5 +49,7 @@ def test_colocated_draft_model_serves_and_reports_speculation(app: str) -> None:
     health = httpx.get(f"{app}/health", timeout=30).json()
     assert health["mode"] == "colocated" and "prefill" not in health
     assert health["decode"]["transfer"]["pulls_started"] == 0  # nothing to transfer
-    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=5, stream=True))
+    chunks = list(
+        client.completions.create(model="tiny", prompt="hello", max_tokens=5, stream=True)
+    )
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
