@@ -160,15 +160,20 @@ def test_kv_came_over_nixl(client: openai.OpenAI, base: str, embedded_folder: Pa
 def test_abandoned_stream_frees_decode_blocks(base: str) -> None:
     body = {
         "model": MODEL,
-        "prompt": "Write a long essay about the sea.",
+        "messages": [
+            {"role": "user", "content": "Write a long essay about the history of the sea."}
+        ],
         "max_tokens": 400,
+        "temperature": 0,
         "stream": True,
     }
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as resp:
-        lines = resp.iter_lines()
-        got = [next(lines) for _ in range(6)]
-    assert any(line.startswith("data: ") for line in got)
     total = CFG.decode.num_blocks
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as resp:
+        events = (line for line in resp.iter_lines() if line.startswith("data: "))
+        got = [next(events) for _ in range(4)]
+        during = _health(base)["decode"]
+    assert all('"finish_reason": null' in e for e in got)  # still generating when we left
+    assert during["running"] == 1 and during["free_blocks"] < total
     for _ in range(100):
         h = _health(base)
         if h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0:
