@@ -29,10 +29,11 @@ def _usage(final: Final) -> dict[str, Any]:
     }
     if spec.draft_tokens:
         usage["speculative"] = {
+            "num_steps": spec.num_steps,
             "draft_tokens": spec.draft_tokens,
             "accepted_tokens": spec.accepted_tokens,
             "acceptance_rate": spec.accepted_tokens / spec.draft_tokens,
-            "mean_accepted_length": (spec.accepted_tokens + spec.num_steps) / spec.num_steps,
+            "mean_accepted_length": spec.emitted_tokens / spec.num_steps,
         }
     return usage
 

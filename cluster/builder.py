@@ -84,11 +84,14 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
 
 
 def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: float(pool.tp)}}
+    if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned
+        actor["num_gpus"] = float(pool.tp)
     return {
         "name": name,
-        "num_replicas": pool.replicas,
+        **pool.scaling_options(),  # num_replicas, or autoscaling_config
         "max_ongoing_requests": pool.max_ongoing_requests,
-        "ray_actor_options": {"num_cpus": 0, "resources": {pool.resource: float(pool.tp)}},
+        "ray_actor_options": actor,
         "health_check_period_s": 5,
     }
 
@@ -106,6 +109,7 @@ def build_app(cfg: TandemConfig) -> Application:
         num_blocks=cfg.decode.num_blocks,
         block_size=bs,
         max_batch_size=cfg.decode.max_batch_size,
+        max_num_batched_tokens=cfg.decode.max_num_batched_tokens,
         max_model_len=m.max_model_len,
         num_threads=cfg.decode.num_threads,
     )
@@ -123,6 +127,8 @@ def build_app(cfg: TandemConfig) -> Application:
             probe_window=cfg.prefill.probe_window,
             lease_seconds=cfg.prefill.lease_seconds,
             num_threads=cfg.prefill.num_threads,
+            max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
+            enable_prefix_caching=cfg.prefill.enable_prefix_caching,
         )
         prefill = serve.deployment(**_options(cfg.prefill, "prefill"))(PrefillServer).bind(worker)
         max_prompt = min(max_prompt, cfg.prefill.num_blocks * bs)
@@ -149,7 +155,18 @@ def build_app(cfg: TandemConfig) -> Application:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Entry point for ``serve run cluster.builder:app_builder config=deploy/local.yaml``."""
-    path = args.get("config")
-    cfg = TandemConfig.from_yaml(path) if path else TandemConfig()
+    """Entry point of ``serve run`` and ``serve deploy``: ``cluster.builder:app_builder``.
+
+    ``args["config"]`` is a YAML file (``serve run cluster.builder:app_builder
+    config=deploy/local.yaml``) or the config itself as a mapping, which is how the Serve
+    config files that ``tandem config render`` writes embed it; without it, the defaults.
+    """
+    unknown = sorted(set(args) - {"config"})
+    if unknown:
+        raise ValueError(f"unknown application args {unknown}: the only one is 'config'")
+    source = args.get("config")
+    if isinstance(source, dict):
+        cfg = TandemConfig.model_validate(source)
+    else:
+        cfg = TandemConfig.from_yaml(source) if source else TandemConfig()
     return build_app(cfg)

@@ -81,6 +81,19 @@ def _model_name(cfg: TandemConfig) -> str:
     return resolve_models(cfg).name
 
 
+def config_render_cmd(args: argparse.Namespace) -> int:
+    """Print one app's Serve config, or rewrite (or --check) every rendered file under deploy/."""
+    from pathlib import Path
+
+    from cluster.render import serve_config_yaml
+    from cluster.render_files import render_command
+
+    if args.app:
+        sys.stdout.write(serve_config_yaml(TandemConfig.from_yaml(args.app)))
+        return 0
+    return render_command(Path(args.deploy_dir), check=args.check, out=sys.stdout)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
@@ -94,6 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int)
     s.add_argument("--address", help="join an existing Ray cluster instead of starting one")
     s.set_defaults(fn=serve_cmd)
+    c = sub.add_parser("config", help="app config tools").add_subparsers(dest="what", required=True)
+    r = c.add_parser(
+        "render",
+        help="render Serve config files and KubeRay serveConfigV2 blocks from the app configs",
+    )
+    r.add_argument("app", nargs="?", help="print the Serve config of this app config only")
+    r.add_argument("--deploy-dir", default="deploy", help="the deploy/ folder (default: ./deploy)")
+    r.add_argument("--check", action="store_true", help="write nothing; exit 1 if out of date")
+    r.set_defaults(fn=config_render_cmd)
     args = p.parse_args(argv)
     code: int = args.fn(args)
     return code

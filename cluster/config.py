@@ -7,10 +7,17 @@ Every field is described; cross-field rules are checked with messages a user can
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.autoscaling import (
+    AutoscalingConfig,
+    DecodeAutoscalingConfig,
+    PrefillAutoscalingConfig,
+    serve_scaling,
+)
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -57,7 +64,14 @@ class DraftConfig(_Frozen):
 
 
 class PoolConfig(_Frozen):
-    replicas: int = Field(1, ge=1, description="Serve replicas of this pool's deployment.")
+    replicas: int = Field(
+        1, ge=1, description="Serve replicas of this pool's deployment (a fixed count)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="Let Ray Serve scale this pool's replicas between bounds instead of a fixed "
+        "`replicas` count.",
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel size of each replica.")
     num_blocks: int = Field(512, ge=1, description="KV blocks per replica.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -75,14 +89,53 @@ class PoolConfig(_Frozen):
             raise ValueError("tensor parallelism > 1 is not available yet: set tp: 1")
         return self
 
+    @model_validator(mode="after")
+    def _scaling(self) -> PoolConfig:
+        a = self.autoscaling
+        if a is None:
+            return self
+        if "replicas" in self.model_fields_set:
+            raise ValueError(
+                "set either replicas (a fixed count) or autoscaling (bounds), not both"
+            )
+        if a.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"autoscaling.target_ongoing_requests ({a.target_ongoing_requests:g}) exceeds "
+                f"max_ongoing_requests ({self.max_ongoing_requests}): a replica could never "
+                "reach its target; lower the target or raise max_ongoing_requests"
+            )
+        return self
+
+    def most_replicas(self) -> int:
+        """The most replicas this pool runs: the fixed count, or autoscaling.max_replicas."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+
+    def scaling_options(self) -> dict[str, Any]:
+        """``serve.deployment`` options that size this pool (fixed count or autoscaling)."""
+        return serve_scaling(self.replicas, self.autoscaling)
+
 
 class PrefillConfig(PoolConfig):
     resource: str = Field("prefill_pool", description="Ray custom resource of prefill nodes.")
+    autoscaling: PrefillAutoscalingConfig | None = Field(
+        None,
+        description="Scale prefill replicas on queued prompts (see cluster/autoscaling.py) "
+        "instead of a fixed `replicas` count.",
+    )
     probe_window: int = Field(
         16, ge=1, description="Prompt positions the acceptance probe averages over."
     )
     lease_seconds: float = Field(
         30.0, gt=0, description="How long prefill keeps shipped KV blocks for decode to pull."
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Prompt tokens per prefill forward: longer prompts are chunked, shorter ones "
+        "share a forward.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of full blocks a previous prompt already computed."
     )
 
 
@@ -90,6 +143,29 @@ class DecodeConfig(PoolConfig):
     resource: str = Field("decode_pool", description="Ray custom resource of decode nodes.")
     num_blocks: int = Field(1024, ge=1, description="KV blocks per replica.")
     max_batch_size: int = Field(64, ge=1, description="Sequences per decode step.")
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Tokens per decode step: one per running sequence plus its drafts, plus "
+        "chunks of prompts computed on decode (colocated mode, recomputation).",
+    )
+    autoscaling: DecodeAutoscalingConfig | None = Field(
+        None,
+        description="Scale decode replicas on ongoing streams (see cluster/autoscaling.py) "
+        "instead of a fixed `replicas` count.",
+    )
+
+    @model_validator(mode="after")
+    def _target_fits_batch(self) -> DecodeConfig:
+        a = self.autoscaling
+        if a is not None and a.target_ongoing_requests > self.max_batch_size:
+            raise ValueError(
+                f"decode.autoscaling.target_ongoing_requests ({a.target_ongoing_requests:g}) "
+                f"exceeds decode.max_batch_size ({self.max_batch_size}): streams would queue "
+                "for a batch slot before the pool scales out; set the target to half to three "
+                "quarters of max_batch_size"
+            )
+        return self
 
 
 class KVConfig(_Frozen):
@@ -125,6 +201,17 @@ class TandemConfig(_Frozen):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
 
+    @model_validator(mode="after")
+    def _decode_always_up(self) -> TandemConfig:
+        a = self.decode.autoscaling
+        if self.mode == "disaggregated" and a is not None and a.min_replicas == 0:
+            raise ValueError(
+                "decode.autoscaling.min_replicas must be at least 1 in disaggregated mode: "
+                "prefill leases shipped KV for only prefill.lease_seconds, less than a decode "
+                "replica takes to start from zero"
+            )
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> TandemConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
@@ -132,18 +219,18 @@ class TandemConfig(_Frozen):
 
     def with_overrides(self, **dotted: object) -> TandemConfig:
         """A copy with fields replaced by dotted path, e.g. ``model.source='/m'``."""
-        data = self.model_dump()
+        data = self.model_dump(exclude_unset=True)  # fields left unset stay unset
         for key, value in dotted.items():
             node = data
             *parents, leaf = key.split(".")
             for p in parents:
-                node = node[p]
+                node = node.setdefault(p, {})
             node[leaf] = value
         return TandemConfig.model_validate(data)
 
     def local_resources(self) -> dict[str, float]:
         """Custom resources a one-machine Ray cluster needs to simulate both pools."""
-        res = {self.decode.resource: float(self.decode.replicas * self.decode.tp)}
+        res = {self.decode.resource: float(self.decode.most_replicas() * self.decode.tp)}
         if self.mode == "disaggregated":
-            res[self.prefill.resource] = float(self.prefill.replicas * self.prefill.tp)
+            res[self.prefill.resource] = float(self.prefill.most_replicas() * self.prefill.tp)
         return res

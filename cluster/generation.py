@@ -19,7 +19,7 @@ from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
-NO_SPEC = SpecUsage(0, 0, 0)
+NO_SPEC = SpecUsage(0, 0, 0, 0)
 
 
 class GenerationError(RuntimeError):

@@ -16,6 +16,7 @@ class DecodeEngineConfig:
     num_blocks: int = 1024
     block_size: int = 16
     max_batch_size: int = 64  # sequences per forward step
+    max_num_batched_tokens: int = 2048  # tokens per step: decodes, drafts and prompt chunks
     max_model_len: int = 8192  # prompt plus output tokens of one request
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     pull_margin_s: float = 1.0  # refuse to start a pull whose lease ends sooner than this

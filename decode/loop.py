@@ -99,5 +99,5 @@ class EngineLoop:
         outs = []
         for rid in list(self.engine.running):
             self.engine.abort(rid)
-            outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0), error))
+            outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0, 0), error))
         return outs

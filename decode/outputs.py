@@ -9,9 +9,10 @@ from dataclasses import dataclass
 class SpecUsage:
     """Speculation outcomes of one request so far (the ``usage.speculative`` object)."""
 
-    num_steps: int
+    num_steps: int  # steps that tested at least one draft token
     draft_tokens: int
     accepted_tokens: int
+    emitted_tokens: int  # tokens those steps produced
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,28 @@
 """Speculative verification: the rejection rule that keeps the output the target's.
 
-For one sequence with draft tokens ``d_1 .. d_k`` drawn from draft distributions ``q_1 .. q_k``
-and target distributions ``p_1 .. p_{k+1}`` (``p_j`` predicts the token at draft position j,
-``p_{k+1}`` the one after the last draft), all under the same sampling transform:
+A step verifies ``w`` consecutive output positions of one sequence with one target forward,
+which yields the target distributions ``p_1 .. p_w``. The drafter proposes tokens ``d_j`` drawn
+from its distributions ``q_j`` (all under the same sampling transform) for the first ``t``
+positions, ``t = w`` or ``t = w - 1`` (a drafter may have nothing to propose at the last one):
 
-- **accepted** tokens: ``d_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``,
-  tested left to right with uniform ``u_j``: accept iff ``u_j * q_j(d_j) < p_j(d_j)``; the first
-  rejection ends the run. A one-hot draft (n-gram) has ``q_j(d_j) = 1``.
-- **recovered** token: after the first rejection at position ``n + 1``, one token is drawn from
+- **accepted**: ``d_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``, tested left
+  to right with uniform ``u_j``: accept iff ``u_j * q_j(d_j) < p_j(d_j)``; the first rejection
+  ends the run. A one-hot draft (n-gram) has ``q_j(d_j) = 1``.
+- **recovered**: after the first rejection, at position ``n + 1``, one token is drawn from
   ``norm(max(0, p_{n+1} - q_{n+1}))``.
-- **bonus** token: if all k drafts pass, one token is drawn from ``p_{k+1}``.
+- **bonus**: if all ``t = w - 1`` drafts pass, one token is drawn from ``p_w``. If all ``t = w``
+  pass, the last accepted draft is already the token at position ``w``: there is no bonus.
 
-Each step therefore emits ``n + 1`` tokens (``n`` accepted plus one recovered or bonus), and
-the emitted sequence is distributed exactly as sampling from the target alone. With ``k = 0``
-the rule reduces to sampling from ``p_1``. Greedy requests have one-hot ``p`` and ``q``, so a
-draft is accepted iff it is the target's argmax, and the output is the target's greedy output.
+Each position's token is thus produced by the same rule whichever step it falls in — tested
+against the drafter's proposal when there is one, drawn from ``p`` when there is none — and
+with randomness keyed by position (``models.sampling``) a seeded request gives the same tokens
+whatever ``w`` the scheduler picked and whatever shares its batch. The emitted sequence is
+distributed exactly as sampling from the target alone. Greedy requests have one-hot ``p`` and
+``q``, so a draft is accepted iff it is the target's argmax: the output is the target's greedy
+output.
 
 These functions are pure: the caller supplies the uniforms and samples the final distribution
-with each request's own generator, so results do not depend on what shares the batch.
+with each request's own generator.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import torch
 @dataclass(frozen=True)
 class Verification:
     num_accepted: torch.Tensor  # [B] leading draft tokens accepted per sequence
-    final_dist: torch.Tensor  # [B, V] distribution of the recovered (n < k) or bonus (n = k) token
+    has_final: torch.Tensor  # [B] bool: a recovered or bonus token follows the accepted ones
+    final_dist: torch.Tensor  # [B, V] its distribution (rows where has_final is False: unused)
 
 
 def rejection_sample(
     target_probs: torch.Tensor,
+    rows: Sequence[int],
     draft_tokens: torch.Tensor,
     num_drafts: Sequence[int],
     draft_probs: torch.Tensor | None,
@@ -43,38 +50,43 @@ def rejection_sample(
 ) -> Verification:
     """Verify a ragged batch of drafts.
 
-    target_probs: [sum(k_i + 1), V], sequence i's k_i + 1 rows contiguous, in batch order.
-    draft_tokens: [sum(k_i)] flat draft tokens in the same order.
-    num_drafts: k_i per sequence (0 allowed).
-    draft_probs: [sum(k_i), V] draft distributions, or None for one-hot drafts.
-    uniforms: [sum(k_i)] values in [0, 1) for the accept tests.
+    target_probs: [sum(w_i), V], sequence i's w_i rows contiguous, in batch order.
+    rows: w_i >= 1 per sequence.
+    draft_tokens: [sum(t_i)] flat draft tokens in the same order, t_i in {w_i - 1, w_i}.
+    num_drafts: t_i per sequence.
+    draft_probs: [sum(t_i), V] draft distributions, or None for one-hot drafts.
+    uniforms: [sum(t_i)] values in [0, 1) for the accept tests.
     """
-    b = len(num_drafts)
+    b = len(rows)
     dev = target_probs.device
-    ks = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
-    row_start = torch.cumsum(ks + 1, 0) - (ks + 1)  # [B] first target row of each sequence
-    kmax = int(ks.max()) if b else 0
+    ws = torch.tensor(list(rows), dtype=torch.long, device=dev)  # [B]
+    ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
+    if bool(((ts != ws) & (ts != ws - 1)).any()):
+        raise ValueError("each sequence must bring w or w - 1 drafts for its w rows")
+    row_start = torch.cumsum(ws, 0) - ws  # [B]
+    draft_start = torch.cumsum(ts, 0) - ts  # [B]
+    tmax = int(ts.max()) if b else 0
     n = torch.zeros(b, dtype=torch.long, device=dev)
-    seq_of = torch.repeat_interleave(torch.arange(b, device=dev), ks)  # [N]
-    pos_in = torch.arange(seq_of.numel(), device=dev) - (torch.cumsum(ks, 0) - ks)[seq_of]  # [N]
-    if kmax > 0:
-        rows = row_start[seq_of] + pos_in  # [N] target row predicting each draft token
-        p_tok = target_probs[rows].gather(1, draft_tokens.unsqueeze(1)).squeeze(1)  # [N]
+    if tmax > 0:
+        seq_of = torch.repeat_interleave(torch.arange(b, device=dev), ts)  # [N]
+        pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]  # [N]
+        p_tok = target_probs[row_start[seq_of] + pos_in].gather(1, draft_tokens.unsqueeze(1))
+        p_tok = p_tok.squeeze(1)  # [N]
         q_tok = (
             draft_probs.gather(1, draft_tokens.unsqueeze(1)).squeeze(1)
             if draft_probs is not None
             else torch.ones_like(p_tok)
         )
         accept = uniforms.to(dev) * q_tok < p_tok  # [N]
-        grid = torch.zeros(b, kmax, dtype=torch.long, device=dev)
+        grid = torch.zeros(b, tmax, dtype=torch.long, device=dev)
         grid[seq_of, pos_in] = accept.long()
         n = grid.cumprod(dim=1).sum(dim=1)  # [B]
 
-    p_final = target_probs[row_start + n]  # [B, V]
-    rejected = n < ks  # [B]
+    has_final = n < ws
+    p_final = target_probs[row_start + n.clamp(max=ws - 1)]  # [B, V]
+    rejected = n < ts  # [B]
     if bool(rejected.any()):
-        first_draft = torch.cumsum(ks, 0) - ks  # [B] index of each sequence's first draft
-        idx = (first_draft + n).clamp(max=max(int(draft_tokens.numel()) - 1, 0))
+        idx = (draft_start + n).clamp(max=max(int(draft_tokens.numel()) - 1, 0))
         if draft_probs is not None:
             q_rej = draft_probs[idx]  # [B, V]
         else:
@@ -86,4 +98,4 @@ def rejection_sample(
         # it can only arise from rounding, and p itself is then the right distribution.
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
-    return Verification(num_accepted=n, final_dist=p_final)
+    return Verification(num_accepted=n, has_final=has_final, final_dist=p_final)

@@ -1,9 +1,12 @@
 """One speculative decoding step over a ragged batch: draft, verify in one forward, accept.
 
-Sequence i brings its pending tokens (its last sampled token, or a whole prompt computed
-locally) plus ``k_i`` draft tokens; the target scores all of them in one forward; the rejection
-rule (``decode.rejection``) decides how many drafts survive; KV of rejected positions is rolled
-back by lowering the counters (the next step overwrites those slots).
+Sequence i brings ``new_tokens[i]`` known tokens not yet in the KV cache (its last sampled
+token, or a chunk of a prompt computed locally). Sequences whose tokens reach the end of what
+is known sample this step: such a sequence verifies ``w_i = min(m_i, k_i) + 1`` output
+positions, where ``m_i`` is how many positions the drafter proposed for (of ``k_i + 1`` asked)
+— the target scores its pending tokens plus ``w_i - 1`` drafts in one forward, and the
+rejection rule (``decode.rejection``) tests the drafts. KV of rejected positions is rolled back
+by lowering the counters (the next step overwrites those slots).
 """
 
 from __future__ import annotations
@@ -15,9 +18,8 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from decode.rejection import rejection_sample
-from models.llama import LlamaModel
 from models.request import Request
-from models.runner import SeqInput, run_step
+from models.runner import ModelRunner, SeqInput
 from models.sampling import Stream, accept_uniforms, probs_from_logits, sample_token
 
 
@@ -25,68 +27,96 @@ from models.sampling import Stream, accept_uniforms, probs_from_logits, sample_t
 class Emission:
     """What one step produced for one request."""
 
-    tokens: tuple[int, ...]  # accepted drafts, then the recovered or bonus token
-    num_drafted: int
+    tokens: tuple[int, ...]  # accepted drafts, then the recovered or bonus token; () mid-prompt
+    num_drafted: int  # draft tokens tested
     num_accepted: int
     num_fed: int  # tokens the target computed for this request in this step
 
 
+NO_DRAFT = DraftProposal((), None)
+
+
+def _propose(
+    drafter: Drafter | None, reqs: Sequence[Request], samples: Sequence[bool], ks: Sequence[int]
+) -> list[DraftProposal]:
+    # Position 0 (the first token of a prompt computed here) is never drafted: prefill samples
+    # it plainly too, so both modes produce it by the same rule.
+    ask = [i for i, r in enumerate(reqs) if samples[i] and r.output_token_ids]
+    out = [NO_DRAFT] * len(reqs)
+    if drafter is not None and ask:
+        got = drafter.propose([reqs[i] for i in ask], [ks[i] + 1 for i in ask])
+        for i, prop in zip(ask, got, strict=True):
+            out[i] = prop
+    return out
+
+
 def decode_step(
-    target: LlamaModel,
-    kv_pool: torch.Tensor,
-    block_size: int,
+    target: ModelRunner,
     drafter: Drafter | None,
     reqs: Sequence[Request],
+    new_tokens: Sequence[int],
     ks: Sequence[int],
 ) -> list[Emission]:
-    """Advance every request by one step; ``ks[i] > 0`` only for requests ready to speculate.
-
-    kv_pool: the target group [num_blocks, Hkv, num_layers, 2, block_size, head_dim].
-    """
-    pending = [r.all_token_ids[r.num_computed :] for r in reqs]
-    proposals: list[DraftProposal] = [DraftProposal((), None)] * len(reqs)
-    spec = [i for i, k in enumerate(ks) if k > 0]
-    if drafter is not None and spec:
-        for i, prop in zip(
-            spec, drafter.propose([reqs[i] for i in spec], [ks[i] for i in spec]), strict=True
-        ):
-            proposals[i] = prop
-
+    """Advance every request by one step; ``ks[i]`` extra positions may be verified for it."""
+    pending = [
+        r.all_token_ids[r.num_computed : r.num_computed + n]
+        for r, n in zip(reqs, new_tokens, strict=True)
+    ]
+    samples = [r.num_computed + n == r.num_tokens for r, n in zip(reqs, new_tokens, strict=True)]
+    proposals = _propose(drafter, reqs, samples, ks)
+    widths = [min(len(p.tokens), k) + 1 for p, k in zip(proposals, ks, strict=True)]
     batch = [
         SeqInput(
             r.block_table,
             r.num_computed,
-            pend + list(prop.tokens),
-            list(range(len(pend) - 1, len(pend) + len(prop.tokens))),
+            pend + list(prop.tokens[: w - 1]),
+            list(range(len(pend) - 1, len(pend) - 1 + w)) if sample else [],
         )
-        for r, pend, prop in zip(reqs, pending, proposals, strict=True)
+        for r, pend, prop, w, sample in zip(reqs, pending, proposals, widths, samples, strict=True)
     ]
-    out = run_step(target, kv_pool, block_size, batch)
-    row_params = [r.sampling for r, n in zip(reqs, out.rows_per_seq, strict=True) for _ in range(n)]
-    p = probs_from_logits(out.logits, row_params)  # [sum(k_i + 1), V]
+    out = target.run(batch)
 
-    num_drafts = [len(prop.tokens) for prop in proposals]
-    flat = [t for prop in proposals for t in prop.tokens]
-    draft_tokens = torch.tensor(flat, dtype=torch.long, device=p.device)  # [sum k_i]
-    with_probs = [prop.probs for prop in proposals if prop.probs is not None]
-    draft_probs = torch.cat(with_probs).to(p.device) if with_probs else None  # [sum k_i, V]
+    emissions = [Emission((), 0, 0, len(b.token_ids)) for b in batch]
+    sampled = [i for i, s in enumerate(samples) if s]
+    for i, s in enumerate(samples):
+        if not s:
+            reqs[i].num_computed += new_tokens[i]
+    if not sampled:
+        return emissions
+    row_params = [reqs[i].sampling for i in sampled for _ in range(widths[i])]
+    p = probs_from_logits(out.logits, row_params)  # [sum(w_i), V] over sampled sequences
+    tested = [proposals[i].tokens[: widths[i]] for i in sampled]
+    flat = [t for toks in tested for t in toks]
+    draft_tokens = torch.tensor(flat, dtype=torch.long, device=p.device)  # [sum t_i]
+    with_probs = []
+    for i, t in zip(sampled, tested, strict=True):
+        q = proposals[i].probs
+        if q is not None:
+            with_probs.append(q[: len(t)])
+    draft_probs = torch.cat(with_probs).to(p.device) if with_probs else None  # [sum t_i, V]
     uniforms = torch.cat(
         [
-            accept_uniforms(r.sampling, len(r.output_token_ids), k)
-            for r, k in zip(reqs, num_drafts, strict=True)
+            accept_uniforms(reqs[i].sampling, len(reqs[i].output_token_ids), len(t))
+            for i, t in zip(sampled, tested, strict=True)
         ]
     )
-    ver = rejection_sample(p, draft_tokens, num_drafts, draft_probs, uniforms)
-
-    emissions = []
-    for i, (r, prop) in enumerate(zip(reqs, proposals, strict=True)):
-        n = int(ver.num_accepted[i])
-        final = sample_token(
-            ver.final_dist[i], r.sampling, len(r.output_token_ids) + n, Stream.SAMPLE
-        )
-        r.num_computed += len(pending[i]) + n
+    ver = rejection_sample(
+        p,
+        [widths[i] for i in sampled],
+        draft_tokens,
+        [len(t) for t in tested],
+        draft_probs,
+        uniforms,
+    )
+    for row, (i, toks) in enumerate(zip(sampled, tested, strict=True)):
+        r = reqs[i]
+        n = int(ver.num_accepted[row])
+        emitted = toks[:n]
+        if bool(ver.has_final[row]):
+            pos = len(r.output_token_ids) + n
+            emitted += (sample_token(ver.final_dist[row], r.sampling, pos, Stream.SAMPLE),)
+        # KV now holds the pending tokens and the accepted drafts that were fed.
+        r.num_computed += len(pending[i]) + min(n, widths[i] - 1)
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
-        emissions.append(
-            Emission((*prop.tokens[:n], final), len(prop.tokens), n, len(batch[i].token_ids))
-        )
+        emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids))
     return emissions

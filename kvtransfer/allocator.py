@@ -1,18 +1,35 @@
-"""The block allocator: pure Python, no tensors.
+"""The block allocator, with optional prefix caching: pure Python, no tensors.
 
-Blocks are identified by integers ``0 .. num_blocks - 1``. A block is either on the free list or
-referenced by one or more owners (reference count > 0), never both. Sequences own blocks through
-their block tables; a lease (prefill side) owns the blocks it keeps alive for a transfer.
+Blocks are integers ``0 .. num_blocks - 1``. A block is either on the free list or referenced
+by one or more owners (reference count > 0), never both. Sequences own blocks through their
+block tables; a lease (prefill side) owns the blocks it keeps alive for a transfer.
+
+**Prefix caching.** A full block of a prompt is identified by a hash chained over every token up
+to its end (:func:`block_hashes`). Once its KV is computed, :meth:`BlockAllocator.register`
+records it; a later prompt sharing those full blocks gets the same blocks back from
+:meth:`BlockAllocator.lookup` and skips their compute. A cached block whose last owner frees it
+stays cached on the free list (least recently freed first) until an allocation reuses it, which
+evicts its hash.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens`` (a partial last block gets none)."""
+    out: list[int] = []
+    prev = salt
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        prev = hash((prev, tuple(tokens[start : start + block_size])))
+        out.append(prev)
+    return out
 
 
 class BlockAllocator:
@@ -20,23 +37,36 @@ class BlockAllocator:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks, each with reference count 1."""
+        """Take ``n`` free blocks (evicting cached ones, oldest first), each with one reference."""
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            h = self._hash_of.pop(b, None)
+            if h is not None:
+                del self._block_of[h]
+                self.evictions += 1
             self._refs[b] = 1
+            out.append(b)
         return out
 
     def fork(self, blocks: Iterable[int]) -> None:
@@ -46,23 +76,52 @@ class BlockAllocator:
                 raise ValueError(f"block {b} is free and cannot be shared")
             self._refs[b] += 1
 
-    def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks nobody references return to the free list."""
-        for b in blocks:
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block; unreferenced blocks return to the free list.
+
+        A sequence's blocks are released last-first, so its prefix blocks are evicted last.
+        """
+        for b in reversed(blocks):
             if self._refs[b] <= 0:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def lookup(self, hashes: Sequence[int]) -> list[int]:
+        """The blocks of the longest cached prefix of ``hashes``, one reference taken on each."""
+        out: list[int] = []
+        for h in hashes:
+            b = self._block_of.get(h)
+            if b is None:
+                break
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+            out.append(b)
+        return out
+
+    def register(self, block: int, h: int) -> None:
+        """Record that referenced ``block`` holds the computed KV of the full block hashed ``h``."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free; only owned blocks can be cached")
+        if h in self._block_of or block in self._hash_of:
+            return  # the same content is cached already, or this block already has its hash
+        self._hash_of[block] = h
+        self._block_of[h] = block
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
 
     def check(self) -> None:
-        """Assert the invariant: every block is free xor referenced, and none is lost."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a block is on the free list twice")
+        """Assert the invariants: free xor referenced, nothing lost, the cache maps consistent."""
         for b in range(self.num_blocks):
-            if (b in free) == (self._refs[b] > 0):
-                raise AssertionError(f"block {b}: free={b in free} refs={self._refs[b]}")
+            if (b in self._free) == (self._refs[b] > 0):
+                raise AssertionError(f"block {b}: free={b in self._free} refs={self._refs[b]}")
+        if len(self._free) + sum(r > 0 for r in self._refs) != self.num_blocks:
+            raise AssertionError("a block is lost")
+        for b, h in self._hash_of.items():
+            if self._block_of.get(h) != b:
+                raise AssertionError(f"cache maps disagree on block {b}")
+        if len(self._hash_of) != len(self._block_of):
+            raise AssertionError("cache maps differ in size")

@@ -96,3 +96,21 @@ def group_spec(
     if num_kv_heads % tp_size:
         raise ValueError(f"{name}: {num_kv_heads} KV heads cannot be split over TP={tp_size}")
     return KVGroupSpec(name, num_layers, num_kv_heads // tp_size, head_dim, dtype)
+
+
+def pool_spec_for(
+    num_blocks: int,
+    block_size: int,
+    target: tuple[int, int, int, str],
+    draft: tuple[int, int, int, str] | None = None,
+    tp_size: int = 1,
+) -> KVPoolSpec:
+    """A pool with a "target" group (and a "draft" group when given).
+
+    ``target`` and ``draft`` are ``(num_layers, num_kv_heads, head_dim, dtype)`` of each model;
+    the target's heads are split over ``tp_size`` ranks, the draft lives whole on one rank.
+    """
+    groups = [group_spec("target", *target[:3], target[3], tp_size)]
+    if draft is not None:
+        groups.append(group_spec("draft", *draft[:3], draft[3]))
+    return KVPoolSpec(num_blocks, block_size, tuple(groups))

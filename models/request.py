@@ -34,9 +34,10 @@ class FinishReason(enum.Enum):
 class AcceptanceStats:
     """Speculation outcomes of one request."""
 
-    num_steps: int = 0  # verification steps that carried at least one draft token
+    num_steps: int = 0  # verification steps that tested at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens those steps produced (accepted plus recovered/bonus)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -49,7 +50,7 @@ class AcceptanceStats:
         """Tokens emitted per verification step, the bonus or recovered token included."""
         if self.num_steps == 0:
             return None
-        return (self.num_accepted_tokens + self.num_steps) / self.num_steps
+        return self.num_emitted_tokens / self.num_steps
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,9 +47,33 @@ def run_step(
     for s in batch:
         rows.extend(start + p for p in s.logit_positions)
         start += len(s.token_ids)
-    picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [N, hidden]
+    picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [N, hidden], N may be 0
     return StepResult(
         hidden=picked,
         logits=model.logits(picked),
         rows_per_seq=tuple(len(s.logit_positions) for s in batch),
     )
+
+
+class ModelRunner(ABC):
+    """Runs forward steps of one model over its paged KV, on one process or a TP group.
+
+    ``run`` writes the batch's K/V into the model's pool (every rank its own heads) and returns
+    the logits the batch asked for, full-vocabulary, on the calling process.
+    """
+
+    @abstractmethod
+    def run(self, batch: Sequence[SeqInput]) -> StepResult:
+        """One forward step over ``batch``."""
+
+
+class LocalRunner(ModelRunner):
+    """The whole model in this process (TP = 1), its pool a local tensor."""
+
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool  # [num_blocks, Hkv, num_layers, 2, block_size, head_dim]
+        self.block_size = block_size
+
+    def run(self, batch: Sequence[SeqInput]) -> StepResult:
+        return run_step(self.model, self.kv_pool, self.block_size, batch)

@@ -15,6 +15,8 @@ class PrefillWorkerConfig:
     device: str = "cpu"
     num_blocks: int = 512
     block_size: int = 16
+    max_num_batched_tokens: int = 2048  # prompt tokens per forward (chunked prefill budget)
+    enable_prefix_caching: bool = True
     probe_window: int = 16  # prompt positions the acceptance probe averages over
     lease_seconds: float = 30.0
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default

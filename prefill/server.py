@@ -1,4 +1,4 @@
-"""The prefill Ray Serve deployment: one ``PrefillWorker`` behind a single worker thread."""
+"""The prefill Ray Serve deployment: a ``PrefillWorker`` stepped on one dedicated thread."""
 
 from __future__ import annotations
 
@@ -15,21 +15,31 @@ from prefill.worker import PrefillWorker
 
 
 class PrefillServer:
-    """Serializes prefills and lease upkeep on one thread (the worker is not thread-safe)."""
+    """Queues prompts into the worker and steps it while there is work; leases are reaped
+    between steps and, when idle, every ``REAP_PERIOD_S``. A caller that goes away cancels its
+    prompt (or ends its lease), so no blocks wait for a pull that will never come."""
 
     REAP_PERIOD_S = 0.05
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         self.worker = PrefillWorker(cfg)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
+        self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
-    def _ensure_reaper(self) -> None:
+    def _kick(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._stepper is None or self._stepper.done():
+            self._stepper = loop.create_task(self._step_while_busy())
         if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+            self._reaper = loop.create_task(self._reap_forever())
+
+    async def _step_while_busy(self) -> None:
+        while self.worker.has_work:
+            await self._run(self.worker.step)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -37,12 +47,23 @@ class PrefillServer:
             await asyncio.sleep(self.REAP_PERIOD_S)
 
     async def prefill(self, req: Request) -> KVHandoff:
-        self._ensure_reaper()
-        handoff: KVHandoff = await self._run(self.worker.prefill, req)
-        return handoff
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[KVHandoff] = loop.create_future()
+
+        def done(result: KVHandoff | BaseException) -> None:  # runs on the worker thread
+            loop.call_soon_threadsafe(_settle, fut, result)
+
+        self.worker.submit(req, done)
+        self._kick()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.worker.cancel(req.request_id)
+            self._kick()
+            raise
 
     async def stats(self) -> dict[str, Any]:
-        self._ensure_reaper()
+        self._kick()
         await self._run(self.worker.reap)
         out = asdict(self.worker.stats())
         out["transport"] = self.worker.transport.name
@@ -50,7 +71,17 @@ class PrefillServer:
         return out
 
     def __del__(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
+        for task in (self._stepper, self._reaper):
+            if task is not None:
+                task.cancel()
         with contextlib.suppress(Exception):
             self._exec.shutdown(wait=False)
+
+
+def _settle(fut: asyncio.Future[KVHandoff], result: KVHandoff | BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)

@@ -1,14 +1,19 @@
-"""The prefill worker: runs the target (and draft) over a prompt into leased KV blocks.
+"""The prefill worker: prompts in, leased KV blocks and ``KVHandoff``s out.
 
-One worker owns one KV pool registered once with its transport. For each request it computes
-the prompt's KV for every KV group, samples the first token with the request's own sampling
-parameters, estimates the draft's acceptance rate from both models' distributions over the
-prompt (the probe), and returns a :class:`KVHandoff`. The blocks stay leased until decode has
-read them (the transport's completion notice) or the lease expires.
+One worker owns one KV pool registered once with its transport. Prompts queue first come,
+first served; each :meth:`PrefillWorker.step` runs one forward of the target (and of the draft
+model, when there is one) over chunks of several prompts within a token budget
+(``prefill.chunks``), skipping full blocks a previous prompt already computed (prefix caching,
+``kvtransfer.allocator``). When a prompt's last chunk is done the worker samples the first token
+with the request's own sampling parameters, estimates the draft's acceptance rate from both
+models' distributions over the last prompt positions (the probe), and hands out a
+:class:`KVHandoff`; its blocks stay leased until decode has read them (the transport's
+completion notice) or the lease expires.
 
-Not thread-safe: the Serve deployment runs every call on one worker thread. After start-up
-only the worker's own progress thread touches the transport: it drives the transport's
-progress (so decode's reads are served) and collects completion notices for ``reap``.
+Threads: ``submit`` and ``cancel`` may be called from any thread; everything else runs on the
+one thread that calls ``step``. After start-up only the worker's progress thread touches the
+transport: it drives the transport's progress (so decode's reads are served) and collects
+completion notices for ``reap``.
 """
 
 from __future__ import annotations
@@ -18,41 +23,54 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.allocator import BlockAllocator, OutOfBlocksError
+from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVCompat, KVHandoff
 from kvtransfer.leases import Lease, LeaseTable
 from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.pool import KV_LAYOUT, KVPool, KVPoolSpec, group_spec
+from kvtransfer.pool import KV_LAYOUT, KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
 from models.acceptance import one_hot_overlap, overlap, probe_estimate
 from models.ngram import ngram_lookup
 from models.request import FinishReason, Request
-from models.runner import SeqInput, run_step
+from models.runner import LocalRunner, ModelRunner, SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
 from models.spec import DraftKind
+from prefill.chunks import plan_chunks, window_rows
 from prefill.config import PrefillWorkerConfig
+from prefill.stats import PrefillStats
 
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 0.0002  # progress period while some lease may be read
 IDLE_POLL_S = 0.005
 
+Done = Callable[[KVHandoff | BaseException], None]
+
 
 class PrefillCapacityError(RuntimeError):
-    """The prompt needs more KV blocks than this worker can free right now."""
+    """The prompt needs more KV blocks than this worker's pool holds."""
 
 
-@dataclass(frozen=True)
-class PrefillStats:
-    num_blocks: int
-    free_blocks: int
-    leased_blocks: int
-    active_leases: int
-    prefills: int
-    prompt_tokens: int
+@dataclass
+class _Prompt:
+    req: Request
+    on_done: Done
+    hashes: list[int]
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    admitted: bool = False
+    target_logits: list[torch.Tensor] = field(default_factory=list)  # [w_i, V] per chunk
+    draft_logits: list[torch.Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # prompt positions of those rows
+
+    @property
+    def length(self) -> int:
+        return len(self.req.prompt_token_ids)
 
 
 class PrefillWorker:
@@ -60,20 +78,24 @@ class PrefillWorker:
         if cfg.num_threads > 0:
             torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        self.target = cfg.target.load(cfg.device)
-        self.draft_model = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
-        tc = self.target.cfg
-        groups = [
-            group_spec("target", tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype)
-        ]
-        if self.draft_model is not None and cfg.draft.model is not None:
-            dc = self.draft_model.cfg
-            groups.append(
-                group_spec(
-                    "draft", dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype
-                )
-            )
-        self.pool = KVPool(KVPoolSpec(cfg.num_blocks, cfg.block_size, tuple(groups)), cfg.device)
+        target = cfg.target.load(cfg.device)
+        draft = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
+        tc = target.cfg
+        dshape = None
+        if draft is not None and cfg.draft.model is not None:
+            dc = draft.cfg
+            dshape = (dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype)
+        spec = pool_spec_for(
+            cfg.num_blocks,
+            cfg.block_size,
+            (tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype),
+            dshape,
+        )
+        self.pool = KVPool(spec, cfg.device)
+        self.target: ModelRunner = LocalRunner(target, self.pool.tensor("target"), cfg.block_size)
+        self.draft: ModelRunner | None = None
+        if draft is not None:
+            self.draft = LocalRunner(draft, self.pool.tensor("draft"), cfg.block_size)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.leases = LeaseTable()
         self.transport: KVTransport = NixlTransport(self.pool, role="prefill")
@@ -85,24 +107,195 @@ class PrefillWorker:
             tp_size=1,
             draft=cfg.draft.identity(),
         )
-        self._prefills = 0
-        self._prompt_tokens = 0
+        self._queue: list[_Prompt] = []
+        self._inbox: queue.SimpleQueue[_Prompt | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._stats = PrefillStats(num_blocks=cfg.num_blocks)
         self._stop = threading.Event()
         self._progress = threading.Thread(
             target=self._progress_loop, name="tandem-kv-progress", daemon=True
         )
         self._progress.start()
+        # Stop the progress thread before the interpreter tears NIXL down, even if nobody
+        # calls close() (a daemon thread inside a NIXL call at exit aborts the process).
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._progress)
+
+    # ---- any thread ----------------------------------------------------------------------
+
+    def submit(self, req: Request, on_done: Done) -> None:
+        """Queue a prompt; ``on_done`` later receives its handoff or the error."""
+        caching = self.cfg.enable_prefix_caching
+        hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size) if caching else []
+        self._inbox.put(_Prompt(req, on_done, hashes))
+
+    def cancel(self, request_id: str) -> None:
+        """The client is gone: drop the prompt, or end its lease if it was already handed off."""
+        self._inbox.put(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue) or not self._inbox.empty()
+
+    # ---- the stepping thread -------------------------------------------------------------
+
+    def prefill(self, req: Request) -> KVHandoff:
+        """Run one prompt to its handoff on the calling thread (tools and tests)."""
+        out: list[KVHandoff | BaseException] = []
+        self.submit(req, out.append)
+        while not out:
+            self.step()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
+
+    def step(self) -> None:
+        """Admit what fits, then one forward over the next chunks of admitted prompts."""
+        self._drain_inbox()
+        self.reap()
+        self._admit()
+        active = [p for p in self._queue if p.admitted]
+        chunks = plan_chunks(
+            [(p.num_computed, p.length) for p in active], self.cfg.max_num_batched_tokens
+        )
+        if not chunks:
+            return
+        batch = []
+        for c in chunks:
+            p = active[c.index]
+            rows = window_rows(c, p.length, self.cfg.probe_window)
+            batch.append(SeqInput(p.blocks, c.start, p.req.prompt_token_ids[c.start : c.end], rows))
+        try:
+            target = self.target.run(batch)
+            draft = self.draft.run(batch) if self.draft is not None else None
+        except Exception as e:
+            log.exception("prefill forward failed")
+            for c in chunks:
+                self._fail(active[c.index], e)
+            return
+        row = 0
+        for c, seq in zip(chunks, batch, strict=True):
+            p = active[c.index]
+            n = len(seq.logit_positions)
+            if n:
+                p.target_logits.append(target.logits[row : row + n])
+                if draft is not None:
+                    p.draft_logits.append(draft.logits[row : row + n])
+                p.positions.extend(c.start + r for r in seq.logit_positions)
+            row += n
+            p.num_computed = c.end
+            self._stats.prompt_tokens_computed += c.end - c.start
+            if p.num_computed == p.length:
+                self._finish(p)
+
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if isinstance(item, _Prompt):
+                self._queue.append(item)
+                continue
+            for p in self._queue:
+                if p.req.request_id == item:
+                    self._queue.remove(p)
+                    if p.blocks:
+                        self.allocator.free(p.blocks)
+                    break
+            else:
+                lease = self.leases.pop(item)
+                if lease is not None:
+                    self.allocator.free(lease.blocks)
+
+    def _admit(self) -> None:
+        bs = self.cfg.block_size
+        for p in list(self._queue):
+            if p.admitted:
+                continue
+            need_total = math.ceil(p.length / bs)
+            if need_total > self.cfg.num_blocks:
+                self._fail(
+                    p,
+                    PrefillCapacityError(
+                        f"prompt of {p.length} tokens exceeds the prefill KV pool "
+                        f"({self.cfg.num_blocks * bs} tokens)"
+                    ),
+                )
+                continue
+            # Keep at least the last prompt token to compute: its logits give the first token.
+            cached = self.allocator.lookup(p.hashes[: (p.length - 1) // bs])
+            if not self.allocator.can_allocate(need_total - len(cached)):
+                self.allocator.free(cached)
+                return  # first come, first served: wait for leases to end
+            p.blocks = cached + self.allocator.allocate(need_total - len(cached))
+            p.num_computed = len(cached) * bs
+            p.admitted = True
+            self._stats.prompt_tokens_cached += p.num_computed
+
+    def _finish(self, p: _Prompt) -> None:
+        self._queue.remove(p)
+        req, sp = p.req, p.req.sampling
+        try:
+            probs = probs_from_logits(torch.cat(p.target_logits), [sp] * len(p.positions))  # [W, V]
+            first = sample_token(probs[-1], sp, 0, Stream.SAMPLE)
+            probe = self._probe(p, probs)
+        except Exception as e:
+            self._fail(p, e)
+            return
+        for block, h in zip(p.blocks, p.hashes, strict=False):
+            self.allocator.register(block, h)
+        self._stats.prefills += 1
+        finish = FinishReason.STOP if first in sp.stop_token_ids else None
+        if finish is None and sp.max_tokens <= 1:
+            finish = FinishReason.LENGTH
+        expiry = time.time() + self.cfg.lease_seconds
+        blocks = tuple(p.blocks)
+        if finish is not None:  # nothing left for decode to do: don't hold the blocks
+            self.allocator.free(p.blocks)
+            blocks = ()
+        else:
+            self.leases.add(Lease(req.request_id, blocks, expiry))
+        p.on_done(
+            KVHandoff(
+                request_id=req.request_id,
+                source=self.transport.source(),
+                block_ids=blocks,
+                groups=tuple(self.pool.tensors),
+                num_tokens=p.length,
+                first_token=first,
+                compat=self.compat,
+                lease_expiry=expiry,
+                acceptance_probe=probe,
+                finish_reason=finish.value if finish else None,
+            )
+        )
+
+    def _probe(self, p: _Prompt, probs: torch.Tensor) -> float | None:
+        if p.draft_logits:
+            q = probs_from_logits(torch.cat(p.draft_logits), [p.req.sampling] * len(p.positions))
+            return probe_estimate(overlap(probs, q))
+        d = self.cfg.draft
+        if d.kind is DraftKind.NGRAM:
+            prompt = p.req.prompt_token_ids
+            props = [
+                (ngram_lookup(prompt[: t + 1], 1, d.ngram_max, d.ngram_min) or [-1])[0]
+                for t in p.positions
+            ]
+            return probe_estimate(one_hot_overlap(probs, torch.tensor(props, device=probs.device)))
+        return None
+
+    def _fail(self, p: _Prompt, error: BaseException) -> None:
+        if p in self._queue:
+            self._queue.remove(p)
+        if p.blocks:
+            self.allocator.free(p.blocks)
+            p.blocks = []
+        p.on_done(error)
+
+    # ---- leases --------------------------------------------------------------------------
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
             for rid in self.transport.completed():
                 self._completed.put(rid)
             time.sleep(ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S)
-
-    @property
-    def max_prompt_tokens(self) -> int:
-        return self.cfg.num_blocks * self.cfg.block_size
 
     def reap(self, now: float | None = None) -> int:
         """End leases whose pull completed or that expired; return the blocks freed."""
@@ -114,96 +307,25 @@ class PrefillWorker:
                 freed += len(lease.blocks)
         for lease in self.leases.pop_expired(time.time() if now is None else now):
             log.warning("lease of %s expired before decode pulled it", lease.request_id)
+            self._stats.leases_expired += 1
             self.allocator.free(lease.blocks)
             freed += len(lease.blocks)
         return freed
 
-    def prefill(self, req: Request) -> KVHandoff:
-        """Compute the prompt's KV, sample the first token, and lease the blocks to decode."""
-        self.reap()
-        n = len(req.prompt_token_ids)
-        need = math.ceil(n / self.cfg.block_size)
-        if need > self.cfg.num_blocks:
-            raise PrefillCapacityError(
-                f"prompt of {n} tokens exceeds the prefill KV pool "
-                f"({self.max_prompt_tokens} tokens)"
-            )
-        try:
-            blocks = self.allocator.allocate(need)
-        except OutOfBlocksError as e:
-            raise PrefillCapacityError(str(e)) from e
-        try:
-            first, probe = self._compute(req, blocks)
-        except BaseException:
-            self.allocator.free(blocks)
-            raise
-        self._prefills += 1
-        self._prompt_tokens += n
-        finish = self._finish_reason(req, first)
-        if finish is not None:  # nothing left for decode to do: don't hold the blocks
-            self.allocator.free(blocks)
-            blocks = []
-        else:
-            expiry = time.time() + self.cfg.lease_seconds
-            self.leases.add(Lease(req.request_id, tuple(blocks), expiry))
-        return KVHandoff(
-            request_id=req.request_id,
-            source=self.transport.source(),
-            block_ids=tuple(blocks),
-            groups=tuple(self.pool.tensors),
-            num_tokens=n,
-            first_token=first,
-            compat=self.compat,
-            lease_expiry=time.time() + self.cfg.lease_seconds,
-            acceptance_probe=probe,
-            finish_reason=finish.value if finish else None,
-        )
-
-    def _compute(self, req: Request, blocks: list[int]) -> tuple[int, float | None]:
-        prompt = req.prompt_token_ids
-        n = len(prompt)
-        w = max(1, min(self.cfg.probe_window, n))
-        positions = list(range(n - w, n))
-        seq = SeqInput(blocks, 0, prompt, positions)
-        bs = self.cfg.block_size
-        target = run_step(self.target, self.pool.tensor("target"), bs, [seq])
-        p = probs_from_logits(target.logits, [req.sampling] * w)  # [W, V]
-        first = sample_token(p[-1], req.sampling, 0, Stream.SAMPLE)
-        probe: float | None = None
-        kind = self.cfg.draft.kind
-        if self.draft_model is not None:
-            draft = run_step(self.draft_model, self.pool.tensor("draft"), bs, [seq])
-            q = probs_from_logits(draft.logits, [req.sampling] * w)
-            probe = probe_estimate(overlap(p, q))
-        elif kind is DraftKind.NGRAM:
-            d = self.cfg.draft
-            proposals = [
-                (ngram_lookup(prompt[: t + 1], 1, d.ngram_max, d.ngram_min) or [-1])[0]
-                for t in positions
-            ]
-            probe = probe_estimate(one_hot_overlap(p, torch.tensor(proposals, device=p.device)))
-        return first, probe
-
-    @staticmethod
-    def _finish_reason(req: Request, first: int) -> FinishReason | None:
-        sp = req.sampling
-        if first in sp.stop_token_ids:
-            return FinishReason.STOP
-        if sp.max_tokens <= 1:
-            return FinishReason.LENGTH
-        return None
-
     def stats(self) -> PrefillStats:
-        return PrefillStats(
-            num_blocks=self.cfg.num_blocks,
-            free_blocks=self.allocator.num_free,
-            leased_blocks=self.leases.num_blocks,
-            active_leases=len(self.leases),
-            prefills=self._prefills,
-            prompt_tokens=self._prompt_tokens,
-        )
+        s = self._stats
+        s.free_blocks = self.allocator.num_free
+        s.cached_blocks = self.allocator.num_cached
+        s.leased_blocks = self.leases.num_blocks
+        s.active_leases = len(self.leases)
+        s.queued = len(self._queue)
+        return PrefillStats(**s.__dict__)
 
     def close(self) -> None:
-        self._stop.set()
-        self._progress.join(timeout=1.0)
+        self._finalizer()
         self.transport.close()
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join(timeout=1.0)

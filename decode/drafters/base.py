@@ -15,27 +15,31 @@ from models.request import Request
 class DraftProposal:
     """Tokens a drafter proposes for one request, and the distributions it drew them from."""
 
-    tokens: tuple[int, ...]  # k_i tokens, possibly fewer than asked for (even none)
-    probs: torch.Tensor | None  # [k_i, V] draft distributions; None means one-hot on `tokens`
+    tokens: tuple[int, ...]  # up to `width` tokens, possibly fewer (even none)
+    probs: torch.Tensor | None  # [len(tokens), V] draft distributions; None: one-hot on `tokens`
 
 
 class Drafter(ABC):
     """Proposes continuation tokens for a batch of running requests.
 
-    ``propose`` receives requests whose target KV covers every known token but the last
-    (``num_computed == num_tokens - 1``) together with the most tokens each may propose; it
-    may return fewer. Proposals must be drawn from ``probs`` under the request's own sampling
-    transform (``models.sampling.probs_from_logits``), which keeps verification exact. A
-    drafter with its own KV keeps ``Request.num_draft_computed`` up to date; after
-    verification the engine lowers that counter to the tokens that stayed valid.
+    ``propose`` receives requests and, for each, the number of output positions the step will
+    verify; it proposes tokens for the positions right after every known token
+    (``len(output_token_ids)``, ``+1``, ...), and may stop early where it has nothing to
+    propose. The proposal at a position must depend only on the tokens before it (never on how
+    many positions were asked for), and be drawn with the generator of
+    ``(seed, position, Stream.DRAFT)`` from ``probs``, computed under the request's own sampling
+    transform (``models.sampling.probs_from_logits``): that keeps verification exact and seeded
+    outputs independent of the step width. A drafter with its own KV keeps
+    ``Request.num_draft_computed`` up to date; after verification the engine lowers that
+    counter to the tokens that stayed valid.
     """
 
     #: whether the drafter owns the "draft" KV group of the pool
     uses_kv: bool = False
 
     @abstractmethod
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[DraftProposal]:
-        """One proposal per request, ``len(proposal.tokens) <= k``."""
+    def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        """One proposal per request, ``len(proposal.tokens) <= width``."""
 
     @property
     def tokens_fed(self) -> int:

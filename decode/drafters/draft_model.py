@@ -7,14 +7,14 @@ from collections.abc import Sequence
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
-from models.llama import LlamaModel
 from models.request import Request
-from models.runner import SeqInput, run_step
+from models.runner import ModelRunner, SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
 
 
 class DraftModelDrafter(Drafter):
-    """Runs the draft model autoregressively, k forwards per step, each over the whole batch.
+    """Runs the draft model autoregressively, one forward per proposed position, each over the
+    whole batch.
 
     The first forward of a step also catches the draft's KV up on every token it has not seen
     (the previous step's bonus or recovered token, or the whole prompt when the prompt was
@@ -23,29 +23,27 @@ class DraftModelDrafter(Drafter):
 
     uses_kv = True
 
-    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
-        self.model = model
-        self.kv_pool = kv_pool  # [num_blocks, Hkv, num_layers, 2, block_size, head_dim]
-        self.block_size = block_size
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner  # the draft model over the pool's "draft" group
         self._fed = 0
 
     @property
     def tokens_fed(self) -> int:
         return self._fed
 
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[DraftProposal]:
+    def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        kmax = max(ks, default=0)
+        kmax = max(widths, default=0)
         for j in range(kmax):
-            live = [i for i, k in enumerate(ks) if k > j]
+            live = [i for i, w in enumerate(widths) if w > j]
             batch = []
             for i in live:
                 r = reqs[i]
                 feed = r.all_token_ids[r.num_draft_computed :] if j == 0 else [tokens[i][-1]]
                 batch.append(SeqInput(r.block_table, r.num_draft_computed, feed, [len(feed) - 1]))
                 self._fed += len(feed)
-            out = run_step(self.model, self.kv_pool, self.block_size, batch)
+            out = self.runner.run(batch)
             q = probs_from_logits(out.logits, [reqs[i].sampling for i in live])  # [B_j, V]
             for row, i in enumerate(live):
                 r = reqs[i]

@@ -16,8 +16,18 @@ class NgramDrafter(Drafter):
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[DraftProposal]:
-        return [
-            DraftProposal(tuple(ngram_lookup(r.all_token_ids, k, self.max_n, self.min_n)), None)
-            for r, k in zip(reqs, ks, strict=True)
-        ]
+    def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        return [self._one(r.all_token_ids, w) for r, w in zip(reqs, widths, strict=True)]
+
+    def _one(self, tokens: list[int], width: int) -> DraftProposal:
+        # Position by position, each lookup over the tokens before it (earlier proposals
+        # assumed accepted), so a position's proposal never depends on the width asked for.
+        seq = list(tokens)
+        out: list[int] = []
+        for _ in range(width):
+            nxt = ngram_lookup(seq, 1, self.max_n, self.min_n)
+            if not nxt:
+                break
+            out.append(nxt[0])
+            seq.append(nxt[0])
+        return DraftProposal(tuple(out), None)

@@ -65,11 +65,11 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     accepted = sum(r.stats.num_accepted_tokens for r in spec_reqs)
     assert drafted > 0 and accepted > 0  # speculation really ran, and really accepted
 
-    # Decode never recomputed a prompt: it fed the target one token per step plus the drafts.
-    stats = spec_engine.stats()
-    outputs = sum(len(v) for v in spec.values())
-    assert stats.target_tokens_fed == outputs - len(prompts) + drafted - accepted
-    assert stats.target_tokens_fed < sum(len(p) for p in prompts)
+    # Decode never recomputed a prompt: every token the target was fed became an output, or was
+    # a draft it rejected. (Recomputing even one prompt would add its ~45 tokens.)
+    fed = spec_engine.stats().target_tokens_fed
+    decoded = sum(len(v) for v in spec.values()) - len(prompts)  # the first token is prefill's
+    assert decoded <= fed <= decoded + drafted - accepted
     # ... because the prompt KV came over NIXL: exactly the prompt blocks, every byte.
     blocks = sum((len(p) + 15) // 16 for p in prompts)
     block_bytes = spec_engine.pool.tensor("target")[0].numel() * 4
@@ -110,8 +110,12 @@ def test_draft_model_greedy_equals_plain(
     out_a, out_b = run_all(engine, a, prefill=prefill), run_all(plain, b)
     assert [out_a[r.request_id] for r in a] == [out_b[r.request_id] for r in b]
     assert sum(r.stats.num_draft_tokens for r in a) > 0
-    if prefill is not None:  # the draft's prompt KV came in the handoff: no prompt recompute
-        assert engine.stats().draft_tokens_fed < sum(len(p) for p in prompts)
+    if prefill is not None:
+        # The draft's prompt KV came in the handoff: the draft was fed only outputs (catching
+        # up) and its own proposals, never a prompt (which would add 30+ tokens per request).
+        decoded = sum(len(out_a[r.request_id]) for r in a) - len(a)
+        drafted = sum(r.stats.num_draft_tokens for r in a)
+        assert engine.stats().draft_tokens_fed <= decoded + drafted
 
 
 def test_draft_equal_to_target_is_always_accepted(tiny_specs: tuple[ModelSpec, ModelSpec]) -> None:
@@ -127,7 +131,7 @@ def test_draft_equal_to_target_is_always_accepted(tiny_specs: tuple[ModelSpec, M
     handoffs_probe = []
     run_all(engine, reqs, prefill=prefill)
     for r in reqs:
-        assert r.stats.num_draft_tokens == r.stats.num_accepted_tokens == 16
+        assert r.stats.num_draft_tokens == r.stats.num_accepted_tokens == 20  # every output
         handoffs_probe.append(r.acceptance_estimate)
     assert all(p == pytest.approx(1.0) for p in handoffs_probe)
 

@@ -28,7 +28,7 @@ def _first_token_counts(
         tp = p.repeat(batch, 1)  # [batch * (k + 1), V]
         dp = q.repeat(batch, 1) if q is not None else None
         u = torch.rand(batch * k, generator=gen)
-        ver = rejection_sample(tp, d.reshape(-1), [k] * batch, dp, u)
+        ver = rejection_sample(tp, [k + 1] * batch, d.reshape(-1), [k] * batch, dp, u)
         final = torch.multinomial(ver.final_dist, 1, generator=gen).squeeze(1)
         first = torch.where(ver.num_accepted > 0, d[:, 0], final)
         counts += torch.bincount(first, minlength=V).float()
@@ -65,15 +65,27 @@ def test_one_hot_draft_matches_target() -> None:
 def test_greedy_accepts_exactly_the_argmax_prefix() -> None:
     p = torch.zeros(4, V)
     p[0, 2] = p[1, 5] = p[2, 1] = p[3, 0] = 1.0  # greedy target path: 2, 5, 1, then 0
-    ver = rejection_sample(p, torch.tensor([2, 5, 3]), [3], None, torch.zeros(3))
+    ver = rejection_sample(p, [4], torch.tensor([2, 5, 3]), [3], None, torch.zeros(3))
     assert int(ver.num_accepted[0]) == 2
     assert int(ver.final_dist[0].argmax()) == 1  # the recovered token is the target's argmax
-    ver = rejection_sample(p, torch.tensor([2, 5, 1]), [3], None, torch.zeros(3))
+    ver = rejection_sample(p, [4], torch.tensor([2, 5, 1]), [3], None, torch.zeros(3))
     assert int(ver.num_accepted[0]) == 3 and int(ver.final_dist[0].argmax()) == 0  # bonus
 
 
 def test_ragged_batch_with_zero_drafts() -> None:
     p = torch.softmax(torch.randn(1 + 4 + 1, V, generator=torch.Generator().manual_seed(3)), -1)
-    ver = rejection_sample(p, torch.tensor([1, 2, 3]), [0, 3, 0], None, torch.full((3,), 0.999))
+    ver = rejection_sample(
+        p, [1, 4, 1], torch.tensor([1, 2, 3]), [0, 3, 0], None, torch.full((3,), 0.999)
+    )
     assert ver.num_accepted.tolist()[0] == 0 and ver.num_accepted.tolist()[2] == 0
     assert torch.allclose(ver.final_dist[0], p[0]) and torch.allclose(ver.final_dist[2], p[5])
+
+
+def test_draft_at_every_row_has_no_bonus() -> None:
+    p = torch.zeros(2, V)
+    p[0, 2] = p[1, 5] = 1.0
+    ver = rejection_sample(p, [2], torch.tensor([2, 5]), [2], None, torch.zeros(2))
+    assert int(ver.num_accepted[0]) == 2 and not bool(ver.has_final[0])
+    ver = rejection_sample(p, [2], torch.tensor([2, 4]), [2], None, torch.zeros(2))
+    assert int(ver.num_accepted[0]) == 1 and bool(ver.has_final[0])
+    assert int(ver.final_dist[0].argmax()) == 5

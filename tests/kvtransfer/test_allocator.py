@@ -4,17 +4,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.allocator import BlockAllocator, OutOfBlocksError
+from kvtransfer.allocator import BlockAllocator, OutOfBlocksError, block_hashes
 from kvtransfer.leases import Lease, LeaseTable
 
+OPS = st.sampled_from(["alloc", "fork", "free", "cache", "lookup"])
 
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(st.tuples(st.sampled_from(["alloc", "fork", "free"]), st.integers(0, 12)), max_size=60)
-)
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(OPS, st.integers(0, 12)), max_size=80))
 def test_every_block_is_free_xor_referenced(ops: list[tuple[str, int]]) -> None:
+    """After any sequence of allocate / fork / free / register / lookup (which evicts when
+    allocation reuses cached blocks), every block is free xor referenced and none is lost."""
     alloc = BlockAllocator(16)
     owners: list[list[int]] = []
+    next_hash = 0
+    hashes: list[int] = []
     for op, n in ops:
         if op == "alloc":
             if alloc.can_allocate(n):
@@ -28,11 +32,43 @@ def test_every_block_is_free_xor_referenced(ops: list[tuple[str, int]]) -> None:
             owners.append(list(blocks))
         elif op == "free" and owners:
             alloc.free(owners.pop(n % len(owners)))
+        elif op == "cache" and owners and owners[n % len(owners)]:
+            blocks = owners[n % len(owners)]
+            next_hash += 1
+            alloc.register(blocks[n % len(blocks)], next_hash)
+            hashes.append(next_hash)
+        elif op == "lookup" and hashes:
+            got = alloc.lookup(hashes[n % len(hashes) :])
+            if got:
+                owners.append(got)
         alloc.check()
     for blocks in owners:
         alloc.free(blocks)
     alloc.check()
     assert alloc.num_free == 16
+
+
+def test_prefix_is_shared_then_evicted_oldest_first() -> None:
+    alloc = BlockAllocator(4)
+    toks = list(range(40))
+    hashes = block_hashes(toks, 16)
+    assert len(hashes) == 2  # the partial third block gets no hash
+    assert block_hashes(toks[:32] + [99] * 8, 16) == hashes  # chained over the prefix only
+    assert block_hashes([7, *toks[1:32]], 16)[1] != hashes[1]  # a change upstream changes all
+
+    a = alloc.allocate(3)
+    alloc.register(a[0], hashes[0])
+    alloc.register(a[1], hashes[1])
+    b = alloc.lookup(hashes)  # a second prompt shares both full blocks
+    assert b == a[:2] and alloc.ref_count(a[0]) == 2
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.num_free == 4 and alloc.num_cached == 2
+    assert alloc.lookup(hashes) == a[:2]  # still cached while free
+    alloc.free(a[:2])
+    fresh = alloc.allocate(4)  # takes everything: both cached blocks are evicted
+    assert sorted(fresh) == [0, 1, 2, 3] and alloc.num_cached == 0 and alloc.evictions == 2
+    assert alloc.lookup(hashes) == []
 
 
 def test_double_free_is_an_error() -> None:

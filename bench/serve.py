@@ -1,0 +1,193 @@
+"""Serving load client: replays ShareGPT or a synthetic mix against an OpenAI-compatible server.
+
+Streams every request, with Poisson arrivals (``--request-rate``) or a fixed number in flight
+(``--concurrency``, or both: Poisson with a cap), bounded by ``--num-requests`` and
+``--max-seconds``. Prints TTFT, TPOT, ITL and E2E latency (mean, p50, p99), request and output
+token throughput, and the speculative acceptance the server reports; writes JSON and a PNG to
+``bench/results/serve-<label>.{json,png}``. ``--launch`` starts a local tandem cluster first.
+
+    .venv/bin/python -m bench.serve --base-url http://127.0.0.1:8000/v1 --concurrency 8
+    .venv/bin/python -m bench.serve --launch disaggregated --draft ngram --dataset sharegpt \
+        --num-requests 32 --concurrency 4 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.load_client import Arrivals, LoadResult, Target, fetch_model_id, run_load, send_streamed
+from bench.load_metrics import RequestRecord, Summary, summarize
+from bench.load_report import plot, report_json, table, write_json
+from bench.sharegpt import iter_conversations
+from bench.workloads import WorkItem, sharegpt_items, synthetic_items
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = ap.add_argument
+    add("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI API root (ends in /v1)")
+    add("--model", help="model id to send; default: the first one GET /v1/models lists")
+    add("--endpoint", choices=("chat", "completions"), default="chat")
+    add("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt")
+    add("--num-requests", type=int, default=100, help="requests in the workload")
+    add("--max-seconds", type=float, help="stop sending and cancel what is in flight after this")
+    add("--request-rate", type=float, help="Poisson arrivals per second ('inf': all at once)")
+    add("--concurrency", type=int, help="requests in flight at most (default 1 without a rate)")
+    add("--max-tokens", type=int, help="cap on every request's max_tokens")
+    add("--max-prompt-tokens", type=int, default=1024, help="ShareGPT: longest prompt (approx.)")
+    add("--input-len", type=int, default=256, help="synthetic: prompt tokens (approx.)")
+    add("--output-len", type=int, default=128, help="synthetic: max_tokens")
+    add("--range-ratio", type=float, default=0.0, help="synthetic: lengths vary by ± this ratio")
+    add("--copy-fraction", type=float, default=0.0, help="synthetic: share of copy-heavy prompts")
+    add("--temperature", type=float, default=0.0, help="0 is greedy")
+    add("--seed", type=int, default=0, help="workload sampling, arrivals, request seeds")
+    add("--request-timeout", type=float, default=600.0, help="seconds per request")
+    add("--warmup", type=int, default=1, help="untimed requests sent first")
+    add("--label", help="names the outputs; default from launch, dataset and arrivals")
+    add("--out", type=Path, help="JSON path; default bench/results/serve-<label>.json")
+    add("--launch", choices=("none", "disaggregated", "colocated"), default="none")
+    add("--draft", choices=("none", "ngram"), help="with --launch; default ngram, or --config's")
+    add("--decode-max-batch", type=int, help="with --launch: decode.max_batch_size")
+    add("--config", type=Path, help="with --launch: base TandemConfig YAML")
+    args = ap.parse_args(argv)
+    if args.request_rate is None and args.concurrency is None:
+        args.concurrency = 1
+    if args.draft is None and args.config is None:
+        args.draft = "ngram"
+    return args
+
+
+def default_label(args: argparse.Namespace) -> str:
+    parts = [args.launch] if args.launch != "none" else []
+    if args.launch != "none" and args.draft is not None:
+        parts.append(args.draft)
+    parts.append(args.dataset)
+    if args.request_rate is not None:
+        parts.append(f"r{args.request_rate:g}")
+    if args.concurrency is not None:
+        parts.append(f"c{args.concurrency}")
+    return "-".join(parts)
+
+
+def workload(args: argparse.Namespace) -> list[WorkItem]:
+    if args.dataset == "sharegpt":
+        return sharegpt_items(
+            iter_conversations(),
+            args.num_requests,
+            args.seed,
+            max_tokens_cap=args.max_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+        )
+    out_len = min(args.output_len, args.max_tokens or args.output_len)
+    return synthetic_items(
+        args.num_requests, args.input_len, out_len, args.range_ratio, args.copy_fraction, args.seed
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A local tandem cluster for the run: (its /v1 base URL, its configuration)."""
+    import ray
+    from ray import serve
+
+    from cluster.builder import build_app
+    from cluster.config import TandemConfig
+    from cluster.local_cluster import start_ray
+
+    cpus = os.cpu_count() or 1
+    base = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
+    overrides: dict[str, object] = {
+        "mode": args.launch,
+        "http.port": _free_port(),  # never collide with a server already on the config's port
+    }
+    if args.draft is not None:
+        overrides["draft.kind"] = args.draft
+    if not args.config:
+        overrides |= {"prefill.num_threads": cpus, "decode.num_threads": cpus}
+    if args.decode_max_batch is not None:
+        overrides["decode.max_batch_size"] = args.decode_max_batch
+    cfg = base.with_overrides(**overrides)
+    start_ray(cfg, num_cpus=cpus)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": cfg.http.port})
+        serve.run(build_app(cfg), name="tandem", route_prefix="/")
+        yield f"http://127.0.0.1:{cfg.http.port}/v1", cfg.model_dump(mode="json")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+async def drive(
+    args: argparse.Namespace, base_url: str, items: Sequence[WorkItem]
+) -> tuple[str, LoadResult]:
+    """Warm the server up, then send the workload. Returns (model id, what was measured)."""
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        model = args.model or await fetch_model_id(client)
+        target = Target(model, args.endpoint, args.temperature, args.seed)
+        for i in range(args.warmup):
+            warm = await send_streamed(client, target, -1, WorkItem("warmup", "Hello!", 8), 0.0)
+            print(f"warm-up {i}: {warm.outcome.value} {warm.error or ''}", flush=True)
+
+        async def send_one(index: int, item: WorkItem, run_start: float) -> RequestRecord:
+            return await send_streamed(client, target, index, item, run_start)
+
+        arrivals = Arrivals(args.request_rate, args.concurrency)
+        result = await run_load(items, send_one, arrivals, args.max_seconds, args.seed)
+    return model, result
+
+
+async def main(argv: Sequence[str] | None = None) -> Path:
+    """Run the benchmark the arguments describe; returns the JSON path it wrote."""
+    args = parse_args(argv)
+    label = args.label or default_label(args)
+    out: Path = args.out or RESULTS / f"serve-{label}.json"
+    items = workload(args)
+    print(f"{label}: {len(items)} {args.dataset} requests -> {args.endpoint}", flush=True)
+    launch_cfg: dict[str, Any] | None = None
+    with contextlib.ExitStack() as stack:
+        base_url = args.base_url
+        if args.launch != "none":
+            base_url, launch_cfg = stack.enter_context(launched(args))
+        model, result = await drive(args, base_url, items)
+    summary: Summary = summarize(result.records, result.duration_s)
+    print(table(summary), flush=True)
+    meta = {
+        "label": label,
+        "base_url": base_url,
+        "model": model,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "launch_config": launch_cfg,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_json(out, report_json(summary, result.records, meta))
+    plot(out.with_suffix(".png"), result.records, f"{label} ({model})")
+    print(f"wrote {out} and {out.with_suffix('.png')}", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

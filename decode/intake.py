@@ -1,0 +1,72 @@
+"""KV intake: pulls of prompts' KV from prefill replicas, polled from the engine loop."""
+
+from __future__ import annotations
+
+import time
+
+from kvtransfer.handoff import KVHandoff
+from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
+from models.request import Request, RequestStatus
+
+
+class KVIntake:
+    """Starts one pull per handoff into the request's blocks and reports when each lands.
+
+    A pull whose lease ends before it starts (or before it completes) fails: the source may
+    already have reused the blocks, so the bytes could belong to another prompt.
+    """
+
+    def __init__(self, transport: KVTransport, margin_s: float) -> None:
+        self.transport = transport
+        self.margin_s = margin_s
+        self.pending: dict[str, tuple[Request, KVHandoff, PullHandle]] = {}
+
+    def start(self, req: Request, handoff: KVHandoff) -> str | None:
+        """Begin the pull; returns an error message instead when it cannot start."""
+        if handoff.lease_expiry - time.time() < self.margin_s:
+            self.transport.counters.fail("lease_expired")
+            return "the prefill lease expired before decode could pull"
+        try:
+            pull = self.transport.start_pull(handoff, req.block_table[: len(handoff.block_ids)])
+        except KVTransferError as e:
+            return f"KV transfer failed: {e}"
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.pending[req.request_id] = (req, handoff, pull)
+        return None
+
+    def poll(self) -> list[tuple[Request, str | None]]:
+        """Requests whose pull ended since the last call, with an error message if it failed.
+
+        A landed request has its counters set: the prompt is computed (for every shipped KV
+        group) and the first token, sampled by prefill, is its first output.
+        """
+        out: list[tuple[Request, str | None]] = []
+        for rid, (req, handoff, pull) in list(self.pending.items()):
+            state = self.transport.poll(pull)
+            if state is PullState.PENDING:
+                continue
+            del self.pending[rid]
+            self.transport.finish(pull)
+            if state is PullState.FAILED:
+                out.append((req, "KV transfer failed"))
+            elif time.time() > handoff.lease_expiry:
+                self.transport.counters.fail("lease_expired")
+                out.append((req, "the prefill lease expired during the pull"))
+            else:
+                req.num_computed = handoff.num_tokens
+                req.num_draft_computed = handoff.num_tokens if "draft" in handoff.groups else 0
+                req.output_token_ids = [handoff.first_token]
+                req.acceptance_estimate = handoff.acceptance_probe
+                req.status = RequestStatus.RUNNING
+                out.append((req, None))
+        return out
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop tracking a pull; waits for the read to settle so the blocks can be reused."""
+        entry = self.pending.pop(request_id, None)
+        if entry is None:
+            return None
+        req, _, pull = entry
+        self.transport.wait(pull, timeout_s=5.0)
+        self.transport.finish(pull)
+        return req

@@ -1,0 +1,52 @@
+"""bench/serve.py end to end: its main coroutine against a real colocated app (embedded model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from bench import serve as bench_serve
+from cluster.config import TandemConfig
+from tests.cluster.conftest import running_app
+
+CFG = TandemConfig.model_validate(
+    {
+        "mode": "colocated",
+        "draft": {"kind": "ngram", "num_speculative_tokens": 4},
+        "decode": {"num_blocks": 256, "num_threads": 2},
+        "limits": {"max_model_len": 2048},
+    }
+)
+
+
+def test_serve_benchmark_writes_a_report_of_real_requests(
+    embedded_folder: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "serve-e2e.json"
+    argv = [
+        "--dataset", "synthetic",
+        "--input-len", "24",
+        "--copy-fraction", "0.5",
+        "--num-requests", "4",
+        "--concurrency", "2",
+        "--max-tokens", "8",
+        "--max-seconds", "120",
+        "--out", str(out),
+    ]  # fmt: skip
+    with running_app(CFG) as url:
+        written = asyncio.run(bench_serve.main([*argv, "--base-url", f"{url}/v1"]))
+    assert written == out
+    doc = json.loads(out.read_text())
+    s = doc["summary"]
+    assert (s["num_sent"], s["completed"], s["failed"], s["cancelled"]) == (4, 4, 0, 0)
+    assert s["ttft"]["count"] == 4 and s["ttft"]["mean"] > 0 and s["ttft"]["p99"] > 0
+    assert s["e2e"]["mean"] >= s["ttft"]["mean"]
+    assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+    assert doc["model"] == "SmolLM2-135M-Instruct"  # resolved from GET /v1/models
+    reqs = doc["requests"]
+    assert sorted(r["index"] for r in reqs) == [0, 1, 2, 3]
+    assert all(r["outcome"] == "ok" and 1 <= r["output_tokens"] <= 8 for r in reqs)
+    assert s["total_output_tokens"] == sum(r["output_tokens"] for r in reqs)
+    assert s["acceptance_rate"] is None or 0.0 <= s["acceptance_rate"] <= 1.0
+    assert out.with_suffix(".png").stat().st_size > 10_000

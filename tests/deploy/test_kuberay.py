@@ -1,0 +1,149 @@
+"""The KubeRay manifests: valid against the ray.io/v1 CRDs, one worker group per pool with its
+resources and GPUs, and a serveConfigV2 that is the rendered Serve config of its app."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.config import TandemConfig
+from tests.deploy import crds
+from tests.deploy.paths import DEPLOY, load_yaml
+
+MANIFESTS = sorted((DEPLOY / "kuberay").glob("*.yaml"))
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@pytest.fixture(scope="module")
+def schemas() -> dict[tuple[str, str], crds.Schema]:
+    return crds.load_schemas()
+
+
+def _service() -> dict[str, Any]:
+    doc: dict[str, Any] = load_yaml(DEPLOY / "kuberay" / "rayservice.yaml")
+    return doc
+
+
+def _app_config(service: dict[str, Any]) -> TandemConfig:
+    """The app config the service's serveConfigV2 is rendered from (it names it)."""
+    text = (DEPLOY / "kuberay" / "rayservice.yaml").read_text()
+    m = re.search(r"# tandem-render: serveConfigV2 from (\S+)", text)
+    assert m is not None
+    cfg = TandemConfig.from_yaml(DEPLOY / m[1])
+    block = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    assert block["args"]["config"]["model"] == cfg.model.model_dump(mode="json", exclude_unset=True)
+    return cfg
+
+
+def _pool_resources(group: dict[str, Any]) -> dict[str, float]:
+    """rayStartParams.resources as Ray reads it: JSON, possibly wrapped in quotes."""
+    raw = group["rayStartParams"]["resources"].strip()
+    parsed: dict[str, float] = json.loads(json.loads(raw) if raw.startswith('"') else raw)
+    return parsed
+
+
+def test_both_kinds_are_shipped() -> None:
+    kinds = {load_yaml(p)["kind"] for p in MANIFESTS}
+    assert kinds == {"RayService", "RayCluster"}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_against_its_crd(
+    path: Path, schemas: dict[tuple[str, str], crds.Schema]
+) -> None:
+    manifest = load_yaml(path)
+    crds.validate(manifest, schemas)
+    assert DNS_1123.match(manifest["metadata"]["name"])
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "needle"),
+    [
+        (("workerGroupSpecs", 0, "maxReplica"), 2, "'maxReplica' was unexpected"),
+        (("workerGroupSpecs", 0, "rayStartParams", "num-gpus"), 8, "8 is not of type 'string'"),
+        (("workerGroupSpecs", 0, "minReplicas"), "one", "'one' is not of type 'integer'"),
+        (
+            ("headGroupSpec", "template", "spec", "containers", 0, "imagePullPolicy"),
+            None,
+            "None is not of type",
+        ),
+    ],
+)
+def test_crd_check_catches_mistakes(
+    where: tuple[Any, ...], value: Any, needle: str, schemas: dict[tuple[str, str], crds.Schema]
+) -> None:
+    bad = copy.deepcopy(_service())
+    node = bad["spec"]["rayClusterConfig"]
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    with pytest.raises(jsonschema.ValidationError, match=re.escape(needle)):
+        crds.validate(bad, schemas)
+
+
+def test_crd_location_can_be_overridden(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    raycluster_crds = [p for p in crds.crd_paths() if "kind: RayCluster\n" in p.read_text()]
+    assert raycluster_crds, "the configured CRDs include RayCluster"
+    monkeypatch.setenv(crds.ENV, str(raycluster_crds[0]))
+    assert {kind for _, kind in crds.load_schemas()} == {"RayCluster"}
+    monkeypatch.setenv(crds.ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=crds.ENV):
+        crds.load_schemas()
+
+
+def test_serve_config_v2_is_the_rendered_serve_config() -> None:
+    block = yaml.safe_load(_service()["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(block)
+    assert block == load_yaml(DEPLOY / "serve" / "gpu-disaggregated.yaml")
+
+
+def test_one_worker_group_per_pool_with_its_resource_and_gpus() -> None:
+    service = _service()
+    cfg = _app_config(service)
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for name, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        group = groups[name]
+        units = _pool_resources(group)
+        assert set(units) == {pool.resource}
+        (container,) = group["template"]["spec"]["containers"]
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == str(gpus)
+        assert units[pool.resource] == gpus  # one pool unit per GPU
+        assert group["maxReplicas"] * gpus >= pool.most_replicas() * pool.tp
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        spec = group["template"]["spec"]
+        assert spec["nodeSelector"] and any(
+            t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]
+        )
+    head = service["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in head["containers"][0]["resources"]["limits"]
+
+
+def test_raycluster_is_the_rayservice_cluster() -> None:
+    cluster = load_yaml(DEPLOY / "kuberay" / "raycluster.yaml")
+    assert cluster["spec"] == _service()["spec"]["rayClusterConfig"]
+
+
+def test_image_bakes_in_the_apps_models() -> None:
+    cfg = _app_config(_service())
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    fetched = set(re.findall(r"hf download (\S+)", dockerfile))
+    assert {cfg.model.source, cfg.draft.source} <= fetched
+    images = {
+        c["image"]
+        for g in [
+            _service()["spec"]["rayClusterConfig"]["headGroupSpec"],
+            *_service()["spec"]["rayClusterConfig"]["workerGroupSpecs"],
+        ]
+        for c in g["template"]["spec"]["containers"]
+    }
+    assert len(images) == 1  # one image: the Dockerfile's

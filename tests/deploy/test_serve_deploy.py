@@ -1,0 +1,105 @@
+"""The committed local Serve config, deployed the way operators deploy it (`serve deploy` to the
+dashboard of a running Ray cluster whose node offers the pool resources), answers over HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+from cluster.config import TandemConfig
+from models.embedded import EMBEDDED_NAME
+from tests.deploy.paths import DEPLOY, load_yaml
+from tests.helpers import free_port
+
+SERVE_FILE = DEPLOY / "serve" / "local-colocated.yaml"
+
+
+@dataclass(frozen=True)
+class Deployed:
+    api: str  # the OpenAI API
+    dashboard: str  # Ray's dashboard, where `serve deploy` sent the config
+
+
+def _wait_healthy(base: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            r = httpx.get(f"{base}/health", timeout=5)
+            if r.status_code == 200:
+                body: dict[str, Any] = r.json()
+                return body
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+    """A local Ray offering the config's pool resources, with the Serve file deployed."""
+    doc = load_yaml(SERVE_FILE)
+    cfg = TandemConfig.from_yaml(DEPLOY / "apps" / SERVE_FILE.name)  # for the pool resources
+    port, dashboard = free_port(), free_port()
+    doc["http_options"]["port"] = port  # the only change: a port free on this machine
+    path = tmp_path_factory.mktemp("serve") / SERVE_FILE.name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    ray.init(
+        num_cpus=2,
+        resources=cfg.local_resources(),
+        include_dashboard=True,
+        dashboard_port=dashboard,
+    )
+    try:
+        serve_cli = Path(sys.executable).parent / "serve"
+        address = f"http://127.0.0.1:{dashboard}"
+        subprocess.run([serve_cli, "deploy", str(path), "-a", address], check=True, timeout=120)
+        base = f"http://127.0.0.1:{port}"
+        health = _wait_healthy(base, timeout_s=120)
+        assert health["mode"] == "colocated"
+        yield Deployed(base, address)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_deployed_serve_config_answers_a_chat_request(deployed: Deployed) -> None:
+    r = httpx.post(
+        f"{deployed.api}/v1/chat/completions",
+        json={
+            "model": EMBEDDED_NAME,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"].strip()
+    assert body["usage"]["completion_tokens"] >= 1
+
+
+def test_serve_runs_the_deployments_the_config_sizes(deployed: Deployed) -> None:
+    rendered = {d["name"]: d for d in load_yaml(SERVE_FILE)["applications"][0]["deployments"]}
+    # What `serve status` reads: the deployments as Serve runs them, over the dashboard's API.
+    app = ServeSubmissionClient(deployed.dashboard).get_serve_details()["applications"]["tandem"]
+    assert app["status"] == "RUNNING"
+    assert set(app["deployments"]) == {"ingress", *rendered}
+    decode = app["deployments"]["decode"]
+    scaling = decode["deployment_config"]["autoscaling_config"]
+    for key, value in rendered["decode"]["autoscaling_config"].items():
+        assert scaling[key] == value, key
+    assert [r["state"] for r in decode["replicas"]] == ["RUNNING"]  # min_replicas, no load

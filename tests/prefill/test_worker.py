@@ -1,0 +1,115 @@
+"""The prefill worker: chunked prefill, several prompts per forward, prefix caching, cancel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer.handoff import KVHandoff
+from models.request import Request
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from prefill.config import PrefillWorkerConfig
+from prefill.worker import PrefillCapacityError, PrefillWorker
+from tests.decode.engine_utils import make_request
+
+SP = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def specs(tiny_folder: Path, tiny_draft_folder: Path) -> tuple[ModelSpec, DraftSpec]:
+    draft = DraftSpec(DraftKind.DRAFT_MODEL, model=ModelSpec(str(tiny_draft_folder)))
+    return ModelSpec(str(tiny_folder)), draft
+
+
+def _worker(specs: tuple[ModelSpec, DraftSpec], **kw: object) -> PrefillWorker:
+    target, draft = specs
+    return PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw))  # type: ignore[arg-type]
+
+
+def _kv(w: PrefillWorker, h: KVHandoff, n: int) -> dict[str, torch.Tensor]:
+    """The KV of the first n tokens, gathered from the handoff's blocks."""
+    out = {}
+    for g, t in w.pool.tensors.items():
+        blocks = t[list(h.block_ids)]  # [nb, H, L, 2, bs, D]
+        per_token = blocks.permute(0, 4, 1, 2, 3, 5).reshape(
+            -1, *blocks.shape[1:4], blocks.shape[5]
+        )
+        out[g] = per_token[:n]
+    return out
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_chunked_prefill_equals_one_forward(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    prompt = _prompt(70, 1)
+    whole = _worker(specs, max_num_batched_tokens=4096)
+    chunked = _worker(specs, max_num_batched_tokens=9)
+    h1, h2 = whole.prefill(make_request(prompt, SP)), chunked.prefill(make_request(prompt, SP))
+    assert h1.first_token == h2.first_token
+    assert h1.acceptance_probe == pytest.approx(h2.acceptance_probe, abs=1e-5)
+    kv1, kv2 = _kv(whole, h1, 70), _kv(chunked, h2, 70)
+    for g in kv1:
+        assert (kv1[g] - kv2[g]).abs().max() <= 1e-5
+    assert chunked.stats().prompt_tokens_computed == 70
+
+
+def test_several_prompts_share_one_forward(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    w = _worker(specs, max_num_batched_tokens=100)
+    got: list[KVHandoff | BaseException] = []
+    for i, n in enumerate((30, 25, 20, 40)):
+        w.submit(make_request(_prompt(n, 10 + i), SP), got.append)
+    w.step()  # 100 tokens of budget: the first three prompts (75) and 25 tokens of the fourth
+    assert len(got) == 3 and all(isinstance(h, KVHandoff) for h in got)
+    assert w.stats().queued == 1
+    w.step()
+    assert len(got) == 4
+
+
+def test_prefix_cache_skips_shared_blocks_and_gives_the_same_kv(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    shared = _prompt(40, 20)
+    a, b = shared + _prompt(9, 21), shared + _prompt(13, 22)
+    w = _worker(specs)
+    w.prefill(make_request(a, SP))
+    hb = w.prefill(make_request(b, SP))
+    s = w.stats()
+    assert s.prompt_tokens_cached == 32  # two full blocks of 16 shared
+    assert s.prompt_tokens_computed == len(a) + len(b) - 32
+    fresh = _worker(specs, enable_prefix_caching=False)
+    hf = fresh.prefill(make_request(b, SP))
+    assert hb.first_token == hf.first_token
+    kv_b, kv_f = _kv(w, hb, len(b)), _kv(fresh, hf, len(b))
+    for g in kv_b:
+        assert (kv_b[g] - kv_f[g]).abs().max() <= 1e-5
+    w.reap(now=hb.lease_expiry + 1)
+    w.allocator.check()
+    assert w.stats().free_blocks == w.cfg.num_blocks and w.stats().cached_blocks >= 2
+
+
+def test_cancel_frees_queued_and_leased_blocks(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    w = _worker(specs, max_num_batched_tokens=8)
+    got: list[KVHandoff | BaseException] = []
+    queued = make_request(_prompt(50, 30), SP)
+    w.submit(queued, got.append)
+    w.step()  # admitted, partly computed
+    w.cancel(queued.request_id)
+    w.step()
+    assert not got and w.stats().free_blocks == w.cfg.num_blocks
+    leased = w.prefill(make_request(_prompt(20, 31), SP))
+    assert w.stats().active_leases == 1
+    w.cancel(leased.request_id)
+    w.step()
+    assert w.stats().active_leases == 0 and w.stats().free_blocks == w.cfg.num_blocks
+
+
+def test_prompt_larger_than_the_pool_is_refused(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    w = _worker(specs, num_blocks=2)
+    with pytest.raises(PrefillCapacityError, match="exceeds the prefill KV pool"):
+        w.prefill(Request("big", _prompt(40, 40), SP))
+    assert w.stats().free_blocks == 2
