@@ -78,22 +78,41 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         ngram_max=d.ngram_max,
         ngram_min=d.ngram_min,
     )
+    check_tp(folder, cfg.decode.tp, "decode")
+    if cfg.mode == "disaggregated":
+        check_tp(folder, cfg.prefill.tp, "prefill")
     model_len = LlamaConfig.from_folder(folder).max_position_embeddings
     max_len = min(cfg.limits.max_model_len or model_len, model_len)
     return ResolvedModels(name, target, draft, max_len)
 
 
 def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
-    actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: float(pool.tp)}}
+    """Serve options: pinned to the pool's resource; a TP group is one placement group whose
+    bundle r holds rank r (the replica itself is rank 0), packed onto one node."""
+    unit: dict[str, float] = {pool.resource: 1.0}
+    actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: 1.0}}
     if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned
-        actor["num_gpus"] = float(pool.tp)
-    return {
+        actor["num_gpus"] = 1.0
+        unit["GPU"] = 1.0
+    opts: dict[str, Any] = {
         "name": name,
         **pool.scaling_options(),  # num_replicas, or autoscaling_config
         "max_ongoing_requests": pool.max_ongoing_requests,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
     }
+    if pool.tp > 1:
+        opts["placement_group_bundles"] = [dict(unit) for _ in range(pool.tp)]
+        opts["placement_group_strategy"] = "STRICT_PACK"
+    return opts
+
+
+def check_tp(folder: Path, tp: int, pool: str) -> None:
+    """Heads must split evenly over the TP ranks (SmolLM2-135M: 9 query, 3 KV heads → 1 or 3)."""
+    c = LlamaConfig.from_folder(folder)
+    for what, n in (("attention heads", c.num_heads), ("KV heads", c.num_kv_heads)):
+        if n % tp:
+            raise ValueError(f"{pool}.tp={tp} does not divide the model's {n} {what}")
 
 
 def build_app(cfg: TandemConfig) -> Application:
@@ -106,6 +125,7 @@ def build_app(cfg: TandemConfig) -> Application:
         target=m.target,
         draft=m.draft,
         device=_device(cfg.decode),
+        tp_size=cfg.decode.tp,
         num_blocks=cfg.decode.num_blocks,
         block_size=bs,
         max_batch_size=cfg.decode.max_batch_size,
@@ -122,6 +142,7 @@ def build_app(cfg: TandemConfig) -> Application:
             target=m.target,
             draft=m.draft,
             device=_device(cfg.prefill),
+            tp_size=cfg.prefill.tp,
             num_blocks=cfg.prefill.num_blocks,
             block_size=bs,
             probe_window=cfg.prefill.probe_window,

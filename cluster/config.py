@@ -84,12 +84,6 @@ class PoolConfig(_Frozen):
     )
 
     @model_validator(mode="after")
-    def _tp(self) -> PoolConfig:
-        if self.tp != 1:
-            raise ValueError("tensor parallelism > 1 is not available yet: set tp: 1")
-        return self
-
-    @model_validator(mode="after")
     def _scaling(self) -> PoolConfig:
         a = self.autoscaling
         if a is None:

@@ -13,6 +13,7 @@ class DecodeEngineConfig:
     target: ModelSpec
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
+    tp_size: int = 1
     num_blocks: int = 1024
     block_size: int = 16
     max_batch_size: int = 64  # sequences per forward step

@@ -19,8 +19,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.draft_model import DraftModelDrafter
@@ -29,11 +27,9 @@ from decode.intake import KVIntake
 from decode.outputs import SpecUsage, StepOutput
 from decode.spec_step import Emission, decode_step
 from kvtransfer.allocator import BlockAllocator
-from kvtransfer.handoff import KVCompat, KVCompatError, KVHandoff, check_compat
-from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.pool import KV_LAYOUT, KVPool, pool_spec_for
+from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
+from kvtransfer.shard import ShardSpec, build_shard
 from models.request import FinishReason, Request, RequestStatus
-from models.runner import LocalRunner, ModelRunner
 from models.spec import DraftKind
 
 log = logging.getLogger(__name__)
@@ -62,40 +58,29 @@ class _Planned:
 
 class DecodeEngine:
     def __init__(self, cfg: DecodeEngineConfig) -> None:
-        if cfg.num_threads > 0:
-            torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        target = cfg.target.load(cfg.device)
-        draft = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
-        tc = target.cfg
-        dshape = None
-        if draft is not None and cfg.draft.model is not None:
-            dc = draft.cfg
-            dshape = (dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype)
-        spec = pool_spec_for(
-            cfg.num_blocks,
-            cfg.block_size,
-            (tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype),
-            dshape,
+        self.shard = build_shard(
+            ShardSpec(
+                role="decode",
+                target=cfg.target,
+                draft=cfg.draft.model,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                device=cfg.device,
+                tp_size=cfg.tp_size,
+                num_threads=cfg.num_threads,
+            )
         )
-        self.pool = KVPool(spec, cfg.device)
-        self.target: ModelRunner = LocalRunner(target, self.pool.tensor("target"), cfg.block_size)
+        self.pool = self.shard.pool
+        self.target = self.shard.target
+        self.transport = self.shard.transport
         self.drafter: Drafter | None = None
-        if draft is not None:
-            runner = LocalRunner(draft, self.pool.tensor("draft"), cfg.block_size)
-            self.drafter = DraftModelDrafter(runner)
+        if self.shard.draft is not None:
+            self.drafter = DraftModelDrafter(self.shard.draft)
         elif cfg.draft.kind is DraftKind.NGRAM:
             self.drafter = NgramDrafter(cfg.draft.ngram_max, cfg.draft.ngram_min)
         self.allocator = BlockAllocator(cfg.num_blocks)
-        self.transport = NixlTransport(self.pool, role="decode")
-        self.compat = KVCompat(
-            model=cfg.target.fingerprint(),
-            dtype=cfg.target.dtype,
-            block_size=cfg.block_size,
-            kv_layout=KV_LAYOUT,
-            tp_size=1,
-            draft=cfg.draft.identity(),
-        )
+        self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
         self.intake = KVIntake(self.transport, cfg.pull_margin_s)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
@@ -291,4 +276,4 @@ class DecodeEngine:
         self._outbox.append(StepOutput(r.request_id, new, reason.value, self._usage(r), error))
 
     def close(self) -> None:
-        self.transport.close()
+        self.shard.close()

@@ -41,8 +41,9 @@ class KVIntake:
         group) and the first token, sampled by prefill, is its first output.
         """
         out: list[tuple[Request, str | None]] = []
-        for rid, (req, handoff, pull) in list(self.pending.items()):
-            state = self.transport.poll(pull)
+        entries = list(self.pending.items())
+        states = self.transport.poll_many([pull for _, (_, _, pull) in entries])
+        for (rid, (req, handoff, pull)), state in zip(entries, states, strict=True):
             if state is PullState.PENDING:
                 continue
             del self.pending[rid]

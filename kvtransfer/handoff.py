@@ -11,19 +11,28 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+from models.spec import ModelSpec
+
 HANDOFF_VERSION = 1
 
 
 @dataclass(frozen=True)
 class KVRegion:
-    """One registered pool tensor of the source: where block ``b`` of a group lives."""
+    """One registered pool tensor of the source (one KV group), as ``kvtransfer.pool`` lays it
+    out: ``num_regions`` regions of ``num_blocks`` chunks each; block ``b`` of region ``r``
+    starts at ``base_address + (r * num_blocks + b) * chunk_bytes``."""
 
     group: str
     base_address: int
-    block_bytes: int
+    chunk_bytes: int
     num_blocks: int
+    num_regions: int
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.chunk_bytes * self.num_regions
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,20 @@ class KVCompat:
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
+def kv_compat(target: ModelSpec, block_size: int, tp_size: int, draft: str) -> KVCompat:
+    """This side's compatibility record."""
+    from kvtransfer.pool import KV_LAYOUT
+
+    return KVCompat(
+        model=target.fingerprint(),
+        dtype=target.dtype,
+        block_size=block_size,
+        kv_layout=KV_LAYOUT,
+        tp_size=tp_size,
+        draft=draft,
+    )
+
+
 class KVCompatError(RuntimeError):
     """The two sides of a transfer disagree on model, dtype or layout."""
 
@@ -72,8 +95,8 @@ class KVHandoff:
     """A prompt's KV cache, ready on a prefill replica, under a lease until ``lease_expiry``."""
 
     request_id: str
-    source: KVSource
-    block_ids: tuple[int, ...]  # shared by every group of the source pool
+    sources: tuple[KVSource, ...]  # one per TP rank of the source, in rank order
+    block_ids: tuple[int, ...]  # shared by every group and rank of the source pool
     groups: tuple[str, ...]  # KV groups shipped, e.g. ("target", "draft")
     num_tokens: int  # tokens whose KV the blocks hold (the prompt)
     first_token: int  # sampled by prefill, not yet in the cache

@@ -2,12 +2,14 @@
 
 Layout of every group's tensor (what ``models.attention`` reads and writes)::
 
-    [num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]
+    [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
 
-Block ``b`` is the contiguous byte range ``[b * block_bytes, (b + 1) * block_bytes)`` of its
-group's tensor, and inside it the heads are outermost, so one rank's heads of a block are also
-one contiguous range. Target and draft share block ids: a sequence has one block table, and the
-draft group simply has smaller blocks.
+The tensor is ``num_layers * 2 * num_kv_heads`` *regions* (one per layer, K or V, and head),
+each holding every block side by side: block ``b`` of region ``r`` is the contiguous *chunk*
+``[(r * num_blocks + b) * chunk_bytes, ... + chunk_bytes)``. A block is therefore one chunk per
+region — a rank's heads of a block are just that rank's regions — and runs of consecutive
+blocks merge into single descriptors. Target and draft share block ids: a sequence has one
+block table, and the draft group simply has fewer, smaller regions.
 """
 
 from __future__ import annotations
@@ -30,9 +32,18 @@ class KVGroupSpec:
     head_dim: int
     dtype: str  # a key of models.config.DTYPES
 
-    def block_bytes(self, block_size: int) -> int:
+    @property
+    def num_regions(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads
+
+    def chunk_bytes(self, block_size: int) -> int:
+        """Bytes of one block in one region: ``block_size`` tokens of one head."""
         elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        return self.num_kv_heads * self.num_layers * 2 * block_size * self.head_dim * elem
+        return block_size * self.head_dim * elem
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block across all regions of the group."""
+        return self.num_regions * self.chunk_bytes(block_size)
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,7 @@ class KVPool:
         self.device = torch.device(device)
         self.tensors: Mapping[str, torch.Tensor] = {
             g.name: torch.zeros(
-                (spec.num_blocks, g.num_kv_heads, g.num_layers, 2, spec.block_size, g.head_dim),
+                (g.num_layers, 2, g.num_kv_heads, spec.num_blocks, spec.block_size, g.head_dim),
                 dtype=DTYPES[g.dtype],
                 device=self.device,
             )
@@ -86,7 +97,7 @@ class KVPool:
         return self.device.index or 0
 
 
-KV_LAYOUT = "blocks,kv_heads,layers,kv,block_size,head_dim"
+KV_LAYOUT = "layers,kv,kv_heads,blocks,block_size,head_dim"
 
 
 def group_spec(

@@ -68,8 +68,8 @@ class KVTransport(ABC):
         self.counters = TransferCounters()
 
     @abstractmethod
-    def source(self) -> KVSource:
-        """Describe this worker's registered pool for the handoffs it hands out."""
+    def sources(self) -> tuple[KVSource, ...]:
+        """Describe the registered pool of every rank, in rank order, for handoffs."""
 
     @abstractmethod
     def completed(self) -> list[str]:
@@ -82,6 +82,10 @@ class KVTransport(ABC):
     @abstractmethod
     def poll(self, pull: PullHandle) -> PullState:
         """Non-blocking progress check."""
+
+    def poll_many(self, pulls: Sequence[PullHandle]) -> list[PullState]:
+        """Progress of several pulls (a transport spanning processes checks them in one go)."""
+        return [self.poll(p) for p in pulls]
 
     @abstractmethod
     def finish(self, pull: PullHandle) -> None:

@@ -42,10 +42,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; x: [T, heads, head_dim] -> same shape, rotated
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # cos, sin: [T, 1, head_dim / 2], gathered once per step; x: [T, heads, head_dim]
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)

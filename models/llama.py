@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         layer_kv: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # x: [T, hidden]; layer_kv: [num_blocks, Hkv_local, 2, block_size, D]
+        # x: [T, hidden]; layer_kv: [2, Hkv_local, num_blocks, block_size, D]
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end = self.num_heads * self.head_dim
@@ -48,8 +48,8 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
-        q = rope(meta.positions, q)
-        k = rope(meta.positions, k)
+        q = rope(meta.cos, meta.sin, q)
+        k = rope(meta.cos, meta.sin, k)
         out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
         y: torch.Tensor = self.o_proj(out)
         return y
@@ -133,13 +133,13 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_pool: [num_blocks, Hkv_local, num_layers, 2, block_size, D].
+        """input_ids: [T]; kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, D].
 
         Returns hidden states [T, hidden].
         """
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, kv_pool[:, :, i], meta)
+            x = layer(x, self.rope, kv_pool[i], meta)
         y: torch.Tensor = self.norm(x)
         return y
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -22,11 +21,13 @@ class TPContext:
 
     rank: int = 0
     world_size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup when world_size > 1
+    # A c10d ProcessGroup of the TP ranks (gloo or NCCL) when world_size > 1, used through its
+    # own methods so that several groups can live in one process without a default group.
+    group: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +35,7 @@ class TPContext:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         return torch.cat(parts, dim=-1)
 
     def shard(self, size: int, what: str) -> int:

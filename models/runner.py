@@ -34,11 +34,15 @@ def run_step(
 ) -> StepResult:
     """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
 
-    kv_pool: [num_blocks, Hkv_local, num_layers, 2, block_size, head_dim].
+    kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, head_dim].
     """
     dev = model.device
     meta = build_attention_metadata(
-        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch], block_size, dev
+        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch],
+        block_size,
+        dev,
+        model.rope.cos,
+        model.rope.sin,
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
     hidden = model(ids, kv_pool, meta)  # [T, hidden]
@@ -72,7 +76,7 @@ class LocalRunner(ModelRunner):
 
     def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
         self.model = model
-        self.kv_pool = kv_pool  # [num_blocks, Hkv, num_layers, 2, block_size, head_dim]
+        self.kv_pool = kv_pool  # [num_layers, 2, Hkv, num_blocks, block_size, head_dim]
         self.block_size = block_size
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:

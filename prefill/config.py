@@ -13,6 +13,7 @@ class PrefillWorkerConfig:
     target: ModelSpec
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
+    tp_size: int = 1
     num_blocks: int = 512
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # prompt tokens per forward (chunked prefill budget)

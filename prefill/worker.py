@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtransfer.allocator import BlockAllocator, block_hashes
-from kvtransfer.handoff import KVCompat, KVHandoff
+from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
-from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.pool import KV_LAYOUT, KVPool, pool_spec_for
-from kvtransfer.transport import KVTransport
+from kvtransfer.shard import ShardSpec, build_shard
 from models.acceptance import one_hot_overlap, overlap, probe_estimate
 from models.ngram import ngram_lookup
 from models.request import FinishReason, Request
-from models.runner import LocalRunner, ModelRunner, SeqInput
+from models.runner import SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
 from models.spec import DraftKind
 from prefill.chunks import plan_chunks, window_rows
@@ -75,38 +73,26 @@ class _Prompt:
 
 class PrefillWorker:
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
-        if cfg.num_threads > 0:
-            torch.set_num_threads(cfg.num_threads)
         self.cfg = cfg
-        target = cfg.target.load(cfg.device)
-        draft = cfg.draft.model.load(cfg.device) if cfg.draft.model else None
-        tc = target.cfg
-        dshape = None
-        if draft is not None and cfg.draft.model is not None:
-            dc = draft.cfg
-            dshape = (dc.num_layers, dc.num_kv_heads, dc.head_dim, cfg.draft.model.dtype)
-        spec = pool_spec_for(
-            cfg.num_blocks,
-            cfg.block_size,
-            (tc.num_layers, tc.num_kv_heads, tc.head_dim, cfg.target.dtype),
-            dshape,
+        self.shard = build_shard(
+            ShardSpec(
+                role="prefill",
+                target=cfg.target,
+                draft=cfg.draft.model,
+                num_blocks=cfg.num_blocks,
+                block_size=cfg.block_size,
+                device=cfg.device,
+                tp_size=cfg.tp_size,
+                num_threads=cfg.num_threads,
+            )
         )
-        self.pool = KVPool(spec, cfg.device)
-        self.target: ModelRunner = LocalRunner(target, self.pool.tensor("target"), cfg.block_size)
-        self.draft: ModelRunner | None = None
-        if draft is not None:
-            self.draft = LocalRunner(draft, self.pool.tensor("draft"), cfg.block_size)
+        self.pool = self.shard.pool
+        self.target = self.shard.target
+        self.draft = self.shard.draft
+        self.transport = self.shard.transport
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.leases = LeaseTable()
-        self.transport: KVTransport = NixlTransport(self.pool, role="prefill")
-        self.compat = KVCompat(
-            model=cfg.target.fingerprint(),
-            dtype=cfg.target.dtype,
-            block_size=cfg.block_size,
-            kv_layout=KV_LAYOUT,
-            tp_size=1,
-            draft=cfg.draft.identity(),
-        )
+        self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
         self._queue: list[_Prompt] = []
         self._inbox: queue.SimpleQueue[_Prompt | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -255,7 +241,7 @@ class PrefillWorker:
         p.on_done(
             KVHandoff(
                 request_id=req.request_id,
-                source=self.transport.source(),
+                sources=self.transport.sources(),
                 block_ids=blocks,
                 groups=tuple(self.pool.tensors),
                 num_tokens=p.length,
@@ -323,7 +309,7 @@ class PrefillWorker:
 
     def close(self) -> None:
         self._finalizer()
-        self.transport.close()
+        self.shard.close()
 
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:

@@ -23,7 +23,7 @@ def test_local_yaml_loads() -> None:
         ({"draft": {"kind": "draft_model"}}, "draft.source"),
         ({"draft": {"kind": "ngram", "source": "/x"}}, "only used with kind=draft_model"),
         ({"mode": "both"}, "mode"),
-        ({"decode": {"tp": 2}}, "tensor parallelism"),
+        ({"decode": {"tp": 0}}, "tp"),
         ({"kv": {"block_size": 0}}, "block_size"),
         ({"decode": {"num_blockz": 3}}, "num_blockz"),
     ],
@@ -60,3 +60,12 @@ def test_unknown_model_source_says_nothing_is_downloaded() -> None:
     cfg = TandemConfig.model_validate({"model": {"source": "nobody/no-such-model"}})
     with pytest.raises(FileNotFoundError, match="never downloads"):
         resolve_models(cfg)
+
+
+def test_tp_must_divide_the_heads() -> None:
+    cfg = TandemConfig.model_validate({"decode": {"tp": 2}})
+    with pytest.raises(
+        ValueError, match=r"decode.tp=2 does not divide the model's 9 attention heads"
+    ):
+        resolve_models(cfg)
+    resolve_models(TandemConfig.model_validate({"decode": {"tp": 3}, "prefill": {"tp": 3}}))

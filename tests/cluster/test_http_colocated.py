@@ -1,4 +1,5 @@
-"""Colocated mode with a draft model (tiny random target and draft), over real HTTP."""
+"""Colocated mode with a draft model (tiny random target and draft) and a TP=2 decode replica
+(one Serve placement group of two bundles), over real HTTP."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def app(tiny_folder: Path, tiny_draft_folder: Path) -> Iterator[str]:
                 "source": str(tiny_draft_folder),
                 "num_speculative_tokens": 3,
             },
-            "decode": {"num_blocks": 128, "num_threads": 2},
+            "decode": {"num_blocks": 128, "num_threads": 1, "tp": 2},
         }
     )
     with running_app(cfg) as url:

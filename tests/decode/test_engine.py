@@ -72,7 +72,7 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     assert decoded <= fed <= decoded + drafted - accepted
     # ... because the prompt KV came over NIXL: exactly the prompt blocks, every byte.
     blocks = sum((len(p) + 15) // 16 for p in prompts)
-    block_bytes = spec_engine.pool.tensor("target")[0].numel() * 4
+    block_bytes = spec_engine.pool.tensor("target")[:, :, :, 0].numel() * 4
     assert spec_engine.transport.counters.pulls_done == len(prompts)
     assert spec_engine.transport.counters.bytes_pulled == blocks * block_bytes
     # Blocks return on both sides once every request finished and every lease ended.

@@ -33,11 +33,9 @@ def _kv(w: PrefillWorker, h: KVHandoff, n: int) -> dict[str, torch.Tensor]:
     """The KV of the first n tokens, gathered from the handoff's blocks."""
     out = {}
     for g, t in w.pool.tensors.items():
-        blocks = t[list(h.block_ids)]  # [nb, H, L, 2, bs, D]
-        per_token = blocks.permute(0, 4, 1, 2, 3, 5).reshape(
-            -1, *blocks.shape[1:4], blocks.shape[5]
-        )
-        out[g] = per_token[:n]
+        blocks = t[:, :, :, list(h.block_ids)]  # [L, 2, H, nb, bs, D]
+        per_token = blocks.permute(3, 4, 0, 1, 2, 5)  # [nb, bs, L, 2, H, D]
+        out[g] = per_token.reshape(-1, *per_token.shape[2:])[:n]
     return out
 
 

@@ -1,0 +1,182 @@
+"""The engine's step costs on this machine, each against a baseline taken in the same run.
+
+1. Batch-1 greedy decode: the engine (speculation off) vs transformers ``generate`` on the same
+   weights and dtype (fp32, bf16): tokens/s and their ratio.
+2. Decode throughput at batch 1..32 (speculation off): tokens/s per batch size, ratio to batch 1.
+3. Verification cost: one target forward over k + 1 tokens per sequence, k = 0..8, at batch 1
+   and 8, relative to k = 0 (the curve adaptive speculation uses).
+4. Memory: KV pool bytes and the process's peak RSS.
+
+    .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64]
+
+Writes bench/results/engine_step.json and engine_step.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from models.attention import kv_pool_shape
+from models.request import Request
+from models.runner import SeqInput, run_step
+from models.sampling import SamplingParams
+from models.spec import DraftSpec, ModelSpec
+from models.weights import resolve_checkpoint
+
+RESULTS = Path(__file__).parent / "results"
+PROMPT_LEN = 128
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 40000, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
+
+
+def engine_tokens_per_s(engine: DecodeEngine, batch: int, tokens: int) -> float:
+    """Decode tokens/s at a fixed batch: prompts are computed first and not timed."""
+    reqs = [
+        Request(uuid.uuid4().hex, p, SamplingParams(temperature=0.0, max_tokens=tokens + 1))
+        for p in _prompts(batch, seed=batch)
+    ]
+    for r in reqs:
+        engine.add(r, None)
+    while any(not r.output_token_ids for r in reqs):  # prompts and first tokens
+        engine.step()
+    t0 = time.perf_counter()
+    start = sum(len(r.output_token_ids) for r in reqs)
+    while engine.has_work:
+        engine.step()
+    dt = time.perf_counter() - t0
+    return (sum(len(r.output_token_ids) for r in reqs) - start) / dt
+
+
+def _hf_model(folder: Path, dtype: torch.dtype) -> Any:
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def hf_tokens_per_s(hf: Any, tokens: int) -> float:
+    """transformers' greedy ``generate`` on the same kind of prompt, prefill time excluded."""
+    ids = torch.tensor(_prompts(1, seed=1))
+    kw: dict[str, Any] = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    hf.generate(ids, max_new_tokens=4, **kw)
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=1, **kw)
+    t_prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=tokens + 1, **kw)
+    return tokens / (time.perf_counter() - t0 - t_prefill)
+
+
+def verify_curve(spec: ModelSpec, batch: int, ks: range) -> dict[int, float]:
+    """Median ms of one target forward with k + 1 new tokens per sequence (context 200)."""
+    model = spec.load()
+    c = model.cfg
+    pool = torch.zeros(
+        kv_pool_shape(batch * 16, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
+    )
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(batch)]
+    run_step(model, pool, 16, [SeqInput(t, 0, list(range(200)), [199]) for t in tables])
+    out = {}
+    for k in ks:
+        batch_in = [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            run_step(model, pool, 16, batch_in)
+            times.append(time.perf_counter() - t0)
+        out[k] = 1000 * statistics.median(times)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=3, help="alternating batch-1 trials per side")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    folder = resolve_checkpoint("embedded")
+    report: dict[str, Any] = {"benchmark": "engine_step", "threads": args.threads, "dtypes": {}}
+    for dt in args.dtypes:
+        spec = ModelSpec(str(folder), dt)
+        engine = DecodeEngine(DecodeEngineConfig("m", spec, DraftSpec(), num_blocks=1024))
+        r: dict[str, Any] = {"kv_pool_bytes": engine.pool.nbytes}
+        # Alternate the two, three times each, and compare medians: this machine is noisy.
+        hf = _hf_model(folder, spec.load().dtype)
+        ours_runs, theirs_runs = [], []
+        for _ in range(args.trials):
+            ours_runs.append(engine_tokens_per_s(engine, 1, args.tokens))
+            theirs_runs.append(hf_tokens_per_s(hf, args.tokens))
+        ours, theirs = statistics.median(ours_runs), statistics.median(theirs_runs)
+        r["batch1"] = {
+            "engine_tok_s": ours,
+            "transformers_tok_s": theirs,
+            "ratio": ours / theirs,
+            "engine_runs": ours_runs,
+            "transformers_runs": theirs_runs,
+        }
+        print(
+            f"{dt}: batch-1 engine {ours:.1f} tok/s, transformers {theirs:.1f}, "
+            f"ratio {ours / theirs:.2f}",
+            flush=True,
+        )
+        thr = {b: engine_tokens_per_s(engine, b, args.tokens) for b in args.batches}
+        r["throughput_tok_s"] = thr
+        r["throughput_ratio_to_batch1"] = {b: v / thr[args.batches[0]] for b, v in thr.items()}
+        print(
+            f"{dt}: throughput {json.dumps({b: round(v, 1) for b, v in thr.items()})}", flush=True
+        )
+        curves = {b: verify_curve(spec, b, range(0, 9)) for b in (1, 8)}
+        r["verify_ms"] = curves
+        r["verify_ratio"] = {b: {k: v / c[0] for k, v in c.items()} for b, c in curves.items()}
+        print(f"{dt}: verify cost ratio {json.dumps(r['verify_ratio'])}", flush=True)
+        report["dtypes"][dt] = r
+        del engine
+    report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "engine_step.json").write_text(json.dumps(report, indent=2))
+    _plot(report, RESULTS / "engine_step.png")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for dt, r in report["dtypes"].items():
+        bs = list(r["throughput_tok_s"])
+        a.plot(bs, [r["throughput_tok_s"][x] for x in bs], marker="o", label=dt)
+        for batch, curve in r["verify_ratio"].items():
+            ks = list(curve)
+            b.plot(ks, [curve[k] for k in ks], marker="o", label=f"{dt}, batch {batch}")
+    a.set(xscale="log", xlabel="batch size", ylabel="decode tokens/s", title="throughput")
+    b.set(
+        xlabel="k (tokens verified = k + 1)",
+        ylabel="step time / one-token step",
+        title="verify cost",
+    )
+    a.legend()
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

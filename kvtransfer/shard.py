@@ -1,0 +1,80 @@
+"""What a prefill worker or decode engine computes with: its *shard* of the cluster.
+
+A shard is the target model over every tensor-parallel rank of the replica, the draft model
+(co-hosted on rank 0), rank 0's KV pool, and a transport that covers every rank's pool. With
+``tp_size == 1`` everything lives in this process; with more, ranks 1.. are Ray actors
+(``kvtransfer.tp_group``) and the same interfaces hide them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.pool import KVPool, pool_spec_for
+from kvtransfer.transport import KVTransport
+from models.runner import LocalRunner, ModelRunner
+from models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    role: str  # "prefill" or "decode": names agents and logs
+    target: ModelSpec
+    draft: ModelSpec | None
+    num_blocks: int
+    block_size: int
+    device: str = "cpu"
+    tp_size: int = 1
+    num_threads: int = 0  # torch CPU threads per rank; 0 keeps torch's default
+
+
+@dataclass
+class Shard:
+    target: ModelRunner  # the target over every rank
+    draft: ModelRunner | None  # the draft model, on rank 0
+    pool: KVPool  # rank 0's pool: its heads of the target, and the draft
+    transport: KVTransport  # every rank's pool
+    tp_size: int
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+        self.transport.close()
+
+
+def draft_shape(model: ModelSpec | None) -> tuple[int, int, int, str] | None:
+    if model is None:
+        return None
+    c = model.config()
+    return (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+
+
+def target_shape(model: ModelSpec) -> tuple[int, int, int, str]:
+    c = model.config()
+    return (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+
+
+def build_shard(spec: ShardSpec) -> Shard:
+    """Load the models and allocate and register the pools: locally, or over a TP group."""
+    if spec.num_threads > 0:
+        torch.set_num_threads(spec.num_threads)
+    if spec.tp_size > 1:
+        from kvtransfer.tp_group import build_tp_shard
+
+        return build_tp_shard(spec)
+    pool = KVPool(
+        pool_spec_for(
+            spec.num_blocks, spec.block_size, target_shape(spec.target), draft_shape(spec.draft)
+        ),
+        spec.device,
+    )
+    target = LocalRunner(spec.target.load(spec.device), pool.tensor("target"), spec.block_size)
+    draft = None
+    if spec.draft is not None:
+        draft = LocalRunner(spec.draft.load(spec.device), pool.tensor("draft"), spec.block_size)
+    return Shard(target, draft, pool, NixlTransport(pool, role=spec.role), tp_size=1)

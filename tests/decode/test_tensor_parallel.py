@@ -1,0 +1,76 @@
+"""Tensor parallelism on a real Ray cluster: TP=2 decode and TP=2 prefill → TP=2 decode give
+exactly the TP=1 outputs, with every rank's KV heads moved over its own NIXL agent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from prefill.config import PrefillWorkerConfig
+from prefill.worker import PrefillWorker
+from tests.decode.engine_utils import make_request, run_all
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def specs(tiny_folder: Path, tiny_draft_folder: Path) -> tuple[ModelSpec, DraftSpec]:
+    draft = DraftSpec(
+        DraftKind.DRAFT_MODEL, model=ModelSpec(str(tiny_draft_folder)), num_speculative_tokens=3
+    )
+    return ModelSpec(str(tiny_folder)), draft
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(31)
+    return [torch.randint(3, 49152, (20 + 9 * i,), generator=g).tolist() for i in range(3)]
+
+
+def _run(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=16)] * 2 + [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=5)
+    ]
+    reqs = [make_request(p, sp) for p, sp in zip(_prompts(), params, strict=True)]
+    out = run_all(engine, reqs, prefill=prefill)
+    return [out[r.request_id] for r in reqs]
+
+
+def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    target, draft = specs
+    kw = {"num_blocks": 64, "num_threads": 1}
+    want_local = _run(DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)), None)  # type: ignore[arg-type]
+    want_disagg = _run(
+        DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
+        PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
+    )
+    tp_engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    assert _run(tp_engine, None) == want_local
+
+    tp_prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    assert len(tp_prefill.transport.sources()) == 2  # each rank's agent is in the handoff
+    before = tp_engine.transport.counters.bytes_pulled
+    assert _run(tp_engine, tp_prefill) == want_disagg
+    # Every rank read its own heads: the target's blocks in full (both halves) plus the draft's.
+    pool = tp_engine.pool.spec
+    per_block = sum(g.block_bytes(pool.block_size) for g in pool.groups)
+    half_target = pool.group("target").block_bytes(pool.block_size)
+    blocks = sum((len(p) + 15) // 16 for p in _prompts())
+    assert tp_engine.transport.counters.bytes_pulled - before == blocks * (per_block + half_target)
+    tp_prefill.reap()
+    assert tp_prefill.stats().active_leases == 0  # every rank reported its read
+    assert tp_engine.allocator.num_free == 64
+    tp_prefill.close()
+    tp_engine.close()

@@ -1,0 +1,68 @@
+"""TP=2 gives TP=1's logits (fp32, 1e-5): two ranks as threads over a gloo group, no Ray."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from models.attention import kv_pool_shape
+from models.parallel import TPContext
+from models.runner import SeqInput, StepResult, run_step
+from models.spec import ModelSpec
+from tests.helpers import free_port
+
+BS = 16
+
+
+def _batches() -> list[list[SeqInput]]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(3, 49152, (40,), generator=g).tolist()
+    b = torch.randint(3, 49152, (23,), generator=g).tolist()
+    prompt = [SeqInput([0, 1, 2], 0, a[:35], [34]), SeqInput([3, 4], 0, b[:20], [19])]
+    verify = [
+        SeqInput([0, 1, 2], 35, a[35:40], list(range(5))),
+        SeqInput([3, 4], 20, b[20:21], [0]),
+    ]
+    return [prompt, verify]
+
+
+def _run(spec: ModelSpec, tp: TPContext, out: list[StepResult]) -> None:
+    model = spec.load(tp=tp)
+    c = model.cfg
+    pool = torch.zeros(
+        kv_pool_shape(8, c.num_kv_heads // tp.world_size, c.num_layers, BS, c.head_dim)
+    )
+    for batch in _batches():
+        out.append(run_step(model, pool, BS, batch))
+
+
+def test_tp2_logits_match_tp1(tiny_folder: Path) -> None:
+    spec = ModelSpec(str(tiny_folder))
+    single: list[StepResult] = []
+    _run(spec, TPContext(), single)
+
+    port = free_port()
+    results: list[list[StepResult]] = [[], []]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            store = dist.TCPStore("127.0.0.1", port, 2, is_master=r == 0, use_libuv=False)  # type: ignore[attr-defined]
+            group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
+            _run(spec, TPContext(r, 2, group), results[r])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for tp1, r0, r1 in zip(single, results[0], results[1], strict=True):
+        assert (tp1.logits - r0.logits).abs().max().item() <= 1e-5
+        assert torch.equal(r0.logits, r1.logits)  # every rank gathers the full vocabulary
