@@ -70,7 +70,8 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
     ids = torch.randint(3, 4000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     for dtype in ("float32", "bfloat16"):
         ours = ModelSpec(str(folder), dtype).load(dev)
-        ref = LlamaForCausalLM.from_pretrained(folder, dtype=ours.dtype).to(dev).eval()
+        ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=ours.dtype)
+        ref = ref.to(dev).eval()
         c = ours.cfg
         pool = torch.zeros(
             kv_pool_shape(16, c.num_kv_heads, c.num_layers, 16, c.head_dim),
@@ -117,7 +118,7 @@ def check_decode_path(target: Path, draft: Path, dev: str) -> dict[str, Any]:
             Request(uuid.uuid4().hex, p, SamplingParams(temperature=0.0, max_tokens=24))
             for p in prompts
         ]
-        outs = {r.request_id: [] for r in reqs}
+        outs: dict[str, list[int]] = {r.request_id: [] for r in reqs}
         for r in reqs:
             h = prefill.prefill(r) if prefill else None
             if h is not None:
@@ -171,7 +172,7 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
         for i in range(0, 1000, 500):
             run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
 
-        def timed(k: int) -> float:
+        def timed(k: int, pool: torch.Tensor = pool, tables: list[list[int]] = tables) -> float:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
             times = []
             for _ in range(7):
@@ -186,11 +187,10 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
         out["decode_ms"][batch] = base
         if batch in (1, 8, 32):
             out["verify_ratio"][batch] = {k: timed(k) / base for k in range(0, 9)}
-        del pool
     return out
 
 
-def kv_transfer(dev: str) -> dict[str, Any]:
+def kv_transfer(dev: str) -> dict[int, Any]:
     from kvtransfer.handoff import KVCompat, KVHandoff
     from kvtransfer.nixl_transport import NixlTransport
     from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
@@ -201,7 +201,7 @@ def kv_transfer(dev: str) -> dict[str, Any]:
     a, b = KVPool(spec, dev), KVPool(spec, dev)
     src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
     compat = KVCompat("m", "bfloat16", 16, "x", 1, "none")
-    out: dict[str, Any] = {}
+    out: dict[int, Any] = {}
     for n in (1, 16, 256):
         blocks = tuple(range(n))
         nbytes = n * spec.groups[0].block_bytes(16)
