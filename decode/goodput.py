@@ -1,0 +1,108 @@
+"""The goodput model: what a decode step costs and what it yields, and the speculation lengths
+that make the most of it.
+
+One model serves the engine's adaptive speculation length, the acceptance-aware router and the
+router simulator, so all three agree on what a replica can do:
+
+- a sequence with per-token acceptance rate ``a`` that verifies ``k`` draft tokens (a step of
+  width ``k + 1``) emits on average ``(1 - a^(k+1)) / (1 - a)`` tokens;
+- a step costs ``StepTimeModel.predict(tokens)`` seconds, where ``tokens`` is what the target
+  scores in one forward (every running sequence's ``1 + k``);
+- goodput is emitted tokens per second: the sum of the first over the second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens one step emits for a sequence verifying ``k`` drafts."""
+    a = min(max(alpha, 0.0), 1.0)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Step time as a function of tokens per forward, from measured points.
+
+    ``points`` are ``(tokens, seconds)`` sorted by tokens; between points the time is linearly
+    interpolated, beyond the last it grows with the last segment's slope (or proportionally,
+    with a single point), below the first it is the first point's time.
+    """
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a step-time model needs at least one measured point")
+        if any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:], strict=False)):
+            raise ValueError("step-time points must have strictly increasing token counts")
+
+    @classmethod
+    def linear(cls, base_s: float, per_token_s: float, max_tokens: int = 4096) -> StepTimeModel:
+        """``base + per_token * tokens`` (for analytical profiles, e.g. a GPU on paper)."""
+        return cls(((1, base_s + per_token_s), (max_tokens, base_s + per_token_s * max_tokens)))
+
+    def predict(self, tokens: int) -> float:
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        i = bisect.bisect_left([p[0] for p in pts], tokens)
+        if i < len(pts):
+            (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+            return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        (x0, y0), (x1, y1) = pts[-2] if len(pts) > 1 else (0, 0.0), pts[-1]
+        return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
+
+
+def goodput(alphas: Sequence[float], ks: Sequence[int], model: StepTimeModel) -> float:
+    """Emitted tokens per second of one step over the batch."""
+    tokens = sum(1 + k for k in ks)
+    if tokens == 0:
+        return 0.0
+    emitted = sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+    return emitted / model.predict(tokens)
+
+
+def choose_ks(
+    alphas: Sequence[float], model: StepTimeModel, k_max: int, token_budget: int | None = None
+) -> list[int]:
+    """Speculation length per sequence that maximises the batch's goodput.
+
+    Each sequence's marginal gain from one more draft token, ``a^(k+1)``, only shrinks, so for
+    a given number of tokens in the step the best drafts are the largest marginal gains overall.
+    Taking them in that order, the goodput of every step size is evaluated and the best kept —
+    exact even where the step time has steps of its own (CPU GEMM tiles, GPU wave quantization).
+    Large batches make each extra token cost more, so speculation switches itself off there.
+    """
+    n = len(alphas)
+    ks = [0] * n
+    if k_max <= 0 or n == 0:
+        return ks
+    room = (token_budget if token_budget is not None else n * (k_max + 1)) - n
+    clamped = [min(max(a, 0.0), 1.0) for a in alphas]
+    heap = [(-a, i) for i, a in enumerate(clamped)]  # max-heap of each next draft's gain a^(k+1)
+    heapq.heapify(heap)
+    emitted = float(n)
+    best, best_extra = emitted / model.predict(n), 0
+    order: list[int] = []
+    depth = [0] * n
+    while heap and len(order) < room:
+        neg_gain, i = heapq.heappop(heap)
+        order.append(i)
+        depth[i] += 1
+        emitted -= neg_gain
+        trial = emitted / model.predict(n + len(order))
+        if trial > best:
+            best, best_extra = trial, len(order)
+        if depth[i] < k_max:
+            heapq.heappush(heap, (-(clamped[i] ** (depth[i] + 1)), i))
+    for i in order[:best_extra]:
+        ks[i] += 1
+    return ks

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from decode.goodput import StepTimeModel, choose_ks, expected_tokens, goodput
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_step_time_model_interpolates_and_extrapolates() -> None:
+    m = StepTimeModel(((1, 0.040), (5, 0.060), (9, 0.100)))
+    assert m.predict(1) == 0.040 and m.predict(0) == 0.040
+    assert m.predict(3) == pytest.approx(0.050)
+    assert m.predict(13) == pytest.approx(0.140)
+    with pytest.raises(ValueError):
+        StepTimeModel(((5, 0.1), (5, 0.2)))
+
+
+def test_choose_ks_is_optimal_on_small_batches() -> None:
+    """The greedy choice matches exhaustive search on every small case we try."""
+    models = [
+        StepTimeModel(((1, 0.046), (2, 0.047), (3, 0.050), (5, 0.074), (9, 0.086))),
+        StepTimeModel.linear(0.010, 0.002),
+        StepTimeModel.linear(0.001, 0.010),  # compute-bound: speculation never pays
+    ]
+    for model, alphas in itertools.product(models, [(0.9,), (0.8, 0.3), (0.95, 0.6, 0.1)]):
+        ks = choose_ks(alphas, model, k_max=4)
+        best = max(
+            goodput(alphas, list(c), model) for c in itertools.product(range(5), repeat=len(alphas))
+        )
+        assert goodput(alphas, ks, model) == pytest.approx(best, rel=1e-9)
+
+
+def test_speculation_switches_itself_off_when_compute_bound() -> None:
+    # Step time proportional to tokens (a saturated replica): any draft only adds cost.
+    model = StepTimeModel.linear(0.0, 0.01)
+    assert choose_ks([0.9] * 32, model, k_max=8) == [0] * 32
+    # Memory-bound (flat) step: speculate, more for the predictable sequence.
+    flat = StepTimeModel.linear(0.05, 0.0001)
+    ks = choose_ks([0.9, 0.2], flat, k_max=8)
+    assert ks[0] > ks[1] >= 0 and ks[0] == 8
