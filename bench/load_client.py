@@ -60,7 +60,7 @@ def request_body(target: Target, item: WorkItem, index: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": target.model,
         "max_tokens": item.max_tokens,
-        "temperature": target.temperature,
+        "temperature": target.temperature if item.temperature is None else item.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

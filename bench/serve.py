@@ -21,16 +21,17 @@ import platform
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from bench.load_client import Arrivals, LoadResult, Target, fetch_model_id, run_load, send_streamed
-from bench.load_metrics import RequestRecord, Summary, summarize
+from bench.load_metrics import Outcome, RequestRecord, Summary, stats, summarize
 from bench.load_report import plot, report_json, table, write_json
 from bench.sharegpt import iter_conversations
-from bench.workloads import WorkItem, sharegpt_items, synthetic_items
+from bench.workloads import WorkItem, bimodal_items, sharegpt_items, synthetic_items
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -43,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--base-url", default="http://127.0.0.1:8000/v1", help="OpenAI API root (ends in /v1)")
     add("--model", help="model id to send; default: the first one GET /v1/models lists")
     add("--endpoint", choices=("chat", "completions"), default="chat")
-    add("--dataset", choices=("sharegpt", "synthetic"), default="sharegpt")
+    add("--dataset", choices=("sharegpt", "synthetic", "bimodal"), default="sharegpt")
     add("--num-requests", type=int, default=100, help="requests in the workload")
     add("--max-seconds", type=float, help="stop sending and cancel what is in flight after this")
     add("--request-rate", type=float, help="Poisson arrivals per second ('inf': all at once)")
@@ -63,6 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--launch", choices=("none", "disaggregated", "colocated"), default="none")
     add("--draft", choices=("none", "ngram"), help="with --launch; default ngram, or --config's")
     add("--decode-max-batch", type=int, help="with --launch: decode.max_batch_size")
+    add("--decode-replicas", type=int, help="with --launch: decode.replicas")
+    add("--routing", help="with --launch: decode.routing (e.g. acceptance_aware, power_of_two)")
     add("--config", type=Path, help="with --launch: base TandemConfig YAML")
     args = ap.parse_args(argv)
     if args.request_rate is None and args.concurrency is None:
@@ -76,6 +79,8 @@ def default_label(args: argparse.Namespace) -> str:
     parts = [args.launch] if args.launch != "none" else []
     if args.launch != "none" and args.draft is not None:
         parts.append(args.draft)
+    if args.launch != "none" and args.routing is not None:
+        parts.append(args.routing)
     parts.append(args.dataset)
     if args.request_rate is not None:
         parts.append(f"r{args.request_rate:g}")
@@ -94,6 +99,8 @@ def workload(args: argparse.Namespace) -> list[WorkItem]:
             max_prompt_tokens=args.max_prompt_tokens,
         )
     out_len = min(args.output_len, args.max_tokens or args.output_len)
+    if args.dataset == "bimodal":
+        return bimodal_items(args.num_requests, out_len, args.seed)
     return synthetic_items(
         args.num_requests, args.input_len, out_len, args.range_ratio, args.copy_fraction, args.seed
     )
@@ -127,6 +134,10 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
         overrides |= {"prefill.num_threads": cpus, "decode.num_threads": cpus}
     if args.decode_max_batch is not None:
         overrides["decode.max_batch_size"] = args.decode_max_batch
+    if args.decode_replicas is not None:
+        overrides["decode.replicas"] = args.decode_replicas
+    if args.routing is not None:
+        overrides["decode.routing"] = args.routing
     cfg = base.with_overrides(**overrides)
     start_ray(cfg, num_cpus=cpus)
     try:
@@ -173,6 +184,7 @@ async def main(argv: Sequence[str] | None = None) -> Path:
             base_url, launch_cfg = stack.enter_context(launched(args))
         model, result = await drive(args, base_url, items)
     summary: Summary = summarize(result.records, result.duration_s)
+    ok = [r for r in result.records if r.outcome is Outcome.OK]
     print(table(summary), flush=True)
     meta = {
         "label": label,
@@ -182,6 +194,12 @@ async def main(argv: Sequence[str] | None = None) -> Path:
         "launch_config": launch_cfg,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "tpot_by_kind": {
+            kind: asdict(st)
+            if (st := stats([t for r in ok if r.kind == kind and (t := r.tpot_s)]))
+            else None
+            for kind in sorted({r.kind for r in ok})
+        },
     }
     write_json(out, report_json(summary, result.records, meta))
     plot(out.with_suffix(".png"), result.records, f"{label} ({model})")

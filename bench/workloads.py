@@ -33,9 +33,10 @@ WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 class WorkItem:
     """One request to send: its workload class, the user message, and its max_tokens."""
 
-    kind: str  # "sharegpt", "synthetic" or "copy"
+    kind: str  # "sharegpt", "synthetic", "copy" or "creative"
     prompt: str
     max_tokens: int
+    temperature: float | None = None  # None: the run's --temperature
 
 
 def approx_tokens(text: str) -> int:
@@ -109,6 +110,28 @@ def synthetic_items(
             words = rng.choices(WORDS, k=_length(rng, input_len, range_ratio))
             items.append(WorkItem("synthetic", " ".join(words), out))
     return items
+
+
+CREATIVE_PROMPTS: tuple[str, ...] = (
+    "Write a short story about a lighthouse keeper who finds a door in the sea.",
+    "Invent a new festival for a city on the moon and describe how it is celebrated.",
+    "Write a poem about the smell of rain on hot stone.",
+    "Describe an imaginary animal that lives in clouds, and its daily life.",
+    "Tell a fable about a clock that wanted to stop time.",
+    "Write the opening scene of a mystery set in a floating market.",
+)
+
+
+def bimodal_items(n: int, output_len: int, seed: int) -> list[WorkItem]:
+    """``n`` requests, alternating copy-heavy prompts sent greedy (prompt lookup accepts most
+    of its drafts) and open creative prompts sampled at temperature 1 (it accepts few)."""
+    rng = random.Random(seed)
+    return [
+        WorkItem("copy", rng.choice(COPY_PROMPTS), output_len, 0.0)
+        if i % 2 == 0
+        else WorkItem("creative", rng.choice(CREATIVE_PROMPTS), output_len, 1.0)
+        for i in range(n)
+    ]
 
 
 def poisson_offsets(n: int, rate: float, seed: int) -> list[float]:

@@ -13,6 +13,7 @@ from ray.serve import Application
 
 from cluster.config import PoolConfig, TandemConfig
 from cluster.ingress import OpenAIIngress
+from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.service import ServiceSettings
 from decode.config import DecodeEngineConfig
 from decode.server import DecodeServer
@@ -60,6 +61,21 @@ def check_draft_vocab(target_folder: Path, draft_folder: Path) -> None:
         )
 
 
+def check_eagle_head(target_folder: Path, head_folder: Path) -> None:
+    """An EAGLE head must be sized for the target: its features and vocabulary."""
+    from models.eagle import EagleConfig
+
+    if not (head_folder / "config.json").exists():
+        raise FileNotFoundError(f"EAGLE head folder {head_folder} has no config.json")
+    head, target = EagleConfig.from_folder(head_folder), LlamaConfig.from_folder(target_folder)
+    if (head.layer.hidden_size, head.vocab_size) != (target.hidden_size, target.vocab_size):
+        raise DraftMismatchError(
+            f"EAGLE head {head_folder} has hidden size {head.layer.hidden_size} and vocabulary "
+            f"{head.vocab_size}; target {target_folder} has {target.hidden_size} and "
+            f"{target.vocab_size}"
+        )
+
+
 def resolve_models(cfg: TandemConfig) -> ResolvedModels:
     folder = resolve_checkpoint(cfg.model.source)
     name = cfg.model.name or (EMBEDDED_NAME if cfg.model.source == "embedded" else folder.name)
@@ -71,10 +87,16 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         draft_folder = resolve_checkpoint(d.source)
         check_draft_vocab(folder, draft_folder)
         draft_model = ModelSpec(str(draft_folder), d.dtype)
+    elif d.kind == "eagle":
+        assert d.source is not None
+        head_folder = Path(d.source).expanduser()
+        check_eagle_head(folder, head_folder)
+        draft_model = ModelSpec(str(head_folder), d.dtype)
     draft = DraftSpec(
         kind=DraftKind(d.kind),
         model=draft_model,
         num_speculative_tokens=d.num_speculative_tokens,
+        adaptive=d.adaptive,
         ngram_max=d.ngram_max,
         ngram_min=d.ngram_min,
     )
@@ -133,7 +155,8 @@ def build_app(cfg: TandemConfig) -> Application:
         max_model_len=m.max_model_len,
         num_threads=cfg.decode.num_threads,
     )
-    decode = serve.deployment(**_options(cfg.decode, "decode"))(DecodeServer).bind(engine)
+    decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
+    decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)
     prefill = None
     max_prompt = min(m.max_model_len - 1, decode_tokens - 1)
     if cfg.mode == "disaggregated":
@@ -151,7 +174,8 @@ def build_app(cfg: TandemConfig) -> Application:
             max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
             enable_prefix_caching=cfg.prefill.enable_prefix_caching,
         )
-        prefill = serve.deployment(**_options(cfg.prefill, "prefill"))(PrefillServer).bind(worker)
+        prefill_opts = _options(cfg.prefill, "prefill") | prefill_router_options(cfg.prefill, bs)
+        prefill = serve.deployment(**prefill_opts)(PrefillServer).bind(worker)
         max_prompt = min(max_prompt, cfg.prefill.num_blocks * bs)
     settings = ServiceSettings(
         model_name=m.name,

@@ -39,25 +39,39 @@ class ModelConfig(_Frozen):
 
 
 class DraftConfig(_Frozen):
-    kind: Literal["none", "ngram", "draft_model"] = Field(
+    kind: Literal["none", "ngram", "draft_model", "eagle"] = Field(
         "ngram",
-        description="What proposes tokens: nothing (plain decoding), n-gram prompt lookup, or an "
-        "independent draft model sharing the target's tokenizer.",
+        description="What proposes tokens: nothing (plain decoding), n-gram prompt lookup, an "
+        "independent draft model sharing the target's tokenizer, or an EAGLE-style head over "
+        "the target's features.",
     )
-    source: str | None = Field(None, description="Draft model checkpoint (kind=draft_model).")
+    source: str | None = Field(
+        None, description="Draft checkpoint: a model (draft_model) or an EAGLE head folder (eagle)."
+    )
     dtype: Dtype = Field("float32", description="Draft model dtype.")
     num_speculative_tokens: int = Field(
-        4, ge=1, le=16, description="k: draft tokens verified per decode step."
+        4,
+        ge=1,
+        le=16,
+        description="k: draft tokens verified per decode step; with adaptive, the most.",
+    )
+    adaptive: bool = Field(
+        True,
+        description="Choose each request's k every step to maximise expected goodput (from "
+        "its acceptance estimate and the step time measured at start-up); false pins k.",
     )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup tries.")
     ngram_min: int = Field(1, ge=1, le=16, description="Shortest suffix n-gram lookup accepts.")
 
     @model_validator(mode="after")
     def _check(self) -> DraftConfig:
-        if self.kind == "draft_model" and not self.source:
-            raise ValueError("draft.kind=draft_model needs draft.source (a checkpoint)")
-        if self.kind != "draft_model" and self.source:
-            raise ValueError(f"draft.source is only used with kind=draft_model, not {self.kind}")
+        needs_source = self.kind in ("draft_model", "eagle")
+        if needs_source and not self.source:
+            raise ValueError(f"draft.kind={self.kind} needs draft.source (a checkpoint)")
+        if not needs_source and self.source:
+            raise ValueError(
+                f"draft.source is only used with kind=draft_model or eagle, not {self.kind}"
+            )
         if self.ngram_min > self.ngram_max:
             raise ValueError("draft.ngram_min must not exceed draft.ngram_max")
         return self
@@ -131,6 +145,18 @@ class PrefillConfig(PoolConfig):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of full blocks a previous prompt already computed."
     )
+    routing: Literal["power_of_two", "prefix_affinity"] = Field(
+        "prefix_affinity",
+        description="How the ingress picks a prefill replica: Ray Serve's power of two choices, "
+        "or power of two with affinity to the replica that last prefilled the prompt's leading "
+        "KV blocks (cluster/routing/prefix.py).",
+    )
+    routing_imbalance: float = Field(
+        4.0,
+        ge=0,
+        description="prefix_affinity: requests in flight the affine replica may have beyond the "
+        "lighter of two random ones before the prompt goes to that one instead.",
+    )
 
 
 class DecodeConfig(PoolConfig):
@@ -148,6 +174,38 @@ class DecodeConfig(PoolConfig):
         description="Scale decode replicas on ongoing streams (see cluster/autoscaling.py) "
         "instead of a fixed `replicas` count.",
     )
+    routing: Literal["round_robin", "power_of_two", "least_kv", "acceptance_aware"] = Field(
+        "acceptance_aware",
+        description="How the ingress picks a decode replica: in turn; Ray Serve's power of two "
+        "choices; most free KV blocks; or where the request's expected acceptance adds least to "
+        "the replicas' time per output token (cluster/routing/score.py). acceptance_aware and "
+        "least_kv use the replicas' routing stats and fall back to power of two choices while "
+        "those are missing or stale; acceptance_aware also needs adaptive speculation's "
+        "measured step time (draft.adaptive).",
+    )
+    routing_stats_period_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often each decode replica publishes its routing stats (load, "
+        "acceptance estimates, speculation lengths, step-time model) to the routers.",
+    )
+    routing_max_staleness_s: float = Field(
+        5.0,
+        gt=0,
+        description="Routing stats older than this are not used: the router treats the replica "
+        "as unknown (power of two choices).",
+    )
+
+    @model_validator(mode="after")
+    def _staleness_covers_period(self) -> DecodeConfig:
+        if self.routing_max_staleness_s < self.routing_stats_period_s:
+            raise ValueError(
+                f"decode.routing_max_staleness_s ({self.routing_max_staleness_s:g}) is shorter "
+                f"than decode.routing_stats_period_s ({self.routing_stats_period_s:g}): every "
+                "replica's stats would go stale between refreshes; make the bound at least the "
+                "period (two to five periods is typical)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _target_fits_batch(self) -> DecodeConfig:

@@ -14,23 +14,38 @@ Not thread-safe: one thread (``decode.loop.EngineLoop``) drives ``add``, ``abort
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.draft_model import DraftModelDrafter
+from decode.drafters.eagle import EagleDrafter
 from decode.drafters.ngram import NgramDrafter
 from decode.intake import KVIntake
 from decode.outputs import SpecUsage, StepOutput
+from decode.routing_stats import RoutingStats, collect_routing_stats
+from decode.scheduler import Scheduler
 from decode.spec_step import Emission, decode_step
+from decode.speculation import (
+    DEFAULT_ACCEPTANCE,
+    SpeculationPolicy,
+    cached_step_time,
+    calibration_points,
+    measure_step_time,
+)
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.shard import ShardSpec, build_shard
+from models.eagle import EagleRunner
 from models.request import FinishReason, Request, RequestStatus
 from models.spec import DraftKind
+from models.weights import default_cache_dir
 
 log = logging.getLogger(__name__)
 EMA = 0.2  # weight of the newest step in the online acceptance estimate
@@ -49,13 +64,6 @@ class EngineStats:
     preemptions: int
 
 
-@dataclass(frozen=True)
-class _Planned:
-    req: Request
-    new_tokens: int
-    k: int
-
-
 class DecodeEngine:
     def __init__(self, cfg: DecodeEngineConfig) -> None:
         self.cfg = cfg
@@ -63,7 +71,7 @@ class DecodeEngine:
             ShardSpec(
                 role="decode",
                 target=cfg.target,
-                draft=cfg.draft.model,
+                draft=cfg.draft,
                 num_blocks=cfg.num_blocks,
                 block_size=cfg.block_size,
                 device=cfg.device,
@@ -75,12 +83,23 @@ class DecodeEngine:
         self.target = self.shard.target
         self.transport = self.shard.transport
         self.drafter: Drafter | None = None
-        if self.shard.draft is not None:
+        if isinstance(self.shard.draft, EagleRunner):
+            self.drafter = EagleDrafter(self.shard.draft)
+        elif self.shard.draft is not None:
             self.drafter = DraftModelDrafter(self.shard.draft)
         elif cfg.draft.kind is DraftKind.NGRAM:
             self.drafter = NgramDrafter(cfg.draft.ngram_max, cfg.draft.ngram_min)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
+        self.speculation = self._speculation() if self.drafter is not None else None
+        self.scheduler = Scheduler(
+            self.allocator,
+            cfg.block_size,
+            cfg.max_batch_size,
+            cfg.max_num_batched_tokens,
+            cfg.max_model_len,
+            self.speculation,
+        )
         self.intake = KVIntake(self.transport, cfg.pull_margin_s)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
@@ -88,6 +107,28 @@ class DecodeEngine:
         self._target_fed = 0
         self._steps = 0
         self._preemptions = 0
+
+    def _speculation(self) -> SpeculationPolicy:
+        d, cfg = self.cfg.draft, self.cfg
+        if not d.adaptive:
+            return SpeculationPolicy(d.num_speculative_tokens, None)
+        shapes = calibration_points(
+            min(cfg.max_batch_size, 32),
+            d.num_speculative_tokens + 1,
+            min(cfg.max_num_batched_tokens, 256),
+        )
+        t = cfg.target
+        threads = torch.get_num_threads()
+        key = f"{t.fingerprint()}-{t.dtype}-{cfg.device}-tp{cfg.tp_size}-t{threads}-{shapes}"
+        path = (
+            default_cache_dir()
+            / "steptime"
+            / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+        )
+        model = cached_step_time(
+            path, lambda: measure_step_time(self.target, self.allocator, cfg.block_size, shapes)
+        )
+        return SpeculationPolicy(d.num_speculative_tokens, model)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -120,7 +161,8 @@ class DecodeEngine:
 
     @property
     def only_waiting_on_pulls(self) -> bool:
-        return bool(self.intake.pending) and not (self.running or self._outbox)
+        """Nothing to compute, only transfers to watch (the loop then polls gently)."""
+        return not (self.running or self._outbox or self.waiting)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -135,16 +177,47 @@ class DecodeEngine:
             preemptions=self._preemptions,
         )
 
+    def routing_stats(self) -> RoutingStats:
+        """The router's view of this replica (read-only; safe from another thread, as it only
+        copies): load, each batched request's acceptance estimate and the k the speculation
+        policy would give it now, and the measured step-time model."""
+        running = tuple(self.running.values())
+        batch = running[: self.cfg.max_batch_size]
+        spec = self.speculation
+        budget = self.cfg.max_num_batched_tokens
+        ks = spec.choose(batch, [spec.k_max] * len(batch), 0, budget) if spec else [0] * len(batch)
+        return collect_routing_stats(
+            [
+                DEFAULT_ACCEPTANCE if r.acceptance_estimate is None else r.acceptance_estimate
+                for r in batch
+            ],
+            ks,
+            queued=len(self.waiting) + len(self.intake.pending) + len(running) - len(batch),
+            free_blocks=self.allocator.num_free,
+            num_blocks=self.cfg.num_blocks,
+            block_size=self.cfg.block_size,
+            max_batch_size=self.cfg.max_batch_size,
+            k_max=spec.k_max if spec else 0,
+            adaptive=spec.adaptive if spec else False,
+            step_time=spec.step_time if spec else None,
+        )
+
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self.transport.progress()
         self._admit()
-        for req, error in self.intake.poll():
+        for req, handoff, error in self.intake.poll():
             if error is not None:
                 self._finish(req, FinishReason.ERROR, error)
-            else:
-                self.running[req.request_id] = req
-        plan = self._schedule()
+                continue
+            if self.drafter is not None and self.drafter.needs_features:
+                if handoff.hidden_state is None:
+                    self._finish(req, FinishReason.ERROR, "the handoff lacks the drafter's feature")
+                    continue
+                self.drafter.observe(req, handoff.hidden_state.view(1, -1).to(self.pool.device))
+            self.running[req.request_id] = req
+        plan = self.scheduler.plan(list(self.running.values()), self._preempt)
         if plan:
             reqs = [p.req for p in plan]
             emissions = decode_step(
@@ -157,40 +230,6 @@ class DecodeEngine:
                     self._apply(r, em)
         out, self._outbox = self._outbox, []
         return out
-
-    def _schedule(self) -> list[_Planned]:
-        """Pick this step's work FCFS within the budgets, preempting the newest when blocks
-        run out."""
-        budget = self.cfg.max_num_batched_tokens
-        queue = list(self.running.values())  # arrival order
-        plan: list[_Planned] = []
-        while queue and len(plan) < self.cfg.max_batch_size and budget > 0:
-            r = queue.pop(0)
-            pending = r.num_tokens - r.num_computed
-            if pending > 1 or not r.output_token_ids:
-                new, k = min(pending, budget), 0
-            else:
-                new, k = 1, min(self._choose_k(r), budget - 1)
-            need = self._blocks_for(r.num_computed + new + k) - len(r.block_table)
-            while need > 0 and not self.allocator.can_allocate(need) and queue:
-                self._preempt(queue.pop())  # the newest request not yet planned
-            if need > 0 and not self.allocator.can_allocate(need):
-                self._preempt(r)
-                break
-            if need > 0:
-                r.block_table.extend(self.allocator.allocate(need))
-            plan.append(_Planned(r, new, k))
-            budget -= new + k
-        return plan
-
-    def _choose_k(self, r: Request) -> int:
-        if self.drafter is None:
-            return 0
-        room = min(
-            r.sampling.max_tokens - len(r.output_token_ids),
-            self.cfg.max_model_len - r.num_tokens,
-        )
-        return max(0, min(self.cfg.draft.num_speculative_tokens, room - 1))
 
     def _apply(self, r: Request, em: Emission) -> None:
         sp = r.sampling
@@ -249,6 +288,8 @@ class DecodeEngine:
         r.block_table = []
         r.num_computed = r.num_draft_computed = 0
         r.status = RequestStatus.WAITING
+        if self.drafter is not None:
+            self.drafter.forget(r.request_id)
         self.waiting.appendleft((r, None))
         self._preemptions += 1
 
@@ -261,6 +302,8 @@ class DecodeEngine:
         )
 
     def _release(self, r: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(r.request_id)
         if r.block_table:
             self.allocator.free(r.block_table)
             r.block_table = []

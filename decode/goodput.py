@@ -14,9 +14,13 @@ router simulator, so all three agree on what a replica can do:
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -60,6 +64,21 @@ class StepTimeModel:
         (x0, y0), (x1, y1) = pts[-2] if len(pts) > 1 else (0, 0.0), pts[-1]
         return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
 
+    def predict_many(self, tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """``predict`` over an array of token counts at once (the router scores every replica
+        in one call): the same interpolation, clamping and extrapolation."""
+        x = np.asarray(tokens, dtype=np.float64)
+        xs, ys = self._arrays
+        (x0, y0), (x1, y1) = self.points[-2] if len(self.points) > 1 else (0, 0.0), self.points[-1]
+        slope = (y1 - y0) / (x1 - x0)
+        out: npt.NDArray[np.float64] = np.interp(x, xs, ys) + slope * np.maximum(x - x1, 0.0)
+        return out
+
+    @functools.cached_property
+    def _arrays(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        xs = np.array([p[0] for p in self.points], dtype=np.float64)
+        return xs, np.array([p[1] for p in self.points], dtype=np.float64)
+
 
 def goodput(alphas: Sequence[float], ks: Sequence[int], model: StepTimeModel) -> float:
     """Emitted tokens per second of one step over the batch."""
@@ -71,7 +90,11 @@ def goodput(alphas: Sequence[float], ks: Sequence[int], model: StepTimeModel) ->
 
 
 def choose_ks(
-    alphas: Sequence[float], model: StepTimeModel, k_max: int, token_budget: int | None = None
+    alphas: Sequence[float],
+    model: StepTimeModel,
+    k_max: int | Sequence[int],
+    token_budget: int | None = None,
+    fixed_tokens: int = 0,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -80,17 +103,21 @@ def choose_ks(
     Taking them in that order, the goodput of every step size is evaluated and the best kept —
     exact even where the step time has steps of its own (CPU GEMM tiles, GPU wave quantization).
     Large batches make each extra token cost more, so speculation switches itself off there.
+
+    ``k_max`` caps every sequence, or each one; ``token_budget`` caps the drafted tokens plus
+    one per sequence; ``fixed_tokens`` are other tokens in the same forward (prompt chunks).
     """
     n = len(alphas)
     ks = [0] * n
-    if k_max <= 0 or n == 0:
+    caps = [k_max] * n if isinstance(k_max, int) else list(k_max)
+    if n == 0 or max(caps) <= 0:
         return ks
-    room = (token_budget if token_budget is not None else n * (k_max + 1)) - n
+    room = sum(caps) if token_budget is None else min(sum(caps), token_budget - n)
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
-    heap = [(-a, i) for i, a in enumerate(clamped)]  # max-heap of each next draft's gain a^(k+1)
+    heap = [(-a, i) for i, a in enumerate(clamped) if caps[i] > 0]  # gains a^(k+1), max first
     heapq.heapify(heap)
     emitted = float(n)
-    best, best_extra = emitted / model.predict(n), 0
+    best, best_extra = emitted / model.predict(n + fixed_tokens), 0
     order: list[int] = []
     depth = [0] * n
     while heap and len(order) < room:
@@ -98,10 +125,10 @@ def choose_ks(
         order.append(i)
         depth[i] += 1
         emitted -= neg_gain
-        trial = emitted / model.predict(n + len(order))
+        trial = emitted / model.predict(n + fixed_tokens + len(order))
         if trial > best:
             best, best_extra = trial, len(order)
-        if depth[i] < k_max:
+        if depth[i] < caps[i]:
             heapq.heappush(heap, (-(clamped[i] ** (depth[i] + 1)), i))
     for i in order[:best_extra]:
         ks[i] += 1

@@ -34,13 +34,14 @@ class KVIntake:
         self.pending[req.request_id] = (req, handoff, pull)
         return None
 
-    def poll(self) -> list[tuple[Request, str | None]]:
-        """Requests whose pull ended since the last call, with an error message if it failed.
+    def poll(self) -> list[tuple[Request, KVHandoff, str | None]]:
+        """Requests whose pull ended since the last call (with their handoff), and an error
+        message if it failed.
 
         A landed request has its counters set: the prompt is computed (for every shipped KV
         group) and the first token, sampled by prefill, is its first output.
         """
-        out: list[tuple[Request, str | None]] = []
+        out: list[tuple[Request, KVHandoff, str | None]] = []
         entries = list(self.pending.items())
         states = self.transport.poll_many([pull for _, (_, _, pull) in entries])
         for (rid, (req, handoff, pull)), state in zip(entries, states, strict=True):
@@ -49,17 +50,17 @@ class KVIntake:
             del self.pending[rid]
             self.transport.finish(pull)
             if state is PullState.FAILED:
-                out.append((req, "KV transfer failed"))
+                out.append((req, handoff, "KV transfer failed"))
             elif time.time() > handoff.lease_expiry:
                 self.transport.counters.fail("lease_expired")
-                out.append((req, "the prefill lease expired during the pull"))
+                out.append((req, handoff, "the prefill lease expired during the pull"))
             else:
                 req.num_computed = handoff.num_tokens
-                req.num_draft_computed = handoff.num_tokens if "draft" in handoff.groups else 0
+                req.num_draft_computed = handoff.draft_computed
                 req.output_token_ids = [handoff.first_token]
                 req.acceptance_estimate = handoff.acceptance_probe
                 req.status = RequestStatus.RUNNING
-                out.append((req, None))
+                out.append((req, handoff, None))
         return out
 
     def cancel(self, request_id: str) -> Request | None:

@@ -12,6 +12,7 @@ from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
 from decode.outputs import StepOutput
 from kvtransfer.handoff import KVHandoff
+from kvtransfer.memory import process_memory
 from models.request import Request
 
 
@@ -59,9 +60,16 @@ class DecodeServer:
 
     async def stats(self) -> dict[str, Any]:
         out = asdict(self.engine.stats())
+        out["kv_pool_bytes"] = self.engine.pool.nbytes
+        out.update(process_memory())
         out["transport"] = self.engine.transport.name
         out["transfer"] = asdict(self.engine.transport.counters)
         return out
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve calls this every ``request_routing_stats_period_s`` and hands the dict to
+        every router of this deployment (``decode.routing_stats.RoutingStats``)."""
+        return self.engine.routing_stats().to_dict()
 
     async def check_health(self) -> None:
         if not self.loop.alive:

@@ -77,9 +77,13 @@ def decode_step(
     out = target.run(batch)
 
     emissions = [Emission((), 0, 0, len(b.token_ids)) for b in batch]
+    offsets = [0]
+    for b in batch:
+        offsets.append(offsets[-1] + len(b.token_ids))
     sampled = [i for i, s in enumerate(samples) if s]
     for i, s in enumerate(samples):
         if not s:
+            _observe(drafter, reqs[i], out.all_hidden, offsets[i], new_tokens[i])
             reqs[i].num_computed += new_tokens[i]
     if not sampled:
         return emissions
@@ -116,7 +120,15 @@ def decode_step(
             pos = len(r.output_token_ids) + n
             emitted += (sample_token(ver.final_dist[row], r.sampling, pos, Stream.SAMPLE),)
         # KV now holds the pending tokens and the accepted drafts that were fed.
-        r.num_computed += len(pending[i]) + min(n, widths[i] - 1)
+        valid = len(pending[i]) + min(n, widths[i] - 1)
+        _observe(drafter, r, out.all_hidden, offsets[i], valid)
+        r.num_computed += valid
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
         emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids))
     return emissions
+
+
+def _observe(drafter: Drafter | None, r: Request, hidden: torch.Tensor, start: int, n: int) -> None:
+    """Hand a drafter that reads target features those of the positions that stayed valid."""
+    if drafter is not None and drafter.needs_features:
+        drafter.observe(r, hidden[start : start + n])

@@ -11,6 +11,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
+import torch
+
 from models.spec import ModelSpec
 
 HANDOFF_VERSION = 1
@@ -103,7 +105,8 @@ class KVHandoff:
     compat: KVCompat
     lease_expiry: float  # unix time after which the source may reuse the blocks
     acceptance_probe: float | None = None
-    hidden_state: bytes | None = None  # the last position's feature, for drafters that need it
+    draft_computed: int = 0  # prompt positions whose draft KV the blocks hold
+    hidden_state: torch.Tensor | None = None  # [H] the last prompt position's target feature
     finish_reason: str | None = None  # set when the first token already ends the request
     version: int = HANDOFF_VERSION
 

@@ -99,6 +99,7 @@ class NixlTransport(KVTransport):
         self._local = self.agent.prep_xfer_dlist(LOCAL, descs, self.mem_type)
         self._by_group = {r.group: r for r in self.regions}
         self._peers: dict[str, _Peer] = {}
+        self._notices: list[str] = []
         self._metadata: bytes = self.agent.get_agent_metadata()
         log.info("NIXL agent %s registered %d bytes of KV", self.agent_name, pool.nbytes)
 
@@ -116,9 +117,15 @@ class NixlTransport(KVTransport):
         )
 
     def completed(self) -> list[str]:
-        done = [m.decode() for msgs in self.agent.get_new_notifs().values() for m in msgs]
+        self.progress()
+        done, self._notices = self._notices, []
         self.counters.exports_completed += len(done)
         return done
+
+    def progress(self) -> None:
+        """Drive UCX (serve peers' reads, send and receive notices); release retired reads."""
+        notes = self.agent.get_new_notifs()
+        self._notices.extend(m.decode() for msgs in notes.values() for m in msgs)
 
     def _peer(self, src: KVSource) -> _Peer:
         peer = self._peers.get(src.agent_name)
@@ -174,6 +181,7 @@ class NixlTransport(KVTransport):
         return PullHandle(handoff.request_id, nbytes, time.perf_counter(), handle)
 
     def poll(self, pull: PullHandle) -> PullState:
+        self.progress()
         state = self.agent.check_xfer_state(pull.token)
         if state == "DONE":
             self.counters.pulls_done += 1

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
+from models.config import DTYPES
+from models.eagle import EagleRunner, load_eagle
 from models.runner import LocalRunner, ModelRunner
-from models.spec import ModelSpec
+from models.spec import DraftKind, DraftSpec, ModelSpec
 
 
 @dataclass(frozen=True)
 class ShardSpec:
     role: str  # "prefill" or "decode": names agents and logs
     target: ModelSpec
-    draft: ModelSpec | None
+    draft: DraftSpec  # its checkpoint (draft model or EAGLE head) is co-hosted on rank 0
     num_blocks: int
     block_size: int
     device: str = "cpu"
@@ -35,7 +38,7 @@ class ShardSpec:
 @dataclass
 class Shard:
     target: ModelRunner  # the target over every rank
-    draft: ModelRunner | None  # the draft model, on rank 0
+    draft: ModelRunner | EagleRunner | None  # the draft model or EAGLE head, on rank 0
     pool: KVPool  # rank 0's pool: its heads of the target, and the draft
     transport: KVTransport  # every rank's pool
     tp_size: int
@@ -69,12 +72,26 @@ def build_shard(spec: ShardSpec) -> Shard:
         return build_tp_shard(spec)
     pool = KVPool(
         pool_spec_for(
-            spec.num_blocks, spec.block_size, target_shape(spec.target), draft_shape(spec.draft)
+            spec.num_blocks,
+            spec.block_size,
+            target_shape(spec.target),
+            draft_shape(spec.draft.model),
         ),
         spec.device,
     )
     target = LocalRunner(spec.target.load(spec.device), pool.tensor("target"), spec.block_size)
-    draft = None
-    if spec.draft is not None:
-        draft = LocalRunner(spec.draft.load(spec.device), pool.tensor("draft"), spec.block_size)
+    draft = load_draft(spec, pool)
     return Shard(target, draft, pool, NixlTransport(pool, role=spec.role), tp_size=1)
+
+
+def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:
+    """The co-hosted drafter's model over the pool's "draft" group (rank 0)."""
+    d = spec.draft
+    if d.model is None:
+        return None
+    if d.kind is DraftKind.EAGLE:
+        head = load_eagle(
+            Path(d.model.folder), Path(spec.target.folder), DTYPES[d.model.dtype], spec.device
+        )
+        return EagleRunner(head, pool.tensor("draft"), spec.block_size)
+    return LocalRunner(d.model.load(spec.device), pool.tensor("draft"), spec.block_size)

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from kvtransfer.handoff import KVHandoff, KVSource
 from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.pool import KVPool, pool_spec_for
-from kvtransfer.shard import Shard, ShardSpec, draft_shape, target_shape
+from kvtransfer.shard import Shard, ShardSpec, draft_shape, load_draft, target_shape
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 from models.parallel import TPContext
 from models.runner import LocalRunner, ModelRunner, SeqInput, StepResult
@@ -52,7 +52,7 @@ def _process_group(spec: ShardSpec, rank: int, host: str, port: int) -> Any:
 
 
 def _rank_pool(spec: ShardSpec, rank: int) -> KVPool:
-    draft = draft_shape(spec.draft) if rank == 0 else None
+    draft = draft_shape(spec.draft.model) if rank == 0 else None
     layout = pool_spec_for(
         spec.num_blocks, spec.block_size, target_shape(spec.target), draft, spec.tp_size
     )
@@ -80,9 +80,13 @@ class RankWorker:
 
     def _progress(self) -> None:
         while True:
-            with self._lock:
-                for rid in self.transport.completed():
-                    self._done.put(rid)
+            try:
+                with self._lock:
+                    for rid in self.transport.completed():
+                        self._done.put(rid)
+            except Exception:
+                log.exception("rank transport progress failed")
+                time.sleep(0.1)
             time.sleep(0.0005)
 
     def source(self) -> KVSource:
@@ -158,7 +162,7 @@ class GroupTransport(KVTransport):
         self.local = local
         self.actors = list(actors)
         self._sources = (local.source(), *ray.get([a.source.remote() for a in self.actors]))
-        self._remote_done: dict[str, int] = {}
+        self._reported: dict[str, set[int]] = {}  # request id -> ranks whose read was reported
         self._last_remote = 0.0
         self._pending: dict[str, dict[int, str]] = {}
 
@@ -166,18 +170,17 @@ class GroupTransport(KVTransport):
         return self._sources
 
     def completed(self) -> list[str]:
-        ids = self.local.completed()
-        for rid in ids:
-            self._remote_done[rid] = self._remote_done.get(rid, 0) + 1
+        for rid in self.local.completed():
+            self._reported.setdefault(rid, set()).add(0)
         now = time.monotonic()
         if now - self._last_remote >= REMOTE_COMPLETIONS_PERIOD_S:
             self._last_remote = now
-            for got in ray.get([a.completed.remote() for a in self.actors]):
+            for rank, got in enumerate(ray.get([a.completed.remote() for a in self.actors]), 1):
                 for rid in got:
-                    self._remote_done[rid] = self._remote_done.get(rid, 0) + 1
-        done = [rid for rid, n in self._remote_done.items() if n == len(self.actors) + 1]
+                    self._reported.setdefault(rid, set()).add(rank)
+        done = [rid for rid, ranks in self._reported.items() if len(ranks) == len(self.actors) + 1]
         for rid in done:
-            del self._remote_done[rid]
+            del self._reported[rid]
         self.counters.exports_completed += len(done)
         return done
 
@@ -203,10 +206,14 @@ class GroupTransport(KVTransport):
             for rank, answer in enumerate(answers, start=1):
                 if p.request_id in answer:
                     states[rank] = answer[p.request_id]
-            local = self.local.poll(p.token.local)
-            if local is PullState.FAILED or PullState.FAILED.value in states.values():
+            if states.get(0) != PullState.DONE.value:  # rank 0 polled until it lands, once
+                states[0] = self.local.poll(p.token.local).value
+            every_rank_done = all(
+                states.get(r) == PullState.DONE.value for r in range(len(self.actors) + 1)
+            )
+            if PullState.FAILED.value in states.values():
                 out.append(PullState.FAILED)
-            elif local is PullState.DONE and len(states) == len(self.actors):
+            elif every_rank_done:
                 out.append(PullState.DONE)
                 self.counters.pulls_done += 1
                 self.counters.bytes_pulled += p.nbytes
@@ -218,6 +225,9 @@ class GroupTransport(KVTransport):
     def finish(self, pull: PullHandle) -> None:
         self._pending.pop(pull.request_id, None)
         self.local.finish(pull.token.local)
+
+    def progress(self) -> None:
+        self.local.progress()
 
     def close(self) -> None:
         self.local.close()
@@ -247,9 +257,7 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
     ray.get([a.source.remote() for a in actors])  # every rank loaded and registered
     pool = _rank_pool(spec, 0)
     local = LocalRunner(spec.target.load(spec.device, tp), pool.tensor("target"), spec.block_size)
-    draft = None
-    if spec.draft is not None:
-        draft = LocalRunner(spec.draft.load(spec.device), pool.tensor("draft"), spec.block_size)
+    draft = load_draft(spec, pool)
     transport = GroupTransport(NixlTransport(pool, role=spec.role, rank=0), actors)
     shard = Shard(TPRunner(local, actors), draft, pool, transport, spec.tp_size)
     shard.closers.append(lambda: _kill(actors))

@@ -94,6 +94,9 @@ class KVTransport(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport's own resources (agents, registrations)."""
 
+    def progress(self) -> None:  # noqa: B027 - optional hook
+        """Let the transport make progress between polls (e.g. drive its network stack)."""
+
     def wait(self, pull: PullHandle, timeout_s: float = 30.0) -> PullState:
         """Poll until the pull leaves PENDING or ``timeout_s`` passes (for tools and tests)."""
         deadline = time.monotonic() + timeout_s

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -74,10 +74,19 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: LlamaConfig,
+        tp: TPContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        input_norm: bool = True,  # EAGLE heads skip it: their input is already normalized
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.input_layernorm: nn.Module = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+            if input_norm
+            else nn.Identity()
+        )
         self.self_attn = LlamaAttention(cfg, tp, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(cfg, tp, dtype, device)
@@ -161,14 +170,17 @@ class LlamaModel(nn.Module):
             self.lm_head.load(w("lm_head.weight"))
         self.norm.weight.data.copy_(w("model.norm.weight"))
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
             assert isinstance(layer, LlamaDecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj.load([w(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
-            attn.o_proj.load(w(p + "self_attn.o_proj.weight"))
-            mlp.gate_up_proj.load([w(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
-            mlp.down_proj.load(w(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.weight.data.copy_(w(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.data.copy_(
-                w(p + "post_attention_layernorm.weight")
-            )
+            load_layer(layer, w, f"model.layers.{i}.")
+
+
+def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], torch.Tensor], prefix: str) -> None:
+    """Load one decoder layer from HF-named tensors under ``prefix`` (each rank its shard)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.qkv_proj.load([w(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+    attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"))
+    mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+    mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
+    if isinstance(layer.input_layernorm, RMSNorm):
+        layer.input_layernorm.weight.data.copy_(w(prefix + "input_layernorm.weight"))
+    layer.post_attention_layernorm.weight.data.copy_(w(prefix + "post_attention_layernorm.weight"))

@@ -27,6 +27,7 @@ class StepResult:
     hidden: torch.Tensor  # [N, hidden] final hidden states at the requested positions
     logits: torch.Tensor  # [N, vocab] float32, rows in batch order then position order
     rows_per_seq: tuple[int, ...]
+    all_hidden: torch.Tensor  # [T, hidden] final hidden states of every new token (features)
 
 
 def run_step(
@@ -56,6 +57,7 @@ def run_step(
         hidden=picked,
         logits=model.logits(picked),
         rows_per_seq=tuple(len(s.logit_positions) for s in batch),
+        all_hidden=hidden,
     )
 
 

@@ -20,6 +20,7 @@ class DraftKind(enum.Enum):
     NONE = "none"
     NGRAM = "ngram"  # prompt lookup over prompt and output; one-hot proposals
     DRAFT_MODEL = "draft_model"  # an independent causal LM sharing the target's tokenizer
+    EAGLE = "eagle"  # an EAGLE-style head over the target's features (models.eagle)
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,15 @@ class DraftSpec:
 
     kind: DraftKind = DraftKind.NONE
     model: ModelSpec | None = None  # for DRAFT_MODEL
-    num_speculative_tokens: int = 4  # k: draft tokens verified per step
+    num_speculative_tokens: int = 4  # k: draft tokens verified per step (the most, if adaptive)
+    adaptive: bool = True  # choose k per request per step for goodput; False pins k
     ngram_max: int = 4
     ngram_min: int = 1
 
     def __post_init__(self) -> None:
-        if (self.kind is DraftKind.DRAFT_MODEL) != (self.model is not None):
-            raise ValueError("a draft model spec is required exactly when kind is draft_model")
+        needs_model = self.kind in (DraftKind.DRAFT_MODEL, DraftKind.EAGLE)
+        if needs_model != (self.model is not None):
+            raise ValueError("a draft checkpoint is required exactly for draft_model and eagle")
 
     def identity(self) -> str:
         """What both pools must agree on about the draft (part of the KV compatibility hash)."""

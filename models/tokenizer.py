@@ -34,11 +34,15 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template; with the assistant header
+        appended (a prompt) unless ``add_generation_prompt`` is False (a finished transcript)."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
         out = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
         )
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return [int(i) for i in ids]

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvtransfer.handoff import KVHandoff
+from kvtransfer.memory import process_memory
 from models.request import Request
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
@@ -66,6 +67,8 @@ class PrefillServer:
         self._kick()
         await self._run(self.worker.reap)
         out = asdict(self.worker.stats())
+        out["kv_pool_bytes"] = self.worker.pool.nbytes
+        out.update(process_memory())
         out["transport"] = self.worker.transport.name
         out["transfer"] = asdict(self.worker.transport.counters)
         return out

@@ -41,6 +41,7 @@ from models.sampling import Stream, probs_from_logits, sample_token
 from models.spec import DraftKind
 from prefill.chunks import plan_chunks, window_rows
 from prefill.config import PrefillWorkerConfig
+from prefill.drafting import run_draft
 from prefill.stats import PrefillStats
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,10 @@ class _Prompt:
     num_computed: int = 0
     admitted: bool = False
     target_logits: list[torch.Tensor] = field(default_factory=list)  # [w_i, V] per chunk
-    draft_logits: list[torch.Tensor] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # prompt positions of those rows
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by target position
+    draft_computed: int = 0  # prompt positions whose draft KV is computed
+    last_feature: torch.Tensor | None = None  # [H] the target's final hidden state at the end
 
     @property
     def length(self) -> int:
@@ -78,7 +81,7 @@ class PrefillWorker:
             ShardSpec(
                 role="prefill",
                 target=cfg.target,
-                draft=cfg.draft.model,
+                draft=cfg.draft,
                 num_blocks=cfg.num_blocks,
                 block_size=cfg.block_size,
                 device=cfg.device,
@@ -150,24 +153,29 @@ class PrefillWorker:
             p = active[c.index]
             rows = window_rows(c, p.length, self.cfg.probe_window)
             batch.append(SeqInput(p.blocks, c.start, p.req.prompt_token_ids[c.start : c.end], rows))
+        prompts = [active[c.index].req.prompt_token_ids for c in chunks]
         try:
             target = self.target.run(batch)
-            draft = self.draft.run(batch) if self.draft is not None else None
+            draft = run_draft(self.draft, batch, target, prompts) if self.draft else None
         except Exception as e:
             log.exception("prefill forward failed")
             for c in chunks:
                 self._fail(active[c.index], e)
             return
-        row = 0
-        for c, seq in zip(chunks, batch, strict=True):
+        row, offset = 0, 0
+        for i, (c, seq) in enumerate(zip(chunks, batch, strict=True)):
             p = active[c.index]
             n = len(seq.logit_positions)
             if n:
                 p.target_logits.append(target.logits[row : row + n])
-                if draft is not None:
-                    p.draft_logits.append(draft.logits[row : row + n])
                 p.positions.extend(c.start + r for r in seq.logit_positions)
+            if draft is not None:
+                p.draft_logits.update(draft.rows[i])
+                p.draft_computed = draft.computed[i]
+            if c.end == p.length:  # the last prompt position's feature, for an EAGLE head
+                p.last_feature = target.all_hidden[offset + c.end - c.start - 1].detach().cpu()
             row += n
+            offset += c.end - c.start
             p.num_computed = c.end
             self._stats.prompt_tokens_computed += c.end - c.start
             if p.num_computed == p.length:
@@ -249,14 +257,20 @@ class PrefillWorker:
                 compat=self.compat,
                 lease_expiry=expiry,
                 acceptance_probe=probe,
+                draft_computed=p.draft_computed,
+                hidden_state=p.last_feature if self.cfg.draft.kind is DraftKind.EAGLE else None,
                 finish_reason=finish.value if finish else None,
             )
         )
 
     def _probe(self, p: _Prompt, probs: torch.Tensor) -> float | None:
         if p.draft_logits:
-            q = probs_from_logits(torch.cat(p.draft_logits), [p.req.sampling] * len(p.positions))
-            return probe_estimate(overlap(probs, q))
+            both = [j for j, u in enumerate(p.positions) if u in p.draft_logits]
+            if not both:
+                return None
+            q_logits = torch.stack([p.draft_logits[p.positions[j]] for j in both])
+            q = probs_from_logits(q_logits, [p.req.sampling] * len(both))
+            return probe_estimate(overlap(probs[both], q))
         d = self.cfg.draft
         if d.kind is DraftKind.NGRAM:
             prompt = p.req.prompt_token_ids
@@ -279,8 +293,12 @@ class PrefillWorker:
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
-            for rid in self.transport.completed():
-                self._completed.put(rid)
+            try:
+                for rid in self.transport.completed():
+                    self._completed.put(rid)
+            except Exception:  # keep serving reads; leases still end by expiry meanwhile
+                log.exception("KV transport progress failed")
+                time.sleep(0.1)
             time.sleep(ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S)
 
     def reap(self, now: float | None = None) -> int:

@@ -36,10 +36,20 @@ class Drafter(ABC):
 
     #: whether the drafter owns the "draft" KV group of the pool
     uses_kv: bool = False
+    #: whether ``observe`` wants the target's features (final hidden states)
+    needs_features: bool = False
 
     @abstractmethod
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         """One proposal per request, ``len(proposal.tokens) <= width``."""
+
+    def observe(self, req: Request, features: torch.Tensor) -> None:  # noqa: B027 - optional
+        """features: [n, H], the target's final hidden states at the n positions it has just
+        computed for ``req`` (continuing those already observed). Called only when
+        ``needs_features``."""
+
+    def forget(self, request_id: str) -> None:  # noqa: B027 - optional
+        """Drop what the drafter keeps about a request (finished, aborted or preempted)."""
 
     @property
     def tokens_fed(self) -> int:

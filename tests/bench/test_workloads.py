@@ -8,9 +8,12 @@ import statistics
 import pytest
 
 from bench.copy_prompts import COPY_PROMPTS
+from bench.load_client import Target, request_body
 from bench.sharegpt import Conversation
 from bench.workloads import (
+    CREATIVE_PROMPTS,
     approx_tokens,
+    bimodal_items,
     first_exchange,
     poisson_offsets,
     sharegpt_items,
@@ -79,3 +82,13 @@ def test_poisson_offsets_start_at_zero_and_have_the_requested_rate() -> None:
     assert poisson_offsets(3, rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="positive"):
         poisson_offsets(3, rate=0.0, seed=0)
+
+
+def test_bimodal_alternates_greedy_copy_and_sampled_creative_requests() -> None:
+    items = bimodal_items(6, 32, seed=0)
+    assert [i.kind for i in items] == ["copy", "creative"] * 3
+    assert all(i.prompt in COPY_PROMPTS and i.temperature == 0.0 for i in items[::2])
+    assert all(i.prompt in CREATIVE_PROMPTS and i.temperature == 1.0 for i in items[1::2])
+    target = Target("m", "chat", 0.7, seed=None)
+    assert [request_body(target, i, 0)["temperature"] for i in items[:2]] == [0.0, 1.0]
+    assert request_body(target, synthetic_items(1, 8, 8, 0.0, 0.0, 0)[0], 0)["temperature"] == 0.7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 
@@ -44,6 +45,11 @@ def run_all(
             if o.finished:
                 done.add(o.request_id)
     assert len(done) == len(reqs), "engine did not finish every request"
+    for _ in range(max_steps):  # as the engine loop does: let the transport finish its notices
+        if not engine.has_work:
+            break
+        engine.step()
+        time.sleep(0.001)
     if prefill is not None:
         prefill.reap()
     return out

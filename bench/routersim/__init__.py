@@ -1,0 +1,1 @@
+"""The router simulator's parts (entry point: ``bench/router_sim.py``)."""

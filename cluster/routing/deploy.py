@@ -1,0 +1,43 @@
+"""Serve deployment options that install the configured routers (used by ``cluster.builder``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import RequestRouter
+
+from cluster.config import DecodeConfig, PrefillConfig
+from cluster.routing.ray_routers import (
+    AcceptanceAwareRouter,
+    LeastKVRouter,
+    PrefixAffinityRouter,
+    RoundRobinRouter,
+)
+
+DECODE_ROUTERS: dict[str, type[RequestRouter]] = {
+    "acceptance_aware": AcceptanceAwareRouter,
+    "least_kv": LeastKVRouter,
+    "round_robin": RoundRobinRouter,
+}  # power_of_two: Ray Serve's default router
+
+
+def decode_router_options(d: DecodeConfig) -> dict[str, Any]:
+    """``request_router_config`` for the decode deployment."""
+    router = DECODE_ROUTERS.get(d.routing)
+    fields: dict[str, Any] = {"request_routing_stats_period_s": d.routing_stats_period_s}
+    if router is not None:
+        fields["request_router_class"] = router
+        fields["request_router_kwargs"] = {"max_staleness_s": d.routing_max_staleness_s}
+    return {"request_router_config": RequestRouterConfig(**fields)}
+
+
+def prefill_router_options(p: PrefillConfig, block_size: int) -> dict[str, Any]:
+    """``request_router_config`` for the prefill deployment (none: Ray Serve's default)."""
+    if p.routing != "prefix_affinity":
+        return {}
+    fields: dict[str, Any] = {
+        "request_router_class": PrefixAffinityRouter,
+        "request_router_kwargs": {"block_size": block_size, "imbalance": p.routing_imbalance},
+    }
+    return {"request_router_config": RequestRouterConfig(**fields)}

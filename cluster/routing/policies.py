@@ -1,0 +1,205 @@
+"""Decode routing policies over a ``ReplicaTable``: round-robin, power of two choices, least KV
+load, and acceptance-aware. The Ray Serve routers (``cluster.routing.ray_routers``) and the
+simulator (``bench/router_sim.py``) run these same objects.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from cluster.routing.score import placement, placement_costs
+from cluster.routing.table import ReplicaTable
+from decode.goodput import expected_tokens
+
+Ranks = list[list[int]]
+WAIT_PENALTY_S = 1e3  # added to the cost of a replica that would queue the request: last resort
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy knows about the request it places."""
+
+    alpha: float  # acceptance estimate: prefill's probe, or a prior from the sampling params
+    prompt_tokens: int
+
+
+class RoutingPolicy(ABC):
+    """Ranks replicas (table rows) for one request.
+
+    ``rank`` returns ranks, best first, each a list of rows. The caller sends the request to the
+    first rank holding a replica that accepts it (Ray Serve: a queue below
+    ``max_ongoing_requests``; within a rank, the shortest queue), then calls ``routed`` with the
+    row it used. ``rank`` runs for every request, so it must be cheap; policies read nothing but
+    the table and their own state.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks: ...
+
+    def routed(self, req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
+        """Record the request on the row's overlay (see ``ReplicaTable``)."""
+        record_routed(req, table, row, now)
+
+
+def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
+    """Add the request to the row's overlay with the k its engine is predicted to grant."""
+    k = 0
+    mid = int(table.model_id[row])
+    if mid >= 0 and table.has_stats[row]:
+        k = placement(
+            req.alpha,
+            int(table.k_max[row]),
+            int(table.eff_tokens[row]),
+            float(table.eff_weight[row]),
+            float(table.eff_emitted[row]),
+            bool(table.adaptive[row]),
+            int(table.eff_max_k[row]),
+            float(table.draft_round_s[row]),
+            table.steps[mid],
+        ).k
+    blocks = math.ceil((req.prompt_tokens + 1) / max(int(table.block_size[row]), 1))
+    joins = bool(table.eff_slots[row] > 0)
+    table.add_routed(row, k, expected_tokens(req.alpha, k), blocks, joins, now)
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
+        rows = np.flatnonzero(table.alive).tolist()
+        if not rows:
+            return []
+        i = self._next % len(rows)
+        self._next += 1
+        return [[rows[i]]] + ([[rows[(i + 1) % len(rows)]]] if len(rows) > 1 else [])
+
+
+class PowerOfTwo(RoutingPolicy):
+    """Two replicas at random; the caller takes the one with the shorter queue (Ray Serve's
+    default router, which probes the queues)."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.rng = random.Random(seed)
+
+    def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
+        return two_choices(np.flatnonzero(table.alive), self.rng)
+
+
+def two_choices(rows: np.ndarray, rng: random.Random) -> Ranks:
+    n = len(rows)
+    if n == 0:
+        return []
+    if n == 1:
+        return [[int(rows[0])]]
+    i = rng.randrange(n)
+    j = rng.randrange(n - 1)
+    j += j >= i
+    return [[int(rows[i]), int(rows[j])]]
+
+
+class LeastKV(RoutingPolicy):
+    """The replica with the most free KV blocks (as a fraction), by its last snapshot plus what
+    was sent since; power of two choices when no snapshot is fresh."""
+
+    name = "least_kv"
+
+    def __init__(self, max_staleness_s: float, seed: int | None = None, top: int = 3) -> None:
+        self.max_staleness_s = max_staleness_s
+        self.top = top
+        self.fallback = PowerOfTwo(seed)
+
+    def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
+        fresh = table.alive & table.has_stats & (now - table.received_at <= self.max_staleness_s)
+        if not fresh.any():
+            return self.fallback.rank(req, table, now)
+        free = table.eff_free / np.maximum(table.num_blocks, 1)
+        return _best(np.where(fresh, -free, np.inf), self.top) + _stale_rank(
+            table, fresh, self.fallback
+        )
+
+
+class AcceptanceAware(RoutingPolicy):
+    """The replica where the request adds least to the sum of all TPOTs (``score``), among
+    replicas whose stats are at most ``max_staleness_s`` old; replicas that would queue it come
+    last. Power of two choices when no replica has fresh stats."""
+
+    name = "acceptance_aware"
+
+    def __init__(self, max_staleness_s: float, seed: int | None = None, top: int = 3) -> None:
+        self.max_staleness_s = max_staleness_s
+        self.top = top
+        self.fallback = PowerOfTwo(seed)
+
+    def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
+        fresh = table.fresh(now, self.max_staleness_s)
+        if not fresh.any():
+            return self.fallback.rank(req, table, now)
+        cost = np.where(fresh, self.costs(req, table), np.inf)
+        return _best(cost, self.top) + _stale_rank(table, fresh, self.fallback)
+
+    def costs(self, req: RouteRequest, table: ReplicaTable) -> np.ndarray:
+        """The request's cost on every row (meaningful where the row has stats and a model)."""
+        adaptive, k_max = table.adaptive_mask(), table.k_cap()
+        if len(table.steps) == 1:  # the usual case: one model for the whole pool
+            cost = placement_costs(
+                req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
+                adaptive, table.eff_max_k, table.draft_round_s, table.steps[0],
+            )  # fmt: skip
+        else:
+            cost = np.full(table.size, np.inf)
+            for mid, steps in enumerate(table.steps):
+                s = table.model_id == mid
+                cost[s] = placement_costs(
+                    req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
+                    table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
+                    table.draft_round_s[s], steps,
+                )  # fmt: skip
+        admit = table.can_admit(req.prompt_tokens)
+        if admit.all():
+            return cost
+        backlog = (1 - table.eff_slots) / np.maximum(table.max_batch, 1)
+        return np.where(admit, cost, WAIT_PENALTY_S * (1 + backlog))
+
+
+def _best(key: np.ndarray, top: int) -> Ranks:
+    """The ``top`` rows of smallest finite ``key``, best first, one per rank."""
+    if key.size > top:
+        part = np.argpartition(key, top)[:top]
+        order = part[np.argsort(key[part], kind="stable")]
+    else:
+        order = np.argsort(key, kind="stable")
+    return [[int(i)] for i in order if np.isfinite(key[i])]
+
+
+def _stale_rank(table: ReplicaTable, fresh: np.ndarray, fallback: PowerOfTwo) -> Ranks:
+    """A last rank of two replicas without fresh stats, so none is unreachable."""
+    if table.all_fresh(fresh):
+        return []
+    stale = np.flatnonzero(table.alive & ~fresh)
+    return two_choices(stale, fallback.rng) if stale.size else []
+
+
+def make_policy(name: str, max_staleness_s: float, seed: int | None = None) -> RoutingPolicy:
+    """A decode routing policy by its config name."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "power_of_two":
+        return PowerOfTwo(seed)
+    if name == "least_kv":
+        return LeastKV(max_staleness_s, seed)
+    if name == "acceptance_aware":
+        return AcceptanceAware(max_staleness_s, seed)
+    raise ValueError(f"unknown decode routing policy {name!r}")

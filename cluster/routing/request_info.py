@@ -1,0 +1,51 @@
+"""What a router reads from a pending call's arguments.
+
+The ingress calls ``prefill.prefill(req)`` and then ``decode.generate(req, handoff)``
+(``cluster.generation``): the ``Request`` carries the prompt and the sampling parameters, the
+``KVHandoff`` prefill's acceptance probe. The decode router's acceptance estimate is the probe;
+without one (colocated mode, no prefill) the request's own estimate, or else a prior from its
+temperature: sampling at temperature 1 accepts far fewer drafts than greedy decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from cluster.routing.policies import RouteRequest
+from decode.speculation import DEFAULT_ACCEPTANCE
+from kvtransfer.handoff import KVHandoff
+from models.request import Request
+
+
+def acceptance_prior(temperature: float) -> float:
+    """The estimate without a probe: ``DEFAULT_ACCEPTANCE`` when greedy, half of it from
+    temperature 1 up, linear in between."""
+    return DEFAULT_ACCEPTANCE * (1.0 - 0.5 * min(max(temperature, 0.0), 1.0))
+
+
+def _first(values: Iterable[Any], kind: type) -> Any:
+    return next((v for v in values if isinstance(v, kind)), None)
+
+
+def request_of(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> Request | None:
+    values = [*args, *kwargs.values()]
+    req: Request | None = _first(values, Request)
+    return req
+
+
+def route_request(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> RouteRequest | None:
+    """The decode policy's view of ``generate(req, handoff)``; None if there is no Request."""
+    values = [*args, *kwargs.values()]
+    req: Request | None = _first(values, Request)
+    if req is None:
+        return None
+    handoff: KVHandoff | None = _first(values, KVHandoff)
+    if handoff is not None and handoff.acceptance_probe is not None:
+        alpha = handoff.acceptance_probe
+    elif req.acceptance_estimate is not None:
+        alpha = req.acceptance_estimate
+    else:
+        alpha = acceptance_prior(req.sampling.temperature)
+    tokens = handoff.num_tokens if handoff is not None else len(req.prompt_token_ids)
+    return RouteRequest(alpha=alpha, prompt_tokens=tokens)

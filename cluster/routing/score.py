@@ -1,0 +1,135 @@
+"""What placing one request on a decode replica costs, by the goodput model (``decode.goodput``).
+
+A replica's next step scores ``t`` tokens, takes ``T(t)`` seconds and emits ``G`` tokens; its
+running requests have TPOT weight ``W = sum_i 1 / E(alpha_i, k_i)`` (``decode.routing_stats``).
+A request of acceptance ``alpha`` placed there:
+
+- gets the speculation length the replica's engine would grant it. Adaptive speculation
+  (``choose_ks``) admits a draft while its expected gain ``alpha^m`` beats what the step's extra
+  token costs at the batch's goodput, ``theta = (G / T) * (T(t + 1) - T(t))``; so
+  ``k = #{m <= k_max : alpha^m > theta}``. A pinned engine gives ``k_max``;
+- makes the step take ``T' = T(t + 1 + k) + r * max(m, k)`` (from ``T(t) + r * m``), where
+  ``m`` is the longest speculation in the batch and ``r`` the cost of one draft round: a draft
+  model proposes in ``max k`` sequential rounds, paid by every request in the step;
+- has time per output token ``T' / E(alpha, k)``;
+- raises the running requests' TPOTs by ``(T' - T) * W`` in sum (their ks held fixed);
+- **costs** ``T' / E + SLOWDOWN_WEIGHT * (T' - T) * W``. The slowdown lasts as long as the
+  request stays, and over its stay it meets the requests running now and, with arrivals
+  steady and stays alike, about as many again that join meanwhile (a request's stay overlaps
+  ``n + lambda * stay = 2n`` others on average): hence a weight of 2 on the rise summed over
+  the requests running now.
+
+Minimising that rise keeps apart requests whose costs multiply. A high-acceptance request takes
+many drafts; its extra tokens and draft rounds slow every request there in proportion to ``W``,
+which low-acceptance requests (``E`` near 1) make large. A low-acceptance request gains nothing
+from drafts and pays the rounds of others', so it is best where the step is short and nobody
+drafts long. Replicas therefore drift towards batches of like acceptance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from decode.goodput import StepTimeModel, expected_tokens
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+SLOWDOWN_WEIGHT = 2.0  # the running requests now, and as many again joining during the stay
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The request's predicted fate on one replica."""
+
+    k: int  # the speculation length the replica's engine would grant it
+    tpot_s: float  # the request's time per output token there
+    slowdown_s: float  # the rise in the running requests' TPOTs, summed
+    cost_s: float  # tpot_s + SLOWDOWN_WEIGHT * slowdown_s
+
+
+def expected_table(alpha: float, k_max: int) -> FloatArray:
+    """``E(alpha, k)`` for k = 0 .. k_max."""
+    return np.array([expected_tokens(alpha, k) for k in range(k_max + 1)], dtype=np.float64)
+
+
+def granted_k(alpha: float, k_max: int, theta: FloatArray) -> IntArray:
+    """Drafts adaptive speculation grants: every m <= k_max with ``alpha^m > theta``."""
+    a = min(max(alpha, 1e-9), 1.0 - 1e-9)
+    with np.errstate(divide="ignore"):
+        m = np.ceil(np.log(np.clip(theta, 1e-300, None)) / np.log(a)) - 1  # alpha^m > theta
+    k: IntArray = np.clip(m, 0, k_max).astype(np.int64)
+    return k
+
+
+def placement(
+    alpha: float,
+    k_max: int,
+    step_tokens: int,
+    tpot_weight: float,
+    step_emitted: float,
+    adaptive: bool,
+    step_max_k: int,
+    draft_round_s: float,
+    model: StepTimeModel | StepTable,
+) -> Placement:
+    """The cost of placing a request of acceptance ``alpha`` on one replica (scalar form)."""
+    target = model.predict(step_tokens)
+    k = k_max
+    if adaptive:
+        theta = step_emitted / target * (model.predict(step_tokens + 1) - target)
+        k = sum(1 for m in range(1, k_max + 1) if alpha**m > theta)  # alpha^m falls with m
+    base = target + draft_round_s * step_max_k
+    step = model.predict(step_tokens + 1 + k) + draft_round_s * max(step_max_k, k)
+    tpot = step / expected_tokens(alpha, k)
+    slow = (step - base) * tpot_weight
+    return Placement(k, tpot, slow, tpot + SLOWDOWN_WEIGHT * slow)
+
+
+@dataclass(frozen=True, eq=False)
+class StepTable:
+    """A step-time model tabulated at every integer token count below ``size`` (steps score
+    whole tokens), so scoring every replica is array lookups; beyond, the model itself."""
+
+    model: StepTimeModel
+    seconds: FloatArray  # [size]
+
+    @classmethod
+    def of(cls, model: StepTimeModel, size: int = 16384) -> StepTable:
+        return cls(model, model.predict_many(np.arange(size)))
+
+    def at(self, tokens: IntArray) -> FloatArray:
+        if tokens.size and tokens.max() >= self.seconds.size:
+            return self.model.predict_many(tokens)
+        out: FloatArray = self.seconds[tokens]
+        return out
+
+    def predict(self, tokens: int) -> float:
+        if tokens < self.seconds.size:
+            return float(self.seconds[tokens])
+        return self.model.predict(tokens)
+
+
+def placement_costs(
+    alpha: float,
+    k_max: int,
+    step_tokens: FloatArray,
+    tpot_weight: FloatArray,
+    step_emitted: FloatArray,
+    adaptive: npt.NDArray[np.bool_],
+    step_max_k: FloatArray,
+    draft_round_s: FloatArray,
+    steps: StepTable,
+) -> FloatArray:
+    """``placement(...).cost_s`` over many replicas sharing one step-time model, at once."""
+    t = step_tokens.astype(np.int64)  # [D]
+    target = steps.at(t)
+    theta = step_emitted / target * (steps.at(t + 1) - target)
+    k = np.where(adaptive, granted_k(alpha, k_max, theta), k_max)
+    base = target + draft_round_s * step_max_k
+    step = steps.at(t + 1 + k) + draft_round_s * np.maximum(step_max_k, k)
+    slow = (step - base) * tpot_weight
+    cost: FloatArray = step / expected_table(alpha, k_max)[k] + SLOWDOWN_WEIGHT * slow
+    return cost

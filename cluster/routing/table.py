@@ -1,0 +1,285 @@
+"""The router's view of the decode replicas: one row per replica, numpy columns.
+
+Each row holds the replica's last published ``RoutingStats`` and, on top of it, an **overlay**
+of what this router has sent the replica since that snapshot was taken: without it every
+decision between two refreshes would see the same state and pile onto the same replica. When a
+newer snapshot arrives, overlay entries older than it are dropped (the snapshot counts them).
+
+Rows are assigned by the caller (the Ray Serve router or the simulator) and reused after
+``clear``. The table never calls out; it is fed and read. Policies read the ``eff_*`` columns
+(snapshot plus overlay), kept current on every change so that a decision adds nothing up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from cluster.routing.score import StepTable
+from decode.goodput import StepTimeModel
+from decode.routing_stats import RoutingStats
+
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+class ReplicaTable:
+    _STATS = (
+        "running", "queued", "step_tokens", "tpot_weight", "step_emitted", "adaptive",
+        "step_max_k", "draft_round_s", "free_blocks", "num_blocks", "block_size", "max_batch",
+        "k_max", "stats_time", "received_at",
+    )  # fmt: skip
+    _OVERLAY = (
+        "o_running", "o_queued", "o_tokens", "o_weight", "o_emitted", "o_max_k", "o_blocks",
+    )  # fmt: skip
+
+    _EFFECTIVE = ("eff_tokens", "eff_weight", "eff_emitted", "eff_max_k", "eff_slots", "eff_free")
+
+    def __init__(self, rows: int = 0) -> None:
+        self.size = 0
+        self._usable: BoolArray | None = None  # alive, with stats and a model (cached)
+        self._oldest = -np.inf  # earliest received_at among usable rows (cached)
+        self._usable_is_alive: bool | None = None
+        self._adaptive: BoolArray | None = None  # cached with _usable
+        self._k_cap = 0
+        self.models: list[StepTimeModel] = []
+        self.steps: list[StepTable] = []  # models[i] tabulated, for scoring every row at once
+        self._model_ids: dict[tuple[tuple[int, float], ...], int] = {}
+        self._entries: list[deque[tuple[float, int, float, int, bool]]] = []  # (t, k, E, ...)
+        self.alive = np.zeros(0, dtype=bool)
+        self.has_stats = np.zeros(0, dtype=bool)
+        self.model_id = np.zeros(0, dtype=np.int64)
+        for name in self._STATS + self._OVERLAY + self._EFFECTIVE:
+            setattr(self, name, np.zeros(0, dtype=np.float64))
+        self.ensure_rows(rows)
+
+    # typed views of the columns set in __init__ (mypy cannot see setattr)
+    running: FloatArray
+    queued: FloatArray
+    step_tokens: FloatArray
+    tpot_weight: FloatArray
+    step_emitted: FloatArray
+    adaptive: FloatArray  # 1.0 where the replica chooses k per request, 0.0 where pinned
+    step_max_k: FloatArray
+    draft_round_s: FloatArray
+    free_blocks: FloatArray
+    num_blocks: FloatArray
+    block_size: FloatArray
+    max_batch: FloatArray
+    k_max: FloatArray
+    stats_time: FloatArray
+    received_at: FloatArray
+    o_running: FloatArray
+    o_queued: FloatArray
+    o_tokens: FloatArray
+    o_weight: FloatArray
+    o_emitted: FloatArray
+    o_max_k: FloatArray  # the largest k among overlay entries that joined the batch
+    o_blocks: FloatArray
+    eff_tokens: FloatArray  # tokens the next step scores
+    eff_weight: FloatArray  # TPOT weight of the batch
+    eff_emitted: FloatArray  # tokens a step emits
+    eff_max_k: FloatArray  # draft rounds per step
+    eff_slots: FloatArray  # batch slots left after the queue
+    eff_free: FloatArray  # free KV blocks
+
+    def ensure_rows(self, n: int) -> None:
+        """Grow the columns to hold at least ``n`` rows (new rows are not alive)."""
+        if n <= self.size:
+            return
+        grow = n - self.size
+        self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=bool)])
+        self.has_stats = np.concatenate([self.has_stats, np.zeros(grow, dtype=bool)])
+        self.model_id = np.concatenate([self.model_id, np.full(grow, -1, dtype=np.int64)])
+        for name in self._STATS + self._OVERLAY + self._EFFECTIVE:
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
+        self._entries.extend(deque() for _ in range(grow))
+        self.size = n
+        self._usable = None
+
+    def model_index(self, model: StepTimeModel | None) -> int:
+        """The id of a step-time model in ``models`` (-1 for none); equal models share one."""
+        if model is None:
+            return -1
+        i = self._model_ids.get(model.points)
+        if i is None:
+            i = self._model_ids[model.points] = len(self.models)
+            self.models.append(model)
+            self.steps.append(StepTable.of(model))
+        return i
+
+    # ---- feeding ------------------------------------------------------------------------
+
+    def set_stats(self, row: int, s: RoutingStats, received_at: float) -> None:
+        """A replica's new snapshot (``received_at`` on the router's clock)."""
+        self.ensure_rows(row + 1)
+        self.alive[row] = self.has_stats[row] = True
+        self.model_id[row] = self.model_index(s.step_time_model())
+        values = (
+            s.running, s.queued, s.step_tokens, s.tpot_weight, s.step_emitted, float(s.adaptive),
+            s.step_max_k, s.draft_round_s, s.free_blocks, s.num_blocks, s.block_size,
+            s.max_batch_size, s.k_max, s.time, received_at,
+        )  # fmt: skip
+        for name, v in zip(self._STATS, values, strict=True):
+            getattr(self, name)[row] = v
+        self._prune(row, s.time)
+        self._sync(row)
+        self._usable = None
+
+    def set_many(
+        self,
+        rows: npt.NDArray[np.int64],
+        running: FloatArray,
+        queued: FloatArray,
+        step_tokens: FloatArray,
+        tpot_weight: FloatArray,
+        step_emitted: FloatArray,
+        step_max_k: FloatArray,
+        free_blocks: FloatArray,
+        now: float,
+    ) -> None:
+        """Snapshots of many rows taken at ``now`` (the simulator's path; static columns come
+        from ``configure``)."""
+        self.running[rows], self.queued[rows] = running, queued
+        self.step_tokens[rows], self.tpot_weight[rows] = step_tokens, tpot_weight
+        self.step_emitted[rows], self.step_max_k[rows] = step_emitted, step_max_k
+        self.free_blocks[rows] = free_blocks
+        self.stats_time[rows] = self.received_at[rows] = now
+        self.has_stats[rows] = True
+        for row in rows.tolist():
+            if self._entries[row]:
+                self._prune(row, now)
+        self._sync(rows)
+        self._usable = None
+
+    def configure(
+        self,
+        rows: Sequence[int],
+        model: StepTimeModel,
+        num_blocks: int,
+        block_size: int,
+        max_batch: int,
+        k_max: int,
+        adaptive: bool = True,
+        draft_round_s: float = 0.0,
+    ) -> None:
+        """Mark rows alive with the static part of their stats (no snapshot yet)."""
+        idx = np.asarray(rows, dtype=np.int64)
+        self.ensure_rows(int(idx.max()) + 1 if idx.size else 0)
+        self.alive[idx] = True
+        self.model_id[idx] = self.model_index(model)
+        self.num_blocks[idx], self.block_size[idx] = num_blocks, block_size
+        self.max_batch[idx], self.k_max[idx] = max_batch, k_max
+        self.adaptive[idx], self.draft_round_s[idx] = float(adaptive), draft_round_s
+        self._sync(idx)
+        self._usable = None
+
+    def mark_alive(self, row: int) -> None:
+        """A replica with no snapshot yet (policies that need stats skip it)."""
+        self.ensure_rows(row + 1)
+        self.alive[row] = True
+        self._usable = None
+
+    def add_routed(
+        self, row: int, k: int, expected: float, blocks: int, joins: bool, now: float
+    ) -> None:
+        """This router sent the replica a request that will verify ``k`` drafts and emit
+        ``expected`` tokens per step: it joins the batch or, when ``joins`` is false, the
+        queue."""
+        self._entries[row].append((now, k, expected, blocks, joins))
+        self._apply(row, k, expected, blocks, joins, 1.0)
+
+    def clear(self, row: int) -> None:
+        """The replica is gone; its row may be reused."""
+        self.alive[row] = self.has_stats[row] = False
+        self.model_id[row] = -1
+        self._entries[row].clear()
+        for name in self._OVERLAY:
+            getattr(self, name)[row] = 0.0
+        self._usable = None
+
+    def _apply(
+        self, row: int, k: int, expected: float, blocks: int, joins: bool, sign: float
+    ) -> None:
+        if joins:
+            self.o_running[row] += sign
+            self.o_tokens[row] += sign * (1 + k)
+            self.o_weight[row] += sign / expected
+            self.o_emitted[row] += sign * expected
+            if sign > 0:
+                self.o_max_k[row] = max(self.o_max_k[row], k)
+        else:
+            self.o_queued[row] += sign
+        self.o_blocks[row] += sign * blocks
+        self._sync(row)
+
+    def _sync(self, rows: int | npt.NDArray[np.int64]) -> None:
+        """Recompute the effective columns of ``rows`` from snapshot and overlay."""
+        self.eff_tokens[rows] = self.step_tokens[rows] + self.o_tokens[rows]
+        self.eff_weight[rows] = self.tpot_weight[rows] + self.o_weight[rows]
+        self.eff_emitted[rows] = self.step_emitted[rows] + self.o_emitted[rows]
+        self.eff_max_k[rows] = np.maximum(self.step_max_k[rows], self.o_max_k[rows])
+        busy = self.running[rows] + self.o_running[rows] + self.queued[rows] + self.o_queued[rows]
+        self.eff_slots[rows] = self.max_batch[rows] - busy
+        self.eff_free[rows] = self.free_blocks[rows] - self.o_blocks[rows]
+
+    def _prune(self, row: int, snapshot_time: float) -> None:
+        entries = self._entries[row]
+        while entries and entries[0][0] <= snapshot_time:
+            _, k, expected, blocks, joins = entries.popleft()
+            self._apply(row, k, expected, blocks, joins, -1.0)
+        if not entries:  # no float drift left behind
+            for name in self._OVERLAY:
+                getattr(self, name)[row] = 0.0
+        else:
+            self.o_max_k[row] = max((e[1] for e in entries if e[4]), default=0)
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def fresh(self, now: float, max_age_s: float) -> BoolArray:
+        """Rows whose snapshot arrived at most ``max_age_s`` ago and carries a step model."""
+        if self._usable is None:
+            self._refresh_cache()
+        assert self._usable is not None
+        if now - self._oldest <= max_age_s:
+            return self._usable  # the common case: every snapshot is recent
+        ok: BoolArray = self._usable & (now - self.received_at <= max_age_s)
+        return ok
+
+    def _refresh_cache(self) -> None:
+        self._usable = self.alive & self.has_stats & (self.model_id >= 0)
+        self._usable_is_alive = None
+        self._adaptive = self.adaptive > 0
+        self._k_cap = int(self.k_max.max()) if self.size else 0
+        seen = self.received_at[self._usable]
+        self._oldest = float(seen.min()) if seen.size else np.inf
+
+    def adaptive_mask(self) -> BoolArray:
+        """Rows whose engine chooses k per request."""
+        if self._usable is None:
+            self._refresh_cache()
+        assert self._adaptive is not None
+        return self._adaptive
+
+    def k_cap(self) -> int:
+        """The largest k_max of any row."""
+        if self._usable is None:
+            self._refresh_cache()
+        return self._k_cap
+
+    def all_fresh(self, fresh: BoolArray) -> bool:
+        """Whether ``fresh`` (from ``fresh``) covers every live row."""
+        if fresh is self._usable:
+            if self._usable_is_alive is None:
+                self._usable_is_alive = bool(np.array_equal(self._usable, self.alive))
+            return self._usable_is_alive
+        return bool(np.array_equal(fresh, self.alive))
+
+    def can_admit(self, prompt_tokens: int) -> BoolArray:
+        """Rows that would take a request into the batch now rather than queue it."""
+        need = np.ceil((prompt_tokens + 1) / np.maximum(self.block_size, 1))
+        ok: BoolArray = (self.eff_slots > 0) & (self.eff_free >= need)
+        return ok

@@ -1,0 +1,131 @@
+"""What a decode replica tells the router: its load, its speculation state, its step time.
+
+A replica publishes this through Ray Serve's replica routing stats
+(``DecodeServer.record_routing_stats`` returns ``to_dict()``); the router reads it back with
+``RoutingStats.from_dict``. The two aggregates the router scores with are computed here, on the
+replica, over every request in the batch, so they stay exact when the per-request lists are
+cut to ``MAX_LISTED``:
+
+- ``step_tokens``: tokens the next step scores, ``sum(1 + k_i)``;
+- ``tpot_weight``: ``sum(1 / E(alpha_i, k_i))`` with ``E`` from ``decode.goodput``. Request i's
+  time per output token is ``step_time / E_i``, so when the step time grows by ``d`` seconds the
+  running requests' TPOTs grow by ``d * tpot_weight`` in sum;
+- ``step_emitted``: ``sum(E(alpha_i, k_i))``, the tokens a step emits: with the step time it
+  gives the batch's goodput, hence the gain below which adaptive speculation grants no draft;
+- ``step_max_k`` and ``draft_round_s``: a draft model proposes in ``max_i k_i`` sequential
+  rounds over the batch (``decode.drafters.draft_model``), each costing about ``draft_round_s``
+  whoever drafts in it, a per-step cost the tokens-only step-time model does not see.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from decode.goodput import StepTimeModel, expected_tokens
+
+ROUTING_STATS_VERSION = 1
+MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """One decode replica's state as the router sees it (``time`` is the replica's clock)."""
+
+    time: float  # unix time the snapshot was taken
+    running: int  # requests in the continuous batch (their KV is resident)
+    queued: int  # waiting for KV blocks or a pull, or running beyond max_batch_size
+    free_blocks: int
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+    k_max: int  # most draft tokens a request verifies per step (0: no speculation)
+    step_tokens: int  # tokens the next step scores: sum over the batch of 1 + k_i
+    tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
+    step_emitted: float  # sum over the batch of E(alpha_i, k_i)
+    adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
+    step_max_k: int  # the longest speculation in the batch: draft rounds per step
+    draft_round_s: float  # fixed cost of one draft round (0: drafting has no model forward)
+    alphas: tuple[float, ...]  # acceptance estimates of (up to MAX_LISTED) batch requests
+    ks: tuple[int, ...]  # their current speculation lengths
+    step_time: tuple[tuple[int, float], ...]  # the replica's StepTimeModel points; () if none
+    version: int = ROUTING_STATS_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only: this crosses Ray's controller to every router."""
+        d = asdict(self)
+        d["alphas"] = [round(a, 4) for a in self.alphas]
+        d["ks"] = list(self.ks)
+        d["step_time"] = [[n, t] for n, t in self.step_time]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RoutingStats:
+        """Parse a published dict; ``ValueError`` if it is missing fields or of another version."""
+        if d.get("version") != ROUTING_STATS_VERSION:
+            raise ValueError(f"routing stats version {d.get('version')!r} is not supported")
+        try:
+            return cls(
+                time=float(d["time"]),
+                running=int(d["running"]),
+                queued=int(d["queued"]),
+                free_blocks=int(d["free_blocks"]),
+                num_blocks=int(d["num_blocks"]),
+                block_size=int(d["block_size"]),
+                max_batch_size=int(d["max_batch_size"]),
+                k_max=int(d["k_max"]),
+                step_tokens=int(d["step_tokens"]),
+                tpot_weight=float(d["tpot_weight"]),
+                step_emitted=float(d["step_emitted"]),
+                adaptive=bool(d["adaptive"]),
+                step_max_k=int(d["step_max_k"]),
+                draft_round_s=float(d["draft_round_s"]),
+                alphas=tuple(float(a) for a in d["alphas"]),
+                ks=tuple(int(k) for k in d["ks"]),
+                step_time=tuple((int(n), float(t)) for n, t in d["step_time"]),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed routing stats: {e!r}") from e
+
+    def step_time_model(self) -> StepTimeModel | None:
+        return StepTimeModel(self.step_time) if self.step_time else None
+
+
+def collect_routing_stats(
+    alphas: Sequence[float],
+    ks: Sequence[int],
+    *,
+    queued: int,
+    free_blocks: int,
+    num_blocks: int,
+    block_size: int,
+    max_batch_size: int,
+    k_max: int,
+    adaptive: bool,
+    step_time: StepTimeModel | None,
+    draft_round_s: float = 0.0,
+    now: float | None = None,
+) -> RoutingStats:
+    """Summarise a batch (one acceptance estimate and one k per request) for the router."""
+    emitted = [expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)]
+    return RoutingStats(
+        time=time.time() if now is None else now,
+        running=len(alphas),
+        queued=queued,
+        free_blocks=free_blocks,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_batch_size=max_batch_size,
+        k_max=k_max,
+        step_tokens=sum(1 + k for k in ks),
+        tpot_weight=sum(1.0 / e for e in emitted),
+        step_emitted=sum(emitted),
+        adaptive=adaptive,
+        step_max_k=max(ks, default=0),
+        draft_round_s=draft_round_s,
+        alphas=tuple(alphas[:MAX_LISTED]),
+        ks=tuple(ks[:MAX_LISTED]),
+        step_time=step_time.points if step_time is not None else (),
+    )

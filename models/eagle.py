@@ -1,0 +1,227 @@
+"""An EAGLE-style draft head: the target's own features predict its next features.
+
+At position ``t`` the head reads the target's final hidden state ``f_t`` and the embedding of
+the next token ``x_{t+1}``, mixes them (``fc``: ``[embed; f] -> hidden``), runs one Llama
+decoder layer over its own paged KV (a one-layer "draft" KV group), and produces ``g_t``, a
+guess of ``f_{t+1}``. The target's LM head turns ``g_t`` into a distribution over ``x_{t+2}``.
+Drafting several tokens feeds ``g_t`` back as the next feature.
+
+Checkpoints use the published EAGLE layout, so a released head loads as is: ``config.json``
+(Llama-style sizes; ``bias`` for the fc bias), and tensors ``fc.weight`` (``fc.bias``),
+``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
+``layers.0.post_attention_layernorm.weight`` (the first layer has no input norm), optionally
+``embed_tokens.weight`` (else the target's). EAGLE-3 style extras are understood too:
+``norm.weight`` (a norm before the LM head) and a reduced draft vocabulary,
+``lm_head.weight`` ``[V_draft, H]`` with ``d2t`` (draft id ``i`` is target id
+``i + d2t[i]``); outside it the draft gives probability zero, which speculation's rule handles
+exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from models.attention import SeqSlice, build_attention_metadata
+from models.config import LlamaConfig
+from models.layers import RMSNorm, RotaryEmbedding
+from models.llama import LlamaDecoderLayer, load_layer
+from models.parallel import TPContext
+from models.runner import SeqInput, StepResult
+from models.weights import load_state_dict
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    layer: LlamaConfig  # the head's decoder layer (num_layers = 1), sizes of the target's
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int  # == vocab_size unless the head has a reduced vocabulary
+    fc_bias: bool
+    final_norm: bool  # EAGLE-3: a norm before the LM head
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> EagleConfig:
+        raw = json.loads((folder / "config.json").read_text())
+        layer = LlamaConfig.from_hf_dict({**raw, "num_hidden_layers": 1})
+        return cls(
+            layer=layer,
+            vocab_size=int(raw["vocab_size"]),
+            draft_vocab_size=int(raw.get("draft_vocab_size", raw["vocab_size"])),
+            fc_bias=bool(raw.get("bias", True)),
+            final_norm=bool(raw.get("final_norm", False)),
+        )
+
+    def to_json(self) -> dict[str, object]:
+        c = self.layer
+        return {
+            "architectures": ["EagleHead"],
+            "model_type": "llama",
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "num_hidden_layers": 1,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "bias": self.fc_bias,
+            "final_norm": self.final_norm,
+            "tie_word_embeddings": False,
+        }
+
+
+class EagleHead(nn.Module):
+    def __init__(
+        self, cfg: EagleConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> None:
+        super().__init__()
+        c = cfg.layer
+        dev = torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = dev
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, c.hidden_size, dtype=dtype, device=dev)
+        self.fc = nn.Linear(
+            2 * c.hidden_size, c.hidden_size, bias=cfg.fc_bias, dtype=dtype, device=dev
+        )
+        self.layer = LlamaDecoderLayer(c, TPContext(), dtype, dev, input_norm=False)
+        self.norm: nn.Module = (
+            RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, dev) if cfg.final_norm else nn.Identity()
+        )
+        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, dev)
+        self.lm_head = nn.Linear(
+            c.hidden_size, cfg.draft_vocab_size, bias=False, dtype=dtype, device=dev
+        )
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def forward(
+        self, input_ids: torch.Tensor, features: torch.Tensor, kv_pool: torch.Tensor, meta: object
+    ) -> torch.Tensor:
+        """input_ids: [T] the tokens after each feature's position; features: [T, H];
+        kv_pool: [1, 2, Hkv, num_blocks, block_size, D]. Returns predicted features [T, H]."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1))
+        h: torch.Tensor = self.layer(x, self.rope, kv_pool[0], meta)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
+        small: torch.Tensor = self.lm_head(self.norm(hidden)).float()  # [N, V_draft]
+        if self.cfg.draft_vocab_size == self.cfg.vocab_size:
+            return small
+        full = small.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"))
+        ids = torch.arange(self.cfg.draft_vocab_size, device=small.device) + self.d2t
+        full[:, ids] = small
+        return full
+
+    def load(self, head: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
+        """Load a head in the EAGLE layout, taking what it lacks (embeddings, a full-vocabulary
+        LM head) from the target's weights."""
+        h = {k.removeprefix("model."): v for k, v in head.items()}
+
+        def w(name: str) -> torch.Tensor:
+            return h[name].to(self.dtype)
+
+        self.fc.weight.data.copy_(w("fc.weight"))
+        if self.fc.bias is not None:
+            self.fc.bias.data.copy_(
+                w("fc.bias") if "fc.bias" in h else torch.zeros_like(self.fc.bias)
+            )
+        load_layer(self.layer, w, "layers.0.")
+        emb = h.get("embed_tokens.weight", target["model.embed_tokens.weight"])
+        self.embed_tokens.weight.data.copy_(emb.to(self.dtype))
+        if "lm_head.weight" in h:
+            self.lm_head.weight.data.copy_(w("lm_head.weight"))
+        else:
+            full = target.get("lm_head.weight", target["model.embed_tokens.weight"])
+            self.lm_head.weight.data.copy_(full.to(self.dtype))
+        if "d2t" in h:
+            self.d2t.copy_(h["d2t"].long())
+        if isinstance(self.norm, RMSNorm):
+            self.norm.weight.data.copy_(w("norm.weight"))
+
+    def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """The head's own tensors in the EAGLE layout (not the target's embeddings; the LM head
+        only when the vocabulary is reduced)."""
+        layer = self.layer
+        q, k, v = layer.self_attn.qkv_proj.weight.split(
+            [self.cfg.layer.q_size, self.cfg.layer.kv_size, self.cfg.layer.kv_size]
+        )
+        gate, up = layer.mlp.gate_up_proj.weight.split(self.cfg.layer.intermediate_size)
+        out = {
+            "fc.weight": self.fc.weight,
+            "layers.0.self_attn.q_proj.weight": q,
+            "layers.0.self_attn.k_proj.weight": k,
+            "layers.0.self_attn.v_proj.weight": v,
+            "layers.0.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+            "layers.0.mlp.gate_proj.weight": gate,
+            "layers.0.mlp.up_proj.weight": up,
+            "layers.0.mlp.down_proj.weight": layer.mlp.down_proj.weight,
+            "layers.0.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        }
+        if self.fc.bias is not None:
+            out["fc.bias"] = self.fc.bias
+        if isinstance(self.norm, RMSNorm):
+            out["norm.weight"] = self.norm.weight
+        if self.cfg.draft_vocab_size != self.cfg.vocab_size:
+            out["lm_head.weight"] = self.lm_head.weight
+            out["d2t"] = self.d2t
+        return {k: t.detach().contiguous().cpu() for k, t in out.items()}
+
+
+def save_eagle(head: EagleHead, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(head.cfg.to_json(), indent=2))
+    save_file(head.state_for_checkpoint(), str(folder / "model.safetensors"))
+
+
+def load_eagle(folder: Path, target_folder: Path, dtype: torch.dtype, device: str) -> EagleHead:
+    head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
+    head.load(load_state_dict(folder), load_state_dict(target_folder))
+    return head.eval()
+
+
+class EagleRunner:
+    """Runs the head over its paged KV: like ``models.runner.LocalRunner``, plus features."""
+
+    def __init__(self, head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.head = head
+        self.kv_pool = kv_pool  # [1, 2, Hkv, num_blocks, block_size, head_dim]
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[SeqInput], features: torch.Tensor) -> StepResult:
+        """features: [T, H], one per new token of the batch, in batch order."""
+        dev = self.head.device
+        meta = build_attention_metadata(
+            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch],
+            self.block_size,
+            dev,
+            self.head.rope.cos,
+            self.head.rope.sin,
+        )
+        ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
+        hidden = self.head(ids, features.to(dev), self.kv_pool, meta)  # [T, H]
+        rows: list[int] = []
+        start = 0
+        for s in batch:
+            rows.extend(start + p for p in s.logit_positions)
+            start += len(s.token_ids)
+        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+        return StepResult(
+            hidden=picked,
+            logits=self.head.logits(picked),
+            rows_per_seq=tuple(len(s.logit_positions) for s in batch),
+            all_hidden=hidden,
+        )

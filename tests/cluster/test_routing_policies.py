@@ -1,0 +1,144 @@
+"""Routing policies on hand-made replica states: which replica each one picks, and when the
+acceptance-aware policy falls back to power of two choices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from cluster.routing.policies import (
+    AcceptanceAware,
+    LeastKV,
+    PowerOfTwo,
+    RoundRobin,
+    RouteRequest,
+)
+from cluster.routing.prefix import PrefixAffinity, PrefixIndex
+from cluster.routing.request_info import acceptance_prior, route_request
+from cluster.routing.table import ReplicaTable
+from decode.goodput import StepTimeModel
+from decode.routing_stats import RoutingStats, collect_routing_stats
+from kvtransfer.allocator import block_hashes
+from kvtransfer.handoff import KVCompat, KVHandoff
+from models.request import Request
+from models.sampling import SamplingParams
+
+MODEL = StepTimeModel.linear(0.010, 0.0005)
+NOW = 100.0
+
+
+def stats(
+    alphas: Sequence[float], ks: Sequence[int], free: int = 1000, queued: int = 0, at: float = NOW
+) -> RoutingStats:
+    return collect_routing_stats(
+        alphas, ks, queued=queued, free_blocks=free, num_blocks=1000, block_size=16,
+        max_batch_size=64, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=0.002, now=at,
+    )  # fmt: skip
+
+
+def table(*snapshots: RoutingStats, received: float = NOW) -> ReplicaTable:
+    t = ReplicaTable()
+    for row, s in enumerate(snapshots):
+        t.set_stats(row, s, received)
+    return t
+
+
+def first(ranks: list[list[int]]) -> int:
+    assert len(ranks[0]) == 1
+    return ranks[0][0]
+
+
+def test_acceptance_aware_keeps_like_acceptance_together() -> None:
+    """Equal loads; one replica runs creative requests (nobody drafts), the other copy-heavy
+    ones drafting 4 tokens. A creative request goes where no draft rounds stall it; a copy
+    request where its drafts do not slow 16 requests that cannot use them."""
+    t = table(stats([0.3] * 16, [0] * 16), stats([0.85] * 16, [4] * 16))
+    p = AcceptanceAware(max_staleness_s=5.0, seed=0)
+    assert first(p.rank(RouteRequest(0.3, 100), t, NOW + 0.5)) == 0
+    assert first(p.rank(RouteRequest(0.85, 100), t, NOW + 0.5)) == 1
+
+
+def test_acceptance_aware_prefers_the_shorter_step_for_like_requests() -> None:
+    t = table(stats([0.6] * 30, [2] * 30), stats([0.6] * 5, [2] * 5), stats([0.6] * 18, [2] * 18))
+    ranks = AcceptanceAware(5.0, seed=0).rank(RouteRequest(0.6, 100), t, NOW)
+    assert ranks == [[1], [2], [0]]
+
+
+def test_a_replica_that_would_queue_the_request_comes_last() -> None:
+    full = stats([0.6] * 2, [2] * 2, free=3)  # a 100-token prompt needs 7 blocks
+    t = table(full, stats([0.6] * 40, [2] * 40))
+    assert AcceptanceAware(5.0, seed=0).rank(RouteRequest(0.6, 100), t, NOW) == [[1], [0]]
+
+
+def test_routed_requests_count_until_the_next_snapshot_includes_them() -> None:
+    t = table(stats([0.6] * 4, [2] * 4), stats([0.6] * 4, [2] * 4))
+    p = AcceptanceAware(5.0, seed=0)
+    picks = []
+    for i in range(6):
+        req = RouteRequest(0.6, 100)
+        row = first(p.rank(req, t, NOW + 0.01 * i))
+        p.routed(req, t, row, NOW + 0.01 * i)
+        picks.append(row)
+    assert sorted(picks) == [0, 0, 0, 1, 1, 1]  # the overlay spreads them, not all on one
+    assert t.o_running.tolist() == [3.0, 3.0]
+    t.set_stats(0, stats([0.6] * 7, [2] * 7, at=NOW + 0.1), NOW + 0.1)  # covers all of row 0's
+    assert t.o_running.tolist() == [0.0, 3.0] and t.eff_tokens[0] == 21
+
+
+def test_stale_or_missing_stats_fall_back_to_power_of_two() -> None:
+    p = AcceptanceAware(max_staleness_s=2.0, seed=0)
+    t = table(stats([0.6] * 4, [2] * 4), stats([0.6] * 4, [2] * 4), stats([0.6], [2]))
+    req = RouteRequest(0.6, 100)
+    assert all(len(rank) == 1 for rank in p.rank(req, t, NOW + 1.0))  # fresh: scored
+    ranks = p.rank(req, t, NOW + 3.0)  # every snapshot 3 s old: two random replicas
+    assert len(ranks) == 1 and len(set(ranks[0])) == 2
+    t.set_stats(2, stats([0.6], [2], at=NOW + 2.9), NOW + 2.9)  # one fresh: it is scored,
+    ranks = p.rank(req, t, NOW + 3.0)  # the stale ones stay reachable in a last rank
+    assert ranks[0] == [2] and sorted(ranks[-1]) == [0, 1]
+    empty = ReplicaTable()
+    for row in range(3):
+        empty.mark_alive(row)
+    assert len(p.rank(req, empty, NOW)[0]) == 2  # no stats yet at all
+
+
+def test_round_robin_power_of_two_and_least_kv() -> None:
+    t = table(stats([0.6], [2], free=500), stats([0.6], [2], free=900), stats([0.6], [2], free=10))
+    rr = RoundRobin()
+    assert [first(rr.rank(RouteRequest(0.6, 10), t, NOW)) for _ in range(4)] == [0, 1, 2, 0]
+    assert LeastKV(5.0).rank(RouteRequest(0.6, 10), t, NOW) == [[1], [0], [2]]
+    pairs = {
+        tuple(sorted(PowerOfTwo(seed=s).rank(RouteRequest(0.6, 10), t, NOW)[0])) for s in range(20)
+    }
+    assert pairs == {(0, 1), (0, 2), (1, 2)}
+
+
+def test_prefix_affinity_follows_the_prompt_unless_that_replica_is_busier() -> None:
+    prompt = list(range(100, 164))  # four full blocks
+    hashes = block_hashes(prompt, 16)
+    index = PrefixIndex(capacity=100)
+    index.record(hashes[:2], 5)
+    assert index.match(hashes) == (5, 2)
+    assert index.match(block_hashes([1] * 64, 16)) == (None, 0)
+    policy = PrefixAffinity(imbalance=2.0, seed=0)
+    policy.set_rows(range(4))
+    policy.routed(hashes, 3)
+    light = {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0}
+    assert policy.rank(hashes, light.__getitem__)[0] == [3]
+    busy = {0: 1.0, 1: 1.0, 2: 1.0, 3: 9.0}
+    assert 3 not in policy.rank(hashes, busy.__getitem__)[0]
+    policy.set_rows([0, 1, 2])  # replica 3 left: its cache is gone
+    assert index.match(hashes) == (5, 2) and policy.index.match(hashes) == (None, 0)
+
+
+def test_the_router_reads_the_probe_then_the_estimate_then_a_prior() -> None:
+    req = Request("r", list(range(40)), SamplingParams(temperature=1.0, max_tokens=8))
+    assert route_request([req, None], {}) == RouteRequest(acceptance_prior(1.0), 40)
+    assert acceptance_prior(0.0) == 2 * acceptance_prior(1.0)
+    req.acceptance_estimate = 0.7
+    assert route_request([req, None], {}) == RouteRequest(0.7, 40)
+    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram")
+    handoff = KVHandoff("r", (), (1, 2, 3), ("target",), 40, 7, compat, 0.0, acceptance_probe=0.9)
+    assert route_request([req], {"handoff": handoff}) == RouteRequest(0.9, 40)
+    assert route_request([], {}) is None
+    assert np.isclose(acceptance_prior(0.5), 0.75 * acceptance_prior(0.0))

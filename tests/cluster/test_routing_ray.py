@@ -1,0 +1,110 @@
+"""The acceptance-aware router on a real local Ray cluster: two decode replicas publishing
+routing stats, requests of both kinds served through it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from ray import serve
+
+from cluster.config import TandemConfig
+from cluster.routing.deploy import decode_router_options, prefill_router_options
+from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter
+from decode.routing_stats import RoutingStats
+from tests.cluster.conftest import running_app
+
+
+def config(model: Path) -> TandemConfig:
+    return TandemConfig.model_validate(
+        {
+            "mode": "colocated",
+            "model": {"source": str(model)},
+            "draft": {"kind": "ngram", "num_speculative_tokens": 3},
+            "decode": {
+                "replicas": 2,
+                "num_blocks": 64,
+                "max_batch_size": 8,
+                "num_threads": 1,
+                "routing": "acceptance_aware",
+                "routing_stats_period_s": 0.5,
+            },
+            "limits": {"max_model_len": 512},
+        }
+    )
+
+
+def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
+    cfg = config(tiny_folder)
+    rc = decode_router_options(cfg.decode)["request_router_config"]
+    path = f"{AcceptanceAwareRouter.__module__}.{AcceptanceAwareRouter.__qualname__}"
+    assert rc.request_router_class == path  # Serve imports it in the ingress replica
+    assert rc.request_routing_stats_period_s == 0.5
+    assert rc.request_router_kwargs == {"max_staleness_s": 5.0}
+    pow2 = decode_router_options(cfg.decode.model_copy(update={"routing": "power_of_two"}))
+    assert pow2["request_router_config"].request_router_class.endswith(
+        "PowerOfTwoChoicesRequestRouter"
+    )
+    prc = prefill_router_options(cfg.prefill, 16)["request_router_config"]
+    assert prc.request_router_class.endswith(PrefixAffinityRouter.__qualname__)
+    assert prc.request_router_kwargs == {"block_size": 16, "imbalance": 4.0}
+
+
+@pytest.fixture(scope="module")
+def base(tiny_folder: Path) -> Iterator[str]:
+    with running_app(config(tiny_folder)) as url:
+        yield url
+
+
+async def _chat(
+    client: httpx.AsyncClient, model: str, text: str, temperature: float
+) -> dict[str, object]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 12,
+        "temperature": temperature,
+        "seed": 1,
+    }
+    r = await client.post("/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, object] = r.json()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    async def run() -> list[dict[str, object]]:
+        async with httpx.AsyncClient(base_url=base) as client:
+            copy = "Repeat exactly: one two three four five six seven eight nine ten"
+            jobs = [_chat(client, model, copy, 0.0) for _ in range(4)]
+            jobs += [_chat(client, model, "Tell me a story.", 1.0) for _ in range(4)]
+            return await asyncio.gather(*jobs)
+
+    replies = asyncio.run(run())
+    assert len(replies) == 8
+    assert all(r["usage"]["completion_tokens"] >= 1 for r in replies)  # type: ignore[index]
+    decode = serve.get_deployment_handle("decode", app_name="tandem")
+    seen = [RoutingStats.from_dict(decode.record_routing_stats.remote().result()) for _ in range(4)]
+    for s in seen:
+        assert s.num_blocks == 64 and s.max_batch_size == 8 and s.k_max == 3
+        assert s.adaptive and s.step_time, "adaptive speculation publishes its step-time model"
+        assert s.running == 0 and s.free_blocks == 64  # everything finished and freed
+    # This handle routes with the deployment's router too: both replicas' stats reach its
+    # table (Ray Serve 2.60's handle internals, pinned in pyproject.toml).
+    handle_router: Any = decode._router
+    router = handle_router._asyncio_router._request_router
+    assert isinstance(router, AcceptanceAwareRouter)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and router._table.has_stats.sum() < 2:
+        time.sleep(0.2)
+    table = router._table
+    assert table.size == 2 and table.has_stats.all() and len(table.models) == 1
+    assert table.fresh(time.time(), 5.0).all()  # scored by acceptance, not the fallback

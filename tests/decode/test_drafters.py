@@ -1,0 +1,152 @@
+"""Every drafter, in both modes: greedy output is the target's, seeded sampling does not depend on
+the speculation length, and decode never recomputes a prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from models.config import LlamaConfig
+from models.eagle import EagleConfig, EagleHead, save_eagle
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from models.weights import load_state_dict
+from prefill.config import PrefillWorkerConfig
+from prefill.worker import PrefillWorker
+from tests.decode.engine_utils import make_request, run_all
+
+
+@pytest.fixture(scope="module")
+def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised EAGLE head for the tiny target, in the published layout."""
+    tc = LlamaConfig.from_folder(tiny_folder)
+    cfg = EagleConfig(
+        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=tc.vocab_size,
+        fc_bias=True,
+        final_norm=False,
+    )
+    head = EagleHead(cfg)
+    torch.manual_seed(3)
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    target = load_state_dict(tiny_folder)
+    head.lm_head.weight.data.copy_(target["model.embed_tokens.weight"])
+    folder = tmp_path_factory.mktemp("eagle")
+    save_eagle(head, folder)
+    return folder
+
+
+def _spec(
+    kind: str, tiny_draft_folder: Path, eagle_folder: Path, k: int, adaptive: bool
+) -> DraftSpec:
+    model = {
+        "ngram": None,
+        "draft_model": ModelSpec(str(tiny_draft_folder)),
+        "eagle": ModelSpec(str(eagle_folder)),
+    }
+    return DraftSpec(
+        DraftKind(kind), model=model[kind], num_speculative_tokens=k, adaptive=adaptive
+    )
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(41)
+    base = [torch.randint(3, 49152, (18 + 7 * i,), generator=g).tolist() for i in range(3)]
+    base[0] = base[0][:6] * 4  # repetitive, so n-gram lookup has something to propose
+    return base
+
+
+def _run(
+    target: ModelSpec, draft: DraftSpec, sp: list[SamplingParams], disaggregated: bool
+) -> tuple[list[list[int]], DecodeEngine, list]:
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=128))
+    prefill = (
+        PrefillWorker(PrefillWorkerConfig("t", target, draft, num_blocks=64))
+        if disaggregated
+        else None
+    )
+    reqs = [make_request(p, s) for p, s in zip(_prompts(), sp, strict=True)]
+    out = run_all(engine, reqs, prefill=prefill)
+    return [out[r.request_id] for r in reqs], engine, reqs
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str, disaggregated: bool
+) -> None:
+    target = ModelSpec(str(tiny_folder))
+    greedy = [SamplingParams(temperature=0.0, max_tokens=20)] * 3
+    want, _, _ = _run(target, DraftSpec(), greedy, disaggregated=False)
+    got, engine, reqs = _run(
+        target, _spec(kind, tiny_draft_folder, eagle_folder, 3, True), greedy, disaggregated
+    )
+    assert got == want
+    drafted = sum(r.stats.num_draft_tokens for r in reqs)
+    assert drafted > 0
+    if disaggregated:
+        decoded = sum(len(o) for o in got) - len(got)
+        assert engine.stats().target_tokens_fed <= decoded + drafted
+        if kind != "ngram":  # the draft was fed outputs and its own guesses, never a prompt
+            assert engine.stats().draft_tokens_fed <= decoded + drafted
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+def test_seeded_sampling_does_not_depend_on_the_speculation_length(
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str
+) -> None:
+    target = ModelSpec(str(tiny_folder))
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=s) for s in (1, 2, 3)]
+    outs = [
+        _run(
+            target,
+            _spec(kind, tiny_draft_folder, eagle_folder, k, adaptive),
+            sampled,
+            disaggregated=d,
+        )[0]
+        for k, adaptive, d in ((1, False, False), (4, False, True), (6, True, False))
+    ]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_seeded_eagle_sampling_does_not_depend_on_the_batch(
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path
+) -> None:
+    """An EAGLE head's later drafts read its own predicted features, so its proposal at a
+    position depends on where the step began: with k pinned, the batch around a seeded request
+    still changes nothing."""
+    target = ModelSpec(str(tiny_folder))
+    spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, False)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=9)
+    engine = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
+    alone = make_request(_prompts()[2], sp)
+    want = run_all(engine, [alone])[alone.request_id]
+    crowd = [
+        make_request(p, SamplingParams(temperature=0.8, max_tokens=30, seed=i))
+        for i, p in enumerate(_prompts())
+    ]
+    again = make_request(_prompts()[2], sp)
+    assert run_all(engine, [*crowd, again])[again.request_id] == want
+
+
+def test_eagle_handoff_carries_the_last_feature(
+    tiny_folder: Path, eagle_folder: Path, tiny_draft_folder: Path
+) -> None:
+    target = ModelSpec(str(tiny_folder))
+    spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, True)
+    prefill = PrefillWorker(
+        PrefillWorkerConfig("t", target, spec, num_blocks=64, max_num_batched_tokens=8)
+    )
+    prompt = _prompts()[1]
+    h = prefill.prefill(make_request(prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+    assert h.hidden_state is not None and h.hidden_state.shape == (
+        LlamaConfig.from_folder(tiny_folder).hidden_size,
+    )
+    assert h.draft_computed == len(prompt) - 1  # every head position but the last one
+    assert h.acceptance_probe is not None and 0.0 <= h.acceptance_probe <= 1.0

@@ -1,0 +1,45 @@
+"""What a decode engine publishes for the router, checked against its own state mid-run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from decode.goodput import expected_tokens
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from tests.decode.engine_utils import make_request
+
+
+@pytest.mark.timeout(300)
+def test_routing_stats_describe_the_running_batch(tiny_folder: Path) -> None:
+    draft = DraftSpec(kind=DraftKind.NGRAM, num_speculative_tokens=3)
+    cfg = DecodeEngineConfig(
+        "tiny", ModelSpec(str(tiny_folder)), draft, num_blocks=64, max_batch_size=2
+    )
+    engine = DecodeEngine(cfg)
+    try:
+        empty = engine.routing_stats()
+        assert (empty.running, empty.queued, empty.free_blocks, empty.step_tokens) == (0, 0, 64, 0)
+        assert empty.adaptive and empty.k_max == 3 and empty.step_time  # measured at start-up
+        sp = SamplingParams(temperature=0.0, max_tokens=40)
+        reqs = [make_request([5, 6, 7, 5, 6, 7, 5, 6] * 3, sp) for _ in range(3)]
+        reqs[0].acceptance_estimate = 0.9
+        for r in reqs:
+            engine.add(r, None)
+        while not all(r.output_token_ids for r in reqs[:2]):
+            engine.step()
+        s = engine.routing_stats()
+        assert s.running == 2 and s.queued == 1  # one beyond max_batch_size waits
+        assert s.free_blocks == engine.allocator.num_free < 64
+        assert len(s.alphas) == len(s.ks) == 2 and s.alphas[0] == 0.9
+        assert all(0 <= k <= 3 for k in s.ks) and s.step_max_k == max(s.ks)
+        assert s.step_tokens == sum(1 + k for k in s.ks)
+        assert s.tpot_weight == pytest.approx(
+            sum(1 / expected_tokens(a, k) for a, k in zip(s.alphas, s.ks, strict=True))
+        )
+    finally:
+        engine.close()
