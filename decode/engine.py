@@ -254,9 +254,18 @@ class DecodeEngine:
                 break
         if reason is not None:
             self.running.pop(r.request_id)
-            self._finish(r, reason, None, tuple(new))
+            self._finish(r, reason, None, tuple(new), em)
         else:
-            self._outbox.append(StepOutput(r.request_id, tuple(new), None, self._usage(r)))
+            self._outbox.append(
+                StepOutput(
+                    r.request_id,
+                    tuple(new),
+                    None,
+                    self._usage(r),
+                    step_drafted=em.num_drafted,
+                    step_accepted=em.num_accepted,
+                )
+            )
 
     # ---- admission and preemption --------------------------------------------------------
 
@@ -310,13 +319,21 @@ class DecodeEngine:
         r.status = RequestStatus.FINISHED
 
     def _finish(
-        self, r: Request, reason: FinishReason, error: str | None, new: tuple[int, ...] = ()
+        self,
+        r: Request,
+        reason: FinishReason,
+        error: str | None,
+        new: tuple[int, ...] = (),
+        em: Emission | None = None,
     ) -> None:
         if error:
             log.warning("request %s failed: %s", r.request_id, error)
         r.finish_reason, r.error = reason, error
         self._release(r)
-        self._outbox.append(StepOutput(r.request_id, new, reason.value, self._usage(r), error))
+        drafted, accepted = (em.num_drafted, em.num_accepted) if em else (0, 0)
+        self._outbox.append(
+            StepOutput(r.request_id, new, reason.value, self._usage(r), error, drafted, accepted)
+        )
 
     def close(self) -> None:
         self.shard.close()

@@ -22,6 +22,8 @@ class StepOutput:
     finish_reason: str | None  # a models.request.FinishReason value once finished
     spec: SpecUsage
     error: str | None = None
+    step_drafted: int = 0  # draft tokens this step tested for the request
+    step_accepted: int = 0
 
     @property
     def finished(self) -> bool:

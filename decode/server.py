@@ -10,6 +10,7 @@ from typing import Any
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
+from decode.metrics import SpecMetrics
 from decode.outputs import StepOutput
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
@@ -29,6 +30,7 @@ class DecodeServer:
         self.engine = DecodeEngine(cfg)
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self.metrics = SpecMetrics("decode")
         self.loop = EngineLoop(self.engine, self._deliver)
         self.loop.start()
 
@@ -38,6 +40,7 @@ class DecodeServer:
             self._aloop.call_soon_threadsafe(self._put, out)
 
     def _put(self, out: StepOutput) -> None:
+        self.metrics.record(out.step_drafted, out.step_accepted, len(out.new_token_ids))
         q = self._queues.get(out.request_id)
         if q is not None:
             q.put_nowait(out)
@@ -64,6 +67,7 @@ class DecodeServer:
         out.update(process_memory())
         out["transport"] = self.engine.transport.name
         out["transfer"] = asdict(self.engine.transport.counters)
+        out["speculation"] = self.metrics.snapshot()
         return out
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -128,6 +128,22 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
     assert others != {a}
 
 
+def test_speculation_counters_match_usage(client: openai.OpenAI, base: str) -> None:
+    """The replica's counters (exported to Prometheus as tandem_spec_*) move by exactly what
+    the response's usage.speculative reports."""
+    before = _health(base)["decode"]["speculation"]
+    r = client.completions.create(
+        model=MODEL, prompt="a b c d a b c d a b c d a b", max_tokens=24, temperature=0
+    )
+    after = _health(base)["decode"]["speculation"]
+    spec = (r.usage.model_extra or {})["speculative"] if r.usage else {}
+    assert spec["draft_tokens"] > 0
+    assert after["draft_tokens"] - before["draft_tokens"] == spec["draft_tokens"]
+    assert after["accepted_tokens"] - before["accepted_tokens"] == spec["accepted_tokens"]
+    rates = [x for x in after["acceptance_by_position"] if x is not None]
+    assert rates and all(0.0 <= x <= 1.0 for x in rates)
+
+
 def test_stop_string_truncates(client: openai.OpenAI) -> None:
     r = client.completions.create(
         model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"]
