@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -28,7 +28,8 @@ class KVRegion:
     base_address: int
     chunk_bytes: int
     num_blocks: int
-    num_regions: int
+    num_regions: int  # num_layers * 2 * num_heads
+    num_heads: int  # KV heads this rank holds of the group
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
 
@@ -85,7 +86,8 @@ class KVCompatError(RuntimeError):
 
 
 def check_compat(local: KVCompat, remote: KVCompat) -> None:
-    if local != remote:
+    """Everything must match but the TP sizes: ranks re-shard heads (``kvtransfer.resharding``)."""
+    if replace(local, tp_size=0) != replace(remote, tp_size=0):
         raise KVCompatError(
             f"KV layouts differ: this side has ({local.describe()}), "
             f"the source has ({remote.describe()})"

@@ -26,6 +26,7 @@ import numpy as np
 
 from kvtransfer.handoff import KVHandoff, KVRegion, KVSource
 from kvtransfer.pool import KVPool
+from kvtransfer.resharding import HeadRun, head_runs, readers, region_pairs
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,6 @@ def _chunk_descs(regions: Sequence[KVRegion]) -> tuple[np.ndarray, dict[str, int
     return np.concatenate(rows).astype(np.int64), offsets
 
 
-def _chunk_indices(offset: int, region: KVRegion, blocks: Sequence[int]) -> np.ndarray:
-    """Indices of ``blocks`` in every region of a group, region-major (runs stay adjacent)."""
-    b = np.asarray(blocks, dtype=np.int64)
-    regions = np.arange(region.num_regions, dtype=np.int64) * region.num_blocks
-    return (offset + regions[:, None] + b[None, :]).reshape(-1)
-
-
 @dataclass(frozen=True)
 class _Peer:
     version: int
@@ -68,12 +62,19 @@ class NixlTransport(KVTransport):
     name = "nixl"
 
     def __init__(
-        self, pool: KVPool, role: str = "worker", rank: int = 0, progress_thread: bool = False
+        self,
+        pool: KVPool,
+        role: str = "worker",
+        rank: int = 0,
+        tp_size: int = 1,
+        progress_thread: bool = False,
     ) -> None:
         super().__init__()
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.rank = rank
+        self.tp_size = tp_size
+        self._notice_counts: dict[str, int] = {}  # source side: reads reported per request
         self.agent_name = f"tandem-{role}{rank}-{uuid.uuid4().hex[:12]}"
         self.version = time.time_ns()
         self.mem_type = pool.mem_type
@@ -90,6 +91,7 @@ class NixlTransport(KVTransport):
                 chunk_bytes=spec.group(name).chunk_bytes(spec.block_size),
                 num_blocks=spec.num_blocks,
                 num_regions=spec.group(name).num_regions,
+                num_heads=spec.group(name).num_kv_heads,
                 mem_type=pool.mem_type,
                 device_id=pool.device_id,
             )
@@ -123,9 +125,19 @@ class NixlTransport(KVTransport):
         return done
 
     def progress(self) -> None:
-        """Drive UCX (serve peers' reads, send and receive notices); release retired reads."""
+        """Drive UCX (serve peers' reads, send and receive notices).
+
+        Each reader's notice is ``"<request id>|<readers>"``: a request's blocks are released
+        once as many destination ranks as it names have read them."""
         notes = self.agent.get_new_notifs()
-        self._notices.extend(m.decode() for msgs in notes.values() for m in msgs)
+        for msg in (m.decode() for msgs in notes.values() for m in msgs):
+            rid, _, expected = msg.partition("|")
+            seen = self._notice_counts.get(rid, 0) + 1
+            if seen >= int(expected or 1):
+                self._notice_counts.pop(rid, None)
+                self._notices.append(rid)
+            else:
+                self._notice_counts[rid] = seen
 
     def _peer(self, src: KVSource) -> _Peer:
         peer = self._peers.get(src.agent_name)
@@ -142,47 +154,74 @@ class NixlTransport(KVTransport):
         return peer
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
+        """One READ per source rank that holds heads this rank owns (one in all when both
+        sides have the same TP size), each carrying its completion notice."""
         if len(local_blocks) != len(handoff.block_ids):
             raise KVTransferError("local and remote block counts differ")
-        if len(handoff.sources) <= self.rank:
-            raise KVTransferError(
-                f"the source has {len(handoff.sources)} ranks; rank {self.rank} has none to read"
-            )
-        peer = self._peer(handoff.sources[self.rank])
-        remote_idx: list[np.ndarray] = []
-        local_idx: list[np.ndarray] = []
+        src_tp = len(handoff.sources)
+        remote_blocks = np.asarray(handoff.block_ids, dtype=np.int64)
+        ours_blocks = np.asarray(local_blocks, dtype=np.int64)
+        plan: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         nbytes = 0
         for g in handoff.groups:
-            if g not in self._by_group:
+            ours = self._by_group.get(g)
+            if ours is None:
                 continue  # a group another rank holds (the draft lives on rank 0)
-            theirs, ours = peer.regions[g], self._by_group[g]
-            if (theirs.chunk_bytes, theirs.num_regions) != (ours.chunk_bytes, ours.num_regions):
-                raise KVTransferError(
-                    f"group {g}: source blocks are {theirs.num_regions} x {theirs.chunk_bytes} "
-                    f"bytes, local blocks {ours.num_regions} x {ours.chunk_bytes}"
+            runs = self._runs(g, ours, src_tp)
+            for run in runs:
+                peer = self._peer(handoff.sources[run.src_rank])
+                theirs = peer.regions.get(g)
+                if theirs is None or theirs.chunk_bytes != ours.chunk_bytes:
+                    what = (
+                        "no such group" if theirs is None else f"{theirs.chunk_bytes}-byte chunks"
+                    )
+                    raise KVTransferError(
+                        f"group {g}: source rank {run.src_rank} has {what}, "
+                        f"this rank {ours.chunk_bytes}-byte chunks"
+                    )
+                src_r, dst_r = region_pairs(
+                    run, ours.num_regions // ours.num_heads, theirs.num_heads, ours.num_heads
                 )
-            remote_idx.append(_chunk_indices(peer.offsets[g], theirs, handoff.block_ids))
-            local_idx.append(_chunk_indices(self._offsets[g], ours, local_blocks))
-            nbytes += ours.block_bytes * len(local_blocks)
-        handle = self.agent.make_prepped_xfer(
-            "READ",
-            self._local,
-            np.concatenate(local_idx),
-            peer.prepped,
-            np.concatenate(remote_idx),
-            notif_msg=handoff.request_id.encode(),
-        )
-        state = self.agent.transfer(handle)
-        if state == "ERR":
-            self.agent.release_xfer_handle(handle)
-            self.counters.fail("post")
-            raise KVTransferError(f"NIXL refused the read for {handoff.request_id}")
+                remote = peer.offsets[g] + src_r[:, None] * theirs.num_blocks + remote_blocks
+                local = self._offsets[g] + dst_r[:, None] * ours.num_blocks + ours_blocks
+                rem, loc = plan.setdefault(run.src_rank, ([], []))
+                rem.append(remote.reshape(-1))
+                loc.append(local.reshape(-1))
+                nbytes += remote.size * ours.chunk_bytes
+        handles: list[Any] = []
+        total_heads = self._by_group["target"].num_heads * self.tp_size
+        for src_rank, (rem, loc) in plan.items():
+            peer = self._peers[handoff.sources[src_rank].agent_name]
+            n = readers(src_rank, src_tp, self.tp_size, total_heads)
+            handle = self.agent.make_prepped_xfer(
+                "READ",
+                self._local,
+                np.concatenate(loc),
+                peer.prepped,
+                np.concatenate(rem),
+                notif_msg=f"{handoff.request_id}|{n}".encode(),
+            )
+            if self.agent.transfer(handle) == "ERR":
+                for h in (*handles, handle):
+                    self.agent.release_xfer_handle(h)
+                self.counters.fail("post")
+                raise KVTransferError(f"NIXL refused the read for {handoff.request_id}")
+            handles.append(handle)
         self.counters.pulls_started += 1
-        return PullHandle(handoff.request_id, nbytes, time.perf_counter(), handle)
+        return PullHandle(handoff.request_id, nbytes, time.perf_counter(), tuple(handles))
+
+    def _runs(self, group: str, ours: KVRegion, src_tp: int) -> list[HeadRun]:
+        if group != "target":  # the draft is not split: rank 0 holds it whole on both sides
+            return [HeadRun(0, 0, 0, ours.num_heads)] if self.rank == 0 else []
+        try:
+            return head_runs(self.rank, self.tp_size, src_tp, ours.num_heads * self.tp_size)
+        except ValueError as e:
+            raise KVTransferError(str(e)) from e
 
     def poll(self, pull: PullHandle) -> PullState:
         self.progress()
-        state = self.agent.check_xfer_state(pull.token)
+        states = [self.agent.check_xfer_state(h) for h in pull.token]
+        state = "ERR" if "ERR" in states else ("DONE" if all(x == "DONE" for x in states) else "")
         if state == "DONE":
             self.counters.pulls_done += 1
             self.counters.bytes_pulled += pull.nbytes
@@ -194,7 +233,8 @@ class NixlTransport(KVTransport):
         return PullState.PENDING
 
     def finish(self, pull: PullHandle) -> None:
-        self.agent.release_xfer_handle(pull.token)
+        for handle in pull.token:
+            self.agent.release_xfer_handle(handle)
 
     def close(self) -> None:
         for reg in self._registrations:

@@ -71,7 +71,7 @@ class RankWorker:
         self.runner = LocalRunner(
             spec.target.load(spec.device, tp), self.pool.tensor("target"), spec.block_size
         )
-        self.transport = NixlTransport(self.pool, role=spec.role, rank=rank)
+        self.transport = NixlTransport(self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size)
         self.pulls: dict[str, PullHandle] = {}
         self.failed: set[str] = set()
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -258,7 +258,8 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
     pool = _rank_pool(spec, 0)
     local = LocalRunner(spec.target.load(spec.device, tp), pool.tensor("target"), spec.block_size)
     draft = load_draft(spec, pool)
-    transport = GroupTransport(NixlTransport(pool, role=spec.role, rank=0), actors)
+    rank0 = NixlTransport(pool, role=spec.role, rank=0, tp_size=spec.tp_size)
+    transport = GroupTransport(rank0, actors)
     shard = Shard(TPRunner(local, actors), draft, pool, transport, spec.tp_size)
     shard.closers.append(lambda: _kill(actors))
     return shard

@@ -78,3 +78,34 @@ def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(specs: tuple[ModelSpec, Dra
     assert tp_engine.allocator.num_free == 64
     tp_prefill.close()
     tp_engine.close()
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
+def test_heterogeneous_tp_handoff_matches_tp1(
+    specs: tuple[ModelSpec, DraftSpec], p: int, d: int
+) -> None:
+    """Prefill TP != decode TP: each decode rank reads exactly its heads from whichever prefill
+    ranks hold them, and the outputs are the TP=1 ones."""
+    target, draft = specs
+    kw = {"num_blocks": 64, "num_threads": 1}
+    want = _run(
+        DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
+        PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
+    )
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=d, **kw))  # type: ignore[arg-type]
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=p, **kw))  # type: ignore[arg-type]
+    assert _run(engine, prefill) == want
+    # Every byte of every group arrived exactly once over all decode ranks.
+    pool = prefill.pool.spec
+    per_block = sum(g.block_bytes(pool.block_size) for g in pool.groups)
+    if p == 2:  # rank 0's pool holds half the target's heads; rank 1 holds the other half
+        per_block += pool.group("target").block_bytes(pool.block_size)
+    blocks = sum((len(x) + 15) // 16 for x in _prompts())
+    assert engine.transport.counters.bytes_pulled == blocks * per_block
+    deadline = time.monotonic() + 10
+    while prefill.stats().active_leases and time.monotonic() < deadline:
+        prefill.reap()
+        time.sleep(0.05)
+    assert prefill.stats().active_leases == 0  # released only once every reader reported
+    prefill.close()
+    engine.close()
