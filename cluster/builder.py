@@ -153,6 +153,9 @@ def build_app(cfg: TandemConfig) -> Application:
         max_batch_size=cfg.decode.max_batch_size,
         max_num_batched_tokens=cfg.decode.max_num_batched_tokens,
         max_model_len=m.max_model_len,
+        transport=cfg.kv.transport,
+        pull_timeout_s=cfg.kv.pull_timeout_s,
+        kv_failure_policy=cfg.kv.failure_policy,
         num_threads=cfg.decode.num_threads,
     )
     decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
@@ -173,6 +176,7 @@ def build_app(cfg: TandemConfig) -> Application:
             num_threads=cfg.prefill.num_threads,
             max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
             enable_prefix_caching=cfg.prefill.enable_prefix_caching,
+            transport=cfg.kv.transport,
         )
         prefill_opts = _options(cfg.prefill, "prefill") | prefill_router_options(cfg.prefill, bs)
         prefill = serve.deployment(**prefill_opts)(PrefillServer).bind(worker)

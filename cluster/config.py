@@ -222,6 +222,18 @@ class DecodeConfig(PoolConfig):
 
 class KVConfig(_Frozen):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    transport: Literal["auto", "nixl", "object_store"] = Field(
+        "auto",
+        description="How KV moves from prefill to decode: NIXL one-sided reads; the Ray object "
+        "store (a slower fallback); or auto: NIXL when its start-up self-check passes, else the "
+        "fallback (logged, and shown in /health).",
+    )
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="When a KV pull fails (prefill replica gone, lease expired, timeout): "
+        "compute the prompt on decode instead, or end the request with a 503 error.",
+    )
+    pull_timeout_s: float = Field(10.0, gt=0, description="A KV pull running longer has failed.")
 
 
 class HTTPConfig(_Frozen):

@@ -14,6 +14,9 @@ class DecodeEngineConfig:
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
     tp_size: int = 1
+    transport: str = (
+        "auto"  # KV transport: auto (NIXL, else the object store) | nixl | object_store
+    )
     num_blocks: int = 1024
     block_size: int = 16
     max_batch_size: int = 64  # sequences per forward step
@@ -21,3 +24,5 @@ class DecodeEngineConfig:
     max_model_len: int = 8192  # prompt plus output tokens of one request
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     pull_margin_s: float = 1.0  # refuse to start a pull whose lease ends sooner than this
+    pull_timeout_s: float = 10.0  # a pull still running after this has failed
+    kv_failure_policy: str = "recompute"  # on a failed pull: "recompute" the prompt, or "fail"

@@ -62,6 +62,7 @@ class EngineStats:
     draft_tokens_fed: int  # tokens the draft model computed on this replica
     steps: int
     preemptions: int
+    kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
 
 
 class DecodeEngine:
@@ -77,6 +78,7 @@ class DecodeEngine:
                 device=cfg.device,
                 tp_size=cfg.tp_size,
                 num_threads=cfg.num_threads,
+                transport=cfg.transport,
             )
         )
         self.pool = self.shard.pool
@@ -100,13 +102,14 @@ class DecodeEngine:
             cfg.max_model_len,
             self.speculation,
         )
-        self.intake = KVIntake(self.transport, cfg.pull_margin_s)
+        self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
         self._target_fed = 0
         self._steps = 0
         self._preemptions = 0
+        self._recomputed = 0
 
     def _speculation(self) -> SpeculationPolicy:
         d, cfg = self.cfg.draft, self.cfg
@@ -175,6 +178,7 @@ class DecodeEngine:
             draft_tokens_fed=self.drafter.tokens_fed if self.drafter else 0,
             steps=self._steps,
             preemptions=self._preemptions,
+            kv_recomputed=self._recomputed,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -209,7 +213,7 @@ class DecodeEngine:
         self._admit()
         for req, handoff, error in self.intake.poll():
             if error is not None:
-                self._finish(req, FinishReason.ERROR, error)
+                self._kv_failed(req, handoff, error)
                 continue
             if self.drafter is not None and self.drafter.needs_features:
                 if handoff.hidden_state is None:
@@ -288,7 +292,25 @@ class DecodeEngine:
             else:
                 error = self.intake.start(req, handoff)
                 if error is not None:
-                    self._finish(req, FinishReason.ERROR, error)
+                    self._kv_failed(req, handoff, error)
+
+    def _kv_failed(self, r: Request, handoff: KVHandoff, error: str) -> None:
+        """A pull failed (source gone, lease ended, timeout): per ``kv_failure_policy``,
+        compute the prompt here instead — the first token, already sent, stays the first —
+        or end the request with the error."""
+        if self.cfg.kv_failure_policy != "recompute":
+            self._finish(r, FinishReason.ERROR, error)
+            return
+        log.warning("request %s: %s; recomputing its prompt on decode", r.request_id, error)
+        self._recomputed += 1
+        self.allocator.free(r.block_table)
+        r.block_table = []
+        r.output_token_ids = [handoff.first_token]
+        r.num_computed = r.num_draft_computed = 0
+        r.status = RequestStatus.WAITING
+        if self.drafter is not None:
+            self.drafter.forget(r.request_id)
+        self.waiting.appendleft((r, None))
 
     def _preempt(self, r: Request) -> None:
         """Free a running request's KV; it waits at the head of the queue to be recomputed."""

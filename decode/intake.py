@@ -16,9 +16,10 @@ class KVIntake:
     already have reused the blocks, so the bytes could belong to another prompt.
     """
 
-    def __init__(self, transport: KVTransport, margin_s: float) -> None:
+    def __init__(self, transport: KVTransport, margin_s: float, timeout_s: float = 10.0) -> None:
         self.transport = transport
         self.margin_s = margin_s
+        self.timeout_s = timeout_s
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle]] = {}
 
     def start(self, req: Request, handoff: KVHandoff) -> str | None:
@@ -44,7 +45,12 @@ class KVIntake:
         out: list[tuple[Request, KVHandoff, str | None]] = []
         entries = list(self.pending.items())
         states = self.transport.poll_many([pull for _, (_, _, pull) in entries])
-        for (rid, (req, handoff, pull)), state in zip(entries, states, strict=True):
+        now = time.perf_counter()
+        for (rid, (req, handoff, pull)), polled in zip(entries, states, strict=True):
+            state = polled
+            if state is PullState.PENDING and now - pull.started_at > self.timeout_s:
+                self.transport.counters.fail("timeout")
+                state = PullState.FAILED
             if state is PullState.PENDING:
                 continue
             del self.pending[rid]

@@ -66,6 +66,7 @@ class DecodeServer:
         out["kv_pool_bytes"] = self.engine.pool.nbytes
         out.update(process_memory())
         out["transport"] = self.engine.transport.name
+        out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)
         out["speculation"] = self.metrics.snapshot()
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 
@@ -110,6 +111,7 @@ class KVHandoff:
     draft_computed: int = 0  # prompt positions whose draft KV the blocks hold
     hidden_state: torch.Tensor | None = None  # [H] the last prompt position's target feature
     finish_reason: str | None = None  # set when the first token already ends the request
+    payload: Any = None  # what the transport's export gave (e.g. an object store reference)
     version: int = HANDOFF_VERSION
 
     @property

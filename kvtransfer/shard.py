@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.pool import KVPool, pool_spec_for
+from kvtransfer.select import make_transport
 from kvtransfer.transport import KVTransport
 from models.config import DTYPES
 from models.eagle import EagleRunner, load_eagle
@@ -33,6 +33,7 @@ class ShardSpec:
     device: str = "cpu"
     tp_size: int = 1
     num_threads: int = 0  # torch CPU threads per rank; 0 keeps torch's default
+    transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Shard:
     pool: KVPool  # rank 0's pool: its heads of the target, and the draft
     transport: KVTransport  # every rank's pool
     tp_size: int
+    fallback_reason: str | None = None  # why the transport is not NIXL (None when it is)
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -81,7 +83,8 @@ def build_shard(spec: ShardSpec) -> Shard:
     )
     target = LocalRunner(spec.target.load(spec.device), pool.tensor("target"), spec.block_size)
     draft = load_draft(spec, pool)
-    return Shard(target, draft, pool, NixlTransport(pool, role=spec.role), tp_size=1)
+    transport, why = make_transport(spec.transport, pool, spec.role)
+    return Shard(target, draft, pool, transport, tp_size=1, fallback_reason=why)
 
 
 def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:

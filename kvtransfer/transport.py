@@ -75,6 +75,11 @@ class KVTransport(ABC):
     def completed(self) -> list[str]:
         """Request ids whose blocks a destination finished reading since the last call."""
 
+    def export(self, request_id: str, blocks: Sequence[int], groups: Sequence[str]) -> Any:
+        """Source side, once per handoff: what the handoff must carry besides the sources (a
+        transport that copies the bytes out returns them here; one that reads in place, None)."""
+        return None
+
     @abstractmethod
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
         """Begin reading every group of ``handoff``'s blocks into ``local_blocks`` (same order)."""

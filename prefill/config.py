@@ -14,6 +14,9 @@ class PrefillWorkerConfig:
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
     tp_size: int = 1
+    transport: str = (
+        "auto"  # KV transport: auto (NIXL, else the object store) | nixl | object_store
+    )
     num_blocks: int = 512
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # prompt tokens per forward (chunked prefill budget)

@@ -70,6 +70,7 @@ class PrefillServer:
         out["kv_pool_bytes"] = self.worker.pool.nbytes
         out.update(process_memory())
         out["transport"] = self.worker.transport.name
+        out["transport_fallback"] = self.worker.shard.fallback_reason
         out["transfer"] = asdict(self.worker.transport.counters)
         return out
 

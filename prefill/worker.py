@@ -87,6 +87,7 @@ class PrefillWorker:
                 device=cfg.device,
                 tp_size=cfg.tp_size,
                 num_threads=cfg.num_threads,
+                transport=cfg.transport,
             )
         )
         self.pool = self.shard.pool
@@ -241,11 +242,13 @@ class PrefillWorker:
             finish = FinishReason.LENGTH
         expiry = time.time() + self.cfg.lease_seconds
         blocks = tuple(p.blocks)
+        payload = None
         if finish is not None:  # nothing left for decode to do: don't hold the blocks
             self.allocator.free(p.blocks)
             blocks = ()
         else:
             self.leases.add(Lease(req.request_id, blocks, expiry))
+            payload = self.transport.export(req.request_id, blocks, tuple(self.pool.tensors))
         p.on_done(
             KVHandoff(
                 request_id=req.request_id,
@@ -260,6 +263,7 @@ class PrefillWorker:
                 draft_computed=p.draft_computed,
                 hidden_state=p.last_feature if self.cfg.draft.kind is DraftKind.EAGLE else None,
                 finish_reason=finish.value if finish else None,
+                payload=payload,
             )
         )
 

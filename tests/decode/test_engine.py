@@ -159,7 +159,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(
 
 def test_abort_and_expired_lease_free_every_block(tiny_specs: tuple[ModelSpec, ModelSpec]) -> None:
     target, _ = tiny_specs
-    engine = DecodeEngine(DecodeEngineConfig("t", target, DraftSpec(), num_blocks=64))
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", target, DraftSpec(), num_blocks=64, kv_failure_policy="fail")
+    )
     prefill = PrefillWorker(
         PrefillWorkerConfig("t", target, DraftSpec(), num_blocks=32, lease_seconds=30)
     )

@@ -1,0 +1,68 @@
+"""Choosing a worker's KV transport: NIXL when it works here, else the object-store fallback.
+
+``auto`` tries NIXL and runs a self-check (a one-block loopback read between two agents on this
+host); if NIXL is missing or the check fails, the fallback is used and the reason is kept for
+``/health`` and logged as a warning. ``nixl`` insists (start-up fails instead); ``object_store``
+picks the fallback outright.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvtransfer.handoff import KVCompat, KVHandoff
+from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+from kvtransfer.transport import KVTransport, PullState
+
+log = logging.getLogger(__name__)
+
+
+def nixl_self_check(device: str) -> str | None:
+    """None when NIXL moves a block between two local agents bit-exactly; else why not."""
+    try:
+        from kvtransfer.nixl_transport import NixlTransport
+
+        spec = KVPoolSpec(2, 4, (KVGroupSpec("target", 1, 1, 8, "float32"),))
+        a, b = KVPool(spec, device), KVPool(spec, device)
+        a.tensor("target").normal_()
+        src, dst = NixlTransport(a, "check"), NixlTransport(b, "check")
+        compat = KVCompat("check", "float32", 4, "check", 1, "none")
+        h = KVHandoff("self-check", src.sources(), (1,), ("target",), 4, 0, compat, time.time() + 5)
+        pull = dst.start_pull(h, [0])
+        deadline = time.monotonic() + 5
+        while (state := dst.poll(pull)) is PullState.PENDING and time.monotonic() < deadline:
+            src.completed()
+        dst.finish(pull)
+        src.close()
+        dst.close()
+        if state is not PullState.DONE:
+            return f"loopback read ended {state.value}"
+        if not torch.equal(a.tensor("target")[:, :, :, 1], b.tensor("target")[:, :, :, 0]):
+            return "loopback read delivered wrong bytes"
+        return None
+    except Exception as e:  # missing package, missing UCX transports, registration errors
+        return f"{type(e).__name__}: {e}"
+
+
+def make_transport(
+    choice: str, pool: KVPool, role: str, rank: int = 0, tp_size: int = 1
+) -> tuple[KVTransport, str | None]:
+    """The transport for this worker's pool, and why it is not NIXL (None when it is)."""
+    from kvtransfer.object_store_transport import ObjectStoreTransport
+
+    if choice == "object_store":
+        return ObjectStoreTransport(pool, role), "configured: kv.transport=object_store"
+    reason = nixl_self_check(str(pool.device))
+    if reason is None:
+        from kvtransfer.nixl_transport import NixlTransport
+
+        return NixlTransport(pool, role, rank=rank, tp_size=tp_size), None
+    if choice == "nixl":
+        raise RuntimeError(f"kv.transport=nixl but NIXL does not work here: {reason}")
+    if tp_size > 1:
+        raise RuntimeError(f"NIXL does not work here ({reason}) and the fallback needs TP = 1")
+    log.warning("NIXL unavailable (%s): KV moves through Ray's object store instead", reason)
+    return ObjectStoreTransport(pool, role), f"NIXL unavailable: {reason}"

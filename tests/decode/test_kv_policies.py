@@ -1,0 +1,135 @@
+"""KV transfer in production shape: the object-store fallback, failure policies, no leaks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
+from kvtransfer.select import make_transport, nixl_self_check
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from prefill.config import PrefillWorkerConfig
+from prefill.worker import PrefillWorker
+from tests.decode.engine_utils import make_request, run_all
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def specs(tiny_folder: Path, tiny_draft_folder: Path) -> tuple[ModelSpec, DraftSpec]:
+    draft = DraftSpec(
+        DraftKind.DRAFT_MODEL, model=ModelSpec(str(tiny_draft_folder)), num_speculative_tokens=3
+    )
+    return ModelSpec(str(tiny_folder)), draft
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(51)
+    return [torch.randint(3, 49152, (15 + 9 * i,), generator=g).tolist() for i in range(3)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def _outputs(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]:
+    reqs = [make_request(p, GREEDY) for p in _prompts()]
+    out = run_all(engine, reqs, prefill=prefill)
+    return [out[r.request_id] for r in reqs]
+
+
+def test_nixl_passes_its_self_check_here_and_the_choice_is_explicit() -> None:
+    from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+
+    assert nixl_self_check("cpu") is None
+    pool = KVPool(KVPoolSpec(4, 4, (KVGroupSpec("target", 1, 1, 8, "float32"),)))
+    t, why = make_transport("auto", pool, "test")
+    assert t.name == "nixl" and why is None
+    t, why = make_transport("object_store", pool, "test")
+    assert t.name == "object_store" and why is not None and "object_store" in why
+
+
+def test_object_store_fallback_gives_the_same_outputs(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    target, draft = specs
+    want = _outputs(DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64)), None)
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", target, draft, num_blocks=64, transport="object_store")
+    )
+    prefill = PrefillWorker(
+        PrefillWorkerConfig("t", target, draft, num_blocks=32, transport="object_store")
+    )
+    assert engine.transport.name == prefill.transport.name == "object_store"
+    assert _outputs(engine, prefill) == want
+    assert engine.stats().target_tokens_fed < sum(len(p) for p in _prompts())  # no recompute
+    assert engine.transport.counters.pulls_done == 3 and engine.transport.counters.bytes_pulled > 0
+    prefill.reap()
+    assert prefill.stats().active_leases == 0 and prefill.stats().free_blocks == 32
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_pulls_follow_the_policy(specs: tuple[ModelSpec, DraftSpec], policy: str) -> None:
+    target, draft = specs
+    want = _outputs(DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64)), None)
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", target, draft, num_blocks=64, kv_failure_policy=policy)
+    )
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, num_blocks=32))
+    reqs = [make_request(p, GREEDY) for p in _prompts()]
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    errors: dict[str, str | None] = {}
+    for r in reqs:
+        h = prefill.prefill(r)
+        got[r.request_id].append(h.first_token)
+        engine.add(
+            r, replace(h, lease_expiry=0.0)
+        )  # every lease already ended: reads must not start
+    while engine.has_work:
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                errors[o.request_id] = o.error
+    if policy == "recompute":
+        assert [got[r.request_id] for r in reqs] == want  # computed here, same tokens
+        assert all(e is None for e in errors.values()) and engine.stats().kv_recomputed == 3
+    else:
+        assert all(e is not None and "lease" in e for e in errors.values())
+    assert engine.allocator.num_free == 64
+    engine.allocator.check()
+
+
+def test_no_block_leaks_after_completed_cancelled_and_expired_handoffs(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    target, draft = specs
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64))
+    prefill = PrefillWorker(
+        PrefillWorkerConfig("t", target, draft, num_blocks=32, lease_seconds=30)
+    )
+    done, cancelled, expired = (make_request(p, GREEDY) for p in _prompts())
+    run_all(engine, [done], prefill=prefill)  # completed
+    h = prefill.prefill(cancelled)
+    engine.add(cancelled, h)
+    engine.step()
+    engine.abort(cancelled.request_id)  # cancelled mid-pull or mid-decode
+    prefill.cancel(cancelled.request_id)
+    h2 = prefill.prefill(expired)
+    prefill.step()
+    prefill.reap(now=h2.lease_expiry + 1)  # nobody pulled it in time
+    for _ in range(50):
+        engine.step()
+        prefill.step()
+    assert engine.allocator.num_free == 64 and prefill.stats().free_blocks == 32
+    assert prefill.stats().active_leases == 0 and prefill.stats().leases_expired >= 1
+    engine.allocator.check()
+    prefill.allocator.check()
