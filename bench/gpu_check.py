@@ -93,7 +93,30 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
     return out
 
 
-def check_decode_path(target: Path, draft: Path, dev: str) -> dict[str, Any]:
+def _eagle(target: Path, folder: Path) -> Path:
+    """A randomly initialised EAGLE head for ``target`` (sharing its embedding as the head)."""
+    from models.config import LlamaConfig
+    from models.eagle import EagleConfig, EagleHead, save_eagle
+    from models.weights import load_state_dict
+
+    tc = LlamaConfig.from_folder(target)
+    cfg = EagleConfig(
+        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=tc.vocab_size,
+        fc_bias=True,
+        final_norm=False,
+    )
+    head = EagleHead(cfg)
+    torch.manual_seed(3)
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    head.lm_head.weight.data.copy_(load_state_dict(target)["model.embed_tokens.weight"])
+    save_eagle(head, folder)
+    return folder
+
+
+def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[str, Any]:
     from decode.config import DecodeEngineConfig
     from decode.engine import DecodeEngine
     from models.request import Request
@@ -108,6 +131,8 @@ def check_decode_path(target: Path, draft: Path, dev: str) -> dict[str, Any]:
         "draft_model": DraftSpec(
             DraftKind.DRAFT_MODEL, model=ModelSpec(str(draft)), num_speculative_tokens=3
         ),
+        "eagle": DraftSpec(DraftKind.EAGLE, model=ModelSpec(str(eagle)), num_speculative_tokens=3),
+        "ngram_adaptive": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=6, adaptive=True),
     }
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4000, (30 + 11 * i,), generator=g).tolist() for i in range(4)]
@@ -190,6 +215,60 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     return out
 
 
+def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
+    """Generated tokens/s of the decode engine (prompts computed in-engine, greedy, no drafts)
+    at several batch sizes, against transformers' ``generate`` at batch 1 on the same model."""
+    from transformers import LlamaForCausalLM
+
+    from decode.config import DecodeEngineConfig
+    from decode.engine import DecodeEngine
+    from models.request import Request
+    from models.sampling import SamplingParams
+    from models.spec import DraftSpec, ModelSpec
+
+    new, plen = 128, 128
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(5)
+    out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new, "engine_tok_s": {}}
+    engine = DecodeEngine(
+        DecodeEngineConfig(
+            "big", ModelSpec(str(folder), "bfloat16"), DraftSpec(), device=dev, num_blocks=2048
+        )
+    )
+    for batch in (1, 1, 16, 64):  # the first batch-1 run warms up
+        reqs = [
+            Request(
+                uuid.uuid4().hex,
+                torch.randint(3, vocab, (plen,), generator=g).tolist(),
+                SamplingParams(temperature=0.0, max_tokens=new),
+            )
+            for _ in range(batch)
+        ]
+        _sync(dev)
+        t0 = time.perf_counter()
+        for r in reqs:
+            engine.add(r, None)
+        n = 0
+        while engine.has_work:
+            n += sum(len(o.new_token_ids) for o in engine.step())
+        _sync(dev)
+        out["engine_tok_s"][batch] = n / (time.perf_counter() - t0)
+    engine.close()
+    ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ref = ref.to(dev).eval()
+    ids = torch.randint(3, vocab, (1, plen), generator=g).to(dev)
+    for _ in range(2):  # warm-up, then timed
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        _sync(dev)
+        hf = (gen.shape[1] - plen) / (time.perf_counter() - t0)
+    out["transformers_tok_s_batch1"] = hf
+    out["engine_over_transformers_batch1"] = out["engine_tok_s"][1] / hf
+    return out
+
+
 def kv_transfer(dev: str) -> dict[int, Any]:
     from kvtransfer.handoff import KVCompat, KVHandoff
     from kvtransfer.nixl_transport import NixlTransport
@@ -250,9 +329,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     target = _tiny(tmp / "t", 1, 2, 128, 4, 2, 4096)
     draft = _tiny(tmp / "d", 2, 1, 64, 2, 1, 4096)
+    eagle = _eagle(target, tmp / "e")
     for name, fn in (
         ("forward", lambda: check_forward(target, dev)),
-        ("decode_path", lambda: check_decode_path(target, draft, dev)),
+        ("decode_path", lambda: check_decode_path(target, draft, eagle, dev)),
         ("kv_transfer", lambda: kv_transfer(dev)),
     ):
         t0 = time.perf_counter()
@@ -260,6 +340,8 @@ def main() -> None:
         print(name, json.dumps(report[name]), f"({time.perf_counter() - t0:.1f} s)", flush=True)
     if not args.skip_costs:
         big = _tiny(tmp / "big", 3, 16, 2048, 32, 8, 32000)
+        report["engine_1b_bf16"] = engine_throughput(big, dev)
+        print("engine", json.dumps(report["engine_1b_bf16"]), flush=True)
         report["step_costs_1b_bf16"] = step_costs(big, dev)
         print("step_costs", json.dumps(report["step_costs_1b_bf16"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from decode.speculation import (
 )
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
+from kvtransfer.metrics import TransferObserver
 from kvtransfer.shard import ShardSpec, build_shard
 from models.eagle import EagleRunner
 from models.request import FinishReason, Request, RequestStatus
@@ -66,7 +67,7 @@ class EngineStats:
 
 
 class DecodeEngine:
-    def __init__(self, cfg: DecodeEngineConfig) -> None:
+    def __init__(self, cfg: DecodeEngineConfig, observer: TransferObserver | None = None) -> None:
         self.cfg = cfg
         self.shard = build_shard(
             ShardSpec(
@@ -102,7 +103,7 @@ class DecodeEngine:
             cfg.max_model_len,
             self.speculation,
         )
-        self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s)
+        self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvtransfer.handoff import KVHandoff
+from kvtransfer.metrics import TransferObserver
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 from models.request import Request, RequestStatus
 
@@ -16,20 +17,28 @@ class KVIntake:
     already have reused the blocks, so the bytes could belong to another prompt.
     """
 
-    def __init__(self, transport: KVTransport, margin_s: float, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        transport: KVTransport,
+        margin_s: float,
+        timeout_s: float = 10.0,
+        observer: TransferObserver | None = None,
+    ) -> None:
         self.transport = transport
         self.margin_s = margin_s
         self.timeout_s = timeout_s
+        self.observer = observer or TransferObserver()
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle]] = {}
 
     def start(self, req: Request, handoff: KVHandoff) -> str | None:
         """Begin the pull; returns an error message instead when it cannot start."""
         if handoff.lease_expiry - time.time() < self.margin_s:
-            self.transport.counters.fail("lease_expired")
+            self._fail("lease_expired")
             return "the prefill lease expired before decode could pull"
         try:
             pull = self.transport.start_pull(handoff, req.block_table[: len(handoff.block_ids)])
         except KVTransferError as e:
+            self.observer.failed(self.transport.name, "post")
             return f"KV transfer failed: {e}"
         req.status = RequestStatus.WAITING_FOR_KV
         self.pending[req.request_id] = (req, handoff, pull)
@@ -49,18 +58,20 @@ class KVIntake:
         for (rid, (req, handoff, pull)), polled in zip(entries, states, strict=True):
             state = polled
             if state is PullState.PENDING and now - pull.started_at > self.timeout_s:
-                self.transport.counters.fail("timeout")
+                self._fail("timeout")
                 state = PullState.FAILED
             if state is PullState.PENDING:
                 continue
             del self.pending[rid]
             self.transport.finish(pull)
             if state is PullState.FAILED:
+                self.observer.failed(self.transport.name, "read")
                 out.append((req, handoff, "KV transfer failed"))
             elif time.time() > handoff.lease_expiry:
-                self.transport.counters.fail("lease_expired")
+                self._fail("lease_expired")
                 out.append((req, handoff, "the prefill lease expired during the pull"))
             else:
+                self.observer.pulled(self.transport.name, pull.nbytes, now - pull.started_at)
                 req.num_computed = handoff.num_tokens
                 req.num_draft_computed = handoff.draft_computed
                 req.output_token_ids = [handoff.first_token]
@@ -68,6 +79,10 @@ class KVIntake:
                 req.status = RequestStatus.RUNNING
                 out.append((req, handoff, None))
         return out
+
+    def _fail(self, cause: str) -> None:
+        self.transport.counters.fail(cause)
+        self.observer.failed(self.transport.name, cause)
 
     def cancel(self, request_id: str) -> Request | None:
         """Stop tracking a pull; waits for the read to settle so the blocks can be reused."""

@@ -14,6 +14,7 @@ from decode.metrics import SpecMetrics
 from decode.outputs import StepOutput
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
+from kvtransfer.metrics import KVMetrics
 from models.request import Request
 
 
@@ -27,7 +28,7 @@ class DecodeServer:
 
     def __init__(self, cfg: DecodeEngineConfig) -> None:
         self.cfg = cfg
-        self.engine = DecodeEngine(cfg)
+        self.engine = DecodeEngine(cfg, KVMetrics("decode"))
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = SpecMetrics("decode")

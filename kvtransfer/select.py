@@ -50,10 +50,12 @@ def nixl_self_check(device: str) -> str | None:
 def make_transport(
     choice: str, pool: KVPool, role: str, rank: int = 0, tp_size: int = 1
 ) -> tuple[KVTransport, str | None]:
-    """The transport for this worker's pool, and why it is not NIXL (None when it is)."""
-    from kvtransfer.object_store_transport import ObjectStoreTransport
+    """The transport for this worker's pool, and why it is not NIXL (None when it is).
 
+    Ray is imported only for the fallback, so an engine on NIXL runs without it."""
     if choice == "object_store":
+        from kvtransfer.object_store_transport import ObjectStoreTransport
+
         return ObjectStoreTransport(pool, role), "configured: kv.transport=object_store"
     reason = nixl_self_check(str(pool.device))
     if reason is None:
@@ -65,4 +67,6 @@ def make_transport(
     if tp_size > 1:
         raise RuntimeError(f"NIXL does not work here ({reason}) and the fallback needs TP = 1")
     log.warning("NIXL unavailable (%s): KV moves through Ray's object store instead", reason)
+    from kvtransfer.object_store_transport import ObjectStoreTransport
+
     return ObjectStoreTransport(pool, role), f"NIXL unavailable: {reason}"

@@ -1,0 +1,46 @@
+"""KV transfer metrics per transport: handoffs, bytes, latency histogram, failures by cause.
+
+``TransferObserver`` is what the decode engine reports to (its default does nothing, so the
+engine runs without Ray); ``KVMetrics`` exports the same events to Prometheus through Ray's
+metrics, tagged with the transport's name.
+"""
+
+from __future__ import annotations
+
+LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0]
+
+
+class TransferObserver:
+    def pulled(self, transport: str, nbytes: int, seconds: float) -> None:
+        """A pull landed: ``nbytes`` in ``seconds``."""
+
+    def failed(self, transport: str, cause: str) -> None:
+        """A pull failed (``cause``: read, timeout, lease_expired, post, ...)."""
+
+
+class KVMetrics(TransferObserver):
+    def __init__(self, role: str) -> None:
+        from ray.util.metrics import Counter, Histogram
+
+        tags = ("role", "transport")
+        self.role = role
+        self._handoffs = Counter("tandem_kv_handoffs", "KV handoffs pulled", tags)
+        self._bytes = Counter("tandem_kv_bytes", "KV bytes pulled", tags)
+        self._latency = Histogram(
+            "tandem_kv_pull_seconds",
+            "Time from a pull's start to its last byte",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=tags,
+        )
+        self._failures = Counter(
+            "tandem_kv_failures", "Failed KV pulls by cause", ("role", "transport", "cause")
+        )
+
+    def pulled(self, transport: str, nbytes: int, seconds: float) -> None:
+        tags = {"role": self.role, "transport": transport}
+        self._handoffs.inc(1, tags)
+        self._bytes.inc(nbytes, tags)
+        self._latency.observe(seconds, tags)
+
+    def failed(self, transport: str, cause: str) -> None:
+        self._failures.inc(1, {"role": self.role, "transport": transport, "cause": cause})
