@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--deploy-dir", default="deploy", help="the deploy/ folder (default: ./deploy)")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if out of date")
     r.set_defaults(fn=config_render_cmd)
+    from cluster.distill import add_parser as add_distill_parser
+
+    add_distill_parser(sub)
     args = p.parse_args(argv)
     code: int = args.fn(args)
     return code

