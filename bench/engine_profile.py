@@ -1,8 +1,9 @@
-"""Where a decode engine step's time goes: torch.profiler over steady decode steps.
+"""Where a decode engine step's time goes: torch.profiler and cProfile over decode steps.
 
-Builds a random Llama of the given shape, fills the engine with ``--batch`` requests, skips the
-prompt steps and profiles ``--steps`` decode steps. Prints the top operators by self CPU time and
-by device time, and the step's wall time split into host time and time waiting on the device.
+Builds a random Llama of the given shape (or loads the embedded model), fills the engine with
+``--batch`` requests, skips the prompt steps and profiles ``--steps`` decode steps. Reports the
+top operators by self CPU time and by device time, and the Python functions with the most own
+time.
 
     python -m bench.engine_profile --device cuda --shape 1b --batch 16
 """
@@ -50,14 +51,21 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--shape", choices=[*sorted(SHAPES), "embedded"], default="tiny")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("bench/results/engine_profile.json"))
     args = ap.parse_args()
-    layers, hidden, heads, kv, vocab = SHAPES[args.shape]
-    folder = _tiny(Path(tempfile.mkdtemp()) / "m", 3, layers, hidden, heads, kv, vocab)
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.shape == "embedded":
+        from models.weights import resolve_checkpoint
+
+        folder = resolve_checkpoint("embedded")
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    else:
+        layers, hidden, heads, kv, vocab = SHAPES[args.shape]
+        folder = _tiny(Path(tempfile.mkdtemp()) / "m", 3, layers, hidden, heads, kv, vocab)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     engine = DecodeEngine(
         DecodeEngineConfig(
             "m", ModelSpec(str(folder), dtype), DraftSpec(), device=args.device, num_blocks=1024

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.errors import APIError, install_error_handlers
 from cluster.generation import Final, Generation, GenerationError
+from cluster.guard import RETRY_AFTER_S, AdmissionGuard, AdmissionState
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.service import OpenAIService
 from models.request import Request
@@ -36,6 +37,18 @@ def _usage(final: Final) -> dict[str, Any]:
             "mean_accepted_length": spec.emitted_tokens / spec.num_steps,
         }
     return usage
+
+
+def _api_error(e: GenerationError) -> APIError:
+    if e.status == 429:
+        return APIError(
+            429,
+            str(e),
+            code="server_overloaded",
+            type_="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    return APIError(e.status, str(e), code="service_unavailable")
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -107,7 +120,7 @@ async def _respond(
                     return JSONResponse(shape.whole("".join(parts), item))
                 parts.append(item)
         except GenerationError as e:
-            raise APIError(e.status, str(e), code="service_unavailable") from e
+            raise _api_error(e) from e
         raise APIError(500, "generation ended without a result")
 
     items = gen.run(req, stops)
@@ -115,7 +128,7 @@ async def _respond(
     try:
         first = await anext(items)
     except GenerationError as e:
-        raise APIError(e.status, str(e), code="service_unavailable") from e
+        raise _api_error(e) from e
 
     async def events() -> AsyncIterator[str]:
         item: str | Final | None = first
@@ -131,8 +144,7 @@ async def _respond(
                 yield _sse(shape.chunk(item, None))
                 item = await anext(items, None)
         except GenerationError as e:
-            err = APIError(e.status, str(e), code="service_unavailable")
-            yield _sse(err.body())
+            yield _sse(_api_error(e).body())
         finally:
             await items.aclose()
         yield "data: [DONE]\n\n"
@@ -146,6 +158,8 @@ def build_api(
     app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
     install_error_handlers(app)
     settings = service.settings
+    admission = AdmissionState()
+    app.add_middleware(AdmissionGuard, policy=settings.guard, state=admission)
 
     @app.get("/health")
     async def get_health() -> JSONResponse:
@@ -154,7 +168,7 @@ def build_api(
         except Exception as e:
             log.warning("health check failed: %s", e)
             return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
-        return JSONResponse(body)
+        return JSONResponse(body | {"admission": admission.snapshot()})
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

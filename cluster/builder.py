@@ -11,7 +11,9 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from cluster.auth import load_keys
 from cluster.config import PoolConfig, TandemConfig
+from cluster.guard import GuardPolicy
 from cluster.ingress import OpenAIIngress
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.service import ServiceSettings
@@ -120,6 +122,7 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
         "name": name,
         **pool.scaling_options(),  # num_replicas, or autoscaling_config
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.max_queued_requests,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
     }
@@ -192,6 +195,13 @@ def build_app(cfg: TandemConfig) -> Application:
         eos_token_ids=m.target.config().eos_token_ids,
         draft_kind=cfg.draft.kind,
         created=int(time.time()),
+        guard=GuardPolicy(
+            keys=load_keys(cfg.auth),
+            max_body_bytes=cfg.limits.max_body_bytes,
+            max_inflight=cfg.limits.max_inflight,
+            max_concurrent_per_key=cfg.limits.max_concurrent_per_key,
+        ),
+        max_tokens=cfg.limits.max_tokens,
     )
     ingress = serve.deployment(
         name="ingress",

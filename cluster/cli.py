@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from cluster.auth import load_keys
 from cluster.config import TandemConfig
 
 log = logging.getLogger("tandem")
@@ -38,8 +39,13 @@ def serve_cmd(args: argparse.Namespace) -> int:
     from cluster.local_cluster import shutdown, start_ray, start_serve
 
     cfg = _load_config(args)
-    if cfg.http.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding to %s: the API is reachable from other machines", cfg.http.host)
+    if cfg.http.host not in ("127.0.0.1", "localhost", "::1") and not load_keys(cfg.auth).enabled:
+        log.warning(
+            "binding to %s with no API key set (auth.api_keys_file, $%s): anyone who can reach "
+            "this machine can use the API",
+            cfg.http.host,
+            cfg.auth.api_keys_env,
+        )
     stop = threading.Event()
 
     def _on_signal(signum: int, _: Any) -> None:

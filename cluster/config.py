@@ -96,6 +96,12 @@ class PoolConfig(_Frozen):
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one replica accepts at once (Ray Serve)."
     )
+    max_queued_requests: int = Field(
+        256,
+        ge=-1,
+        description="Requests waiting for this pool beyond its replicas' max_ongoing_requests, "
+        "per caller; more are answered 429 at once (Ray Serve backpressure). -1: unbounded.",
+    )
 
     @model_validator(mode="after")
     def _scaling(self) -> PoolConfig:
@@ -249,6 +255,32 @@ class LimitsConfig(_Frozen):
         256, ge=1, description="max_tokens of a chat request that does not set it."
     )
     max_stop_sequences: int = Field(4, ge=0, description="Stop strings a request may give.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Most tokens one request may ask for; default: what fits."
+    )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body; larger ones get 413."
+    )
+    max_inflight: int = Field(
+        256,
+        ge=1,
+        description="Generation requests one ingress replica serves at once; more get 429 with "
+        "Retry-After at once instead of queueing.",
+    )
+    max_concurrent_per_key: int = Field(
+        0, ge=0, description="Generation requests one API key may have open at once (0: no cap)."
+    )
+
+
+class AuthConfig(_Frozen):
+    api_keys_file: str | None = Field(
+        None, description="A file of API keys, one per line ('#' comments); none: no file."
+    )
+    api_keys_env: str = Field(
+        "TANDEM_API_KEYS",
+        description="An environment variable holding comma-separated API keys, read by the "
+        "process that builds the app. With no key from either source, the API is open.",
+    )
 
 
 class TandemConfig(_Frozen):
@@ -264,6 +296,7 @@ class TandemConfig(_Frozen):
     decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Decode pool.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 
     @model_validator(mode="after")
     def _decode_always_up(self) -> TandemConfig:

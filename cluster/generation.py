@@ -14,12 +14,15 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray.serve.exceptions import BackPressureError
+
 from decode.outputs import SpecUsage
 from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 NO_SPEC = SpecUsage(0, 0, 0, 0)
+_OVERLOADED = "the {pool} pool's queue is full ({pool}.max_queued_requests); retry shortly"
 
 
 class GenerationError(RuntimeError):
@@ -64,6 +67,8 @@ class Generation:
         if self.prefill is not None:
             try:
                 handoff = await self.prefill.prefill.remote(req)
+            except BackPressureError as e:
+                raise GenerationError(_OVERLOADED.format(pool="prefill"), status=429) from e
             except Exception as e:
                 log.warning("prefill of %s failed: %s", req.request_id, e)
                 raise GenerationError(f"prefill failed: {_cause(e)}") from e
@@ -76,6 +81,8 @@ class Generation:
             async for out in stream:
                 finished = out.finished
                 yield _Tokens(out.new_token_ids, out.finish_reason, out.spec, out.error)
+        except BackPressureError as e:
+            raise GenerationError(_OVERLOADED.format(pool="decode"), status=429) from e
         except Exception as e:
             log.warning("decode of %s failed: %s", req.request_id, e)
             raise GenerationError(f"decode failed: {_cause(e)}") from e

@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from cluster.errors import APIError
+from cluster.guard import GuardPolicy
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from models.request import Request
 from models.sampling import SamplingParams
@@ -28,6 +29,8 @@ class ServiceSettings:
     eos_token_ids: tuple[int, ...]
     draft_kind: str
     created: int
+    guard: GuardPolicy
+    max_tokens: int | None = None  # limits.max_tokens: the most one request may ask for
 
 
 class OpenAIService:
@@ -89,8 +92,17 @@ class OpenAIService:
                 code="context_length_exceeded",
             )
         room = s.max_model_len - n
+        cap = s.max_tokens
+        if requested_max_tokens is not None and cap is not None and requested_max_tokens > cap:
+            raise APIError(
+                400,
+                f"max_tokens is {requested_max_tokens}; this server allows at most "
+                f"{cap} (limits.max_tokens)",
+                param="max_tokens",
+                code="max_tokens_exceeded",
+            )
         if requested_max_tokens is None:
-            max_tokens = min(s.default_max_tokens, room)
+            max_tokens = min(s.default_max_tokens, room, cap or room)
         elif requested_max_tokens > room:
             raise APIError(
                 400,

@@ -1,0 +1,168 @@
+"""Admission in front of the API (an ASGI middleware): API keys, body size, and the caps on
+requests in flight, per ingress replica and per key.
+
+Everything it refuses is refused before any work (tokenizing, prefill) and answered with an
+OpenAI error body that names the limit: 401 for a missing or wrong key, 413 for a body over
+``limits.max_body_bytes``, 429 with ``Retry-After`` when ``limits.max_inflight`` or
+``limits.max_concurrent_per_key`` is reached, so overload turns into fast refusals instead of
+queues that grow until clients time out. ``/health`` is always open.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cluster.auth import KeyRing
+from cluster.errors import APIError
+
+OPEN_PATHS = frozenset({"/health"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    keys: KeyRing
+    max_body_bytes: int
+    max_inflight: int
+    max_concurrent_per_key: int  # 0: no per-key cap
+
+
+@dataclass
+class AdmissionState:
+    """Counters of one ingress replica (shown in /health)."""
+
+    inflight: int = 0
+    per_key: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[int] = field(default_factory=Counter)  # by status code
+
+    def snapshot(self) -> dict[str, Any]:
+        rejected = {str(status): n for status, n in self.rejected.items()}
+        return {"inflight": self.inflight, "rejected": rejected}
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == name:
+            return bytes(v).decode("latin-1")
+    return None
+
+
+class AdmissionGuard:
+    def __init__(self, app: ASGIApp, policy: GuardPolicy, state: AdmissionState) -> None:
+        self.app = app
+        self.policy = policy
+        self.state = state
+
+    async def _refuse(self, send: Send, err: APIError) -> None:
+        self.state.rejected[err.status] += 1
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        p = self.policy
+        key = "open"
+        if p.keys.enabled:
+            found = p.keys.identify(_header(scope, b"authorization"))
+            if found is None:
+                msg = "Missing or incorrect API key: send 'Authorization: Bearer <key>'"
+                await self._refuse(send, APIError(401, msg, code="invalid_api_key"))
+                return
+            key = found
+        if scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        refusal = self._admission(key)
+        if refusal is not None:
+            await self._refuse(send, refusal)
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            await self._refuse(send, self._too_large())
+            return
+        self.state.inflight += 1
+        self.state.per_key[key] += 1
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.inflight -= 1
+            self.state.per_key[key] -= 1
+            if not self.state.per_key[key]:
+                del self.state.per_key[key]
+
+    def _admission(self, key: str) -> APIError | None:
+        p, s = self.policy, self.state
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if s.inflight >= p.max_inflight:
+            return APIError(
+                429,
+                f"the server is at its limit of {p.max_inflight} requests in flight "
+                "(limits.max_inflight); retry shortly",
+                code="server_overloaded",
+                type_="rate_limit_error",
+                headers=retry,
+            )
+        if p.max_concurrent_per_key and s.per_key[key] >= p.max_concurrent_per_key:
+            return APIError(
+                429,
+                f"this API key already has {p.max_concurrent_per_key} requests in flight, the "
+                "most allowed (limits.max_concurrent_per_key)",
+                code="rate_limit_exceeded",
+                type_="rate_limit_error",
+                headers=retry,
+            )
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"request body exceeds {self.policy.max_body_bytes} bytes (limits.max_body_bytes)",
+            code="request_too_large",
+        )
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it exceeds the limit."""
+        limit = self.policy.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break  # the client went away; the app will see an empty body
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            parts.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives the buffered body once, then the client's own events (so a
+    disconnect still reaches a streaming response)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
