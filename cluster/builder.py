@@ -123,6 +123,8 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
         **pool.scaling_options(),  # num_replicas, or autoscaling_config
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queued_requests,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": pool.drain_timeout_s,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
     }

@@ -102,6 +102,12 @@ class PoolConfig(_Frozen):
         description="Requests waiting for this pool beyond its replicas' max_ongoing_requests, "
         "per caller; more are answered 429 at once (Ray Serve backpressure). -1: unbounded.",
     )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="When a replica is stopped (scale-down, redeploy), how long its in-flight "
+        "requests may run on before it is killed.",
+    )
 
     @model_validator(mode="after")
     def _scaling(self) -> PoolConfig:

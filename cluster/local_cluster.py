@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import ray
 from ray import serve
@@ -30,8 +31,23 @@ def start_serve(cfg: TandemConfig) -> None:
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
 
 
-def shutdown() -> None:
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
+def shutdown(grace_s: float = 5.0) -> None:
+    """Stop Serve, giving in-flight requests at most ``grace_s``, then Ray.
+
+    ``serve.shutdown`` waits for every replica's graceful drain (up to each pool's
+    ``drain_timeout_s``); an operator's Ctrl-C should not, so it gets ``grace_s`` and Ray is
+    stopped after it regardless."""
+    done = threading.Event()
+
+    def _serve_down() -> None:
+        try:
+            serve.shutdown()
+        except Exception as e:  # Ray may already be going away
+            log.warning("serve.shutdown: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=_serve_down, name="serve-shutdown", daemon=True).start()
+    if not done.wait(grace_s):
+        log.warning("Serve did not stop within %.0f s; stopping Ray anyway", grace_s)
+    ray.shutdown()

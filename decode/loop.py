@@ -96,8 +96,11 @@ class EngineLoop:
             raise
 
     def _fail_running(self, error: str) -> list[StepOutput]:
+        """End every request the engine holds (running, pulling KV, waiting) with ``error``."""
         outs = []
-        for rid in list(self.engine.running):
-            self.engine.abort(rid)
+        e = self.engine
+        held = [*e.running, *e.intake.pending, *(req.request_id for req, _ in e.waiting)]
+        for rid in held:
+            e.abort(rid)
             outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0, 0), error))
         return outs

@@ -218,9 +218,17 @@ class NixlTransport(KVTransport):
         except ValueError as e:
             raise KVTransferError(str(e)) from e
 
+    def _xfer_state(self, handle: Any, request_id: str) -> str:
+        try:
+            state: str = self.agent.check_xfer_state(handle)
+        except Exception as e:  # NIXL raises (e.g. NIXL_ERR_REMOTE_DISCONNECT) when the source died
+            log.warning("NIXL read for %s failed: %s", request_id, e)
+            return "ERR"
+        return state
+
     def poll(self, pull: PullHandle) -> PullState:
         self.progress()
-        states = [self.agent.check_xfer_state(h) for h in pull.token]
+        states = [self._xfer_state(h, pull.request_id) for h in pull.token]
         state = "ERR" if "ERR" in states else ("DONE" if all(x == "DONE" for x in states) else "")
         if state == "DONE":
             self.counters.pulls_done += 1
@@ -234,7 +242,10 @@ class NixlTransport(KVTransport):
 
     def finish(self, pull: PullHandle) -> None:
         for handle in pull.token:
-            self.agent.release_xfer_handle(handle)
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as e:  # a handle of a dead peer's read; nothing left to free
+                log.warning("releasing the NIXL read of %s: %s", pull.request_id, e)
 
     def close(self) -> None:
         for reg in self._registrations:

@@ -4,6 +4,7 @@ replaces the replica and decode reads from the new agent (never the stale one)."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,3 +84,74 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
     assert h["status"] == "ok" and h["decode"]["running"] == 0
     assert h["decode"]["free_blocks"] == 256  # nothing leaked on decode
     assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0
+
+
+def _stream_events(base: str, i: int, started: asyncio.Event) -> Any:
+    async def run() -> list[dict[str, Any]]:
+        body = {
+            "model": "tiny",
+            "prompt": [20 + i, 21, 22, 23] * 4,
+            "max_tokens": 1500,
+            "temperature": 0,
+            "stream": True,
+        }
+        events: list[dict[str, Any]] = []
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) >= 3:
+                    started.set()
+        return events
+
+    return run()
+
+
+def _kill_decode_replica() -> None:
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "decode" in a["name"]]
+    assert names, "no decode replica actor found"
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+
+
+def test_killing_the_decode_replica_mid_stream(app: str) -> None:
+    async def load() -> list[list[dict[str, Any]]]:
+        started = [asyncio.Event() for _ in range(3)]
+        tasks = [asyncio.create_task(_stream_events(app, i, started[i])) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=60)
+        await asyncio.get_running_loop().run_in_executor(None, _kill_decode_replica)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # nothing hangs
+
+    streams = asyncio.run(load())
+    for events in streams:
+        last = events[-1]
+        if "error" in last:  # the stream was cut: a clear error event, then [DONE]
+            assert "decode" in last["error"]["message"] and last["error"]["type"] == "server_error"
+        else:
+            assert last["choices"][0]["finish_reason"] is not None
+    assert any("error" in events[-1] for events in streams), "no stream saw the replica die"
+    deadline = time.monotonic() + 90
+    ok = False
+    while time.monotonic() < deadline and not ok:
+        r = httpx.post(
+            f"{app}/v1/completions",
+            json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        ok = r.status_code == 200
+        if not ok:
+            time.sleep(1)
+    assert ok, "the app did not recover"
+    # Leases of handoffs the dead replica never pulled expire; every prefill block comes back.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        h = _health(app)
+        if h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0:
+            break
+        time.sleep(2)
+    assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0
+    assert h["decode"]["free_blocks"] == 256 and h["decode"]["running"] == 0
