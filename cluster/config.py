@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.autoscaling import (
     AutoscalingConfig,
@@ -98,7 +98,6 @@ class PoolConfig(_Frozen):
     )
     max_queued_requests: int = Field(
         256,
-        ge=-1,
         description="Requests waiting for this pool beyond its replicas' max_ongoing_requests, "
         "per caller; more are answered 429 at once (Ray Serve backpressure). -1: unbounded.",
     )
@@ -125,6 +124,13 @@ class PoolConfig(_Frozen):
                 "reach its target; lower the target or raise max_ongoing_requests"
             )
         return self
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, v: int) -> int:
+        if v < 1 and v != -1:
+            raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
+        return v
 
     def most_replicas(self) -> int:
         """The most replicas this pool runs: the fixed count, or autoscaling.max_replicas."""

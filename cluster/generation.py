@@ -82,6 +82,7 @@ class Generation:
                 finished = out.finished
                 yield _Tokens(out.new_token_ids, out.finish_reason, out.spec, out.error)
         except BackPressureError as e:
+            finished = True  # never placed on a replica: nothing to cancel (cancel re-raises)
             raise GenerationError(_OVERLOADED.format(pool="decode"), status=429) from e
         except Exception as e:
             log.warning("decode of %s failed: %s", req.request_id, e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,18 +19,23 @@ from hypothesis import strategies as st
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
 
-KEYS = ("sk-tandem-test-key-one-0001", "sk-tandem-test-key-two-0002")
+KEYS = tuple(f"sk-tandem-test-key-{i}-000{i}" for i in range(4))
 
 
 @pytest.fixture(scope="module")
 def app(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     keys = tmp_path_factory.mktemp("auth") / "keys"
-    keys.write_text(f"# test keys\n{KEYS[0]}\n\n{KEYS[1]}\n")
+    keys.write_text("# test keys\n" + "\n\n".join(KEYS) + "\n")
     cfg = TandemConfig.model_validate(
         {
             "mode": "colocated",
             "model": {"source": str(tiny_folder), "name": "tiny"},
-            "decode": {"num_blocks": 256, "num_threads": 1},
+            "decode": {
+                "num_blocks": 256,
+                "num_threads": 1,
+                "max_ongoing_requests": 2,
+                "max_queued_requests": 1,
+            },
             "auth": {"api_keys_file": str(keys), "api_keys_env": "TANDEM_TEST_NO_SUCH_VAR"},
             "limits": {
                 "max_tokens": 1800,
@@ -111,6 +117,34 @@ def test_one_key_one_stream_at_a_time(app: str) -> None:
         except openai.RateLimitError:
             threading.Event().wait(0.2)
     assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def test_a_full_decode_queue_answers_429(app: str) -> None:
+    streams = []
+    for key in KEYS[:2]:  # the decode replica's two slots
+        s = _client(app, key).completions.create(
+            model="tiny", prompt="a long one", max_tokens=1500, temperature=0, stream=True
+        )
+        next(iter(s))
+        streams.append(s)
+    queued = threading.Thread(  # its one queue place: waits for a slot, so in a thread
+        target=lambda: _client(app, KEYS[2]).completions.create(
+            model="tiny", prompt="hi", max_tokens=2
+        ),
+        daemon=True,
+    )
+    queued.start()
+    time.sleep(1.5)
+    with pytest.raises(openai.RateLimitError) as e:
+        _client(app, KEYS[3]).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert "decode.max_queued_requests" in e.value.message
+    assert e.value.response.headers["retry-after"] == "1"
+    for s in streams:
+        s.close()
+    queued.join(60)
+    assert not queued.is_alive()
+    ok = _client(app, KEYS[3]).completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert ok.usage is not None
 
 
 _JSON = st.recursive(
