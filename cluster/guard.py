@@ -142,7 +142,7 @@ class AdmissionGuard:
         while True:
             msg = await receive()
             if msg["type"] != "http.request":
-                break  # the client went away; the app will see an empty body
+                break  # the client went away; the app sees what arrived and answers no one
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > limit:
