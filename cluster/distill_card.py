@@ -28,7 +28,7 @@ def acceptance_json(acc: Acceptance) -> dict[str, Any]:
 def render_readme(card: dict[str, Any]) -> str:
     t, d, tr, v = card["target"], card["data"], card["training"], card["draft_vocab"]
     lines = [
-        f"# {card['name']}: the distilled default draft of {t['name']}",
+        f"# {card['name']}: a distilled EAGLE draft of {t['name']}",
         "",
         f"An EAGLE-style head (`models/eagle.py`) for **{t['name']}** ({t['source']}), made by "
         "`tandem distill` from ShareGPT conversations teacher-forced through the target: the "
