@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.engine_run import decode_after_first
 from cluster.sharegpt import held_out, iter_conversations
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
@@ -63,14 +63,7 @@ def _engine(target: ModelSpec, draft: DraftSpec, batch: int) -> DecodeEngine:
 
 def _run(engine: DecodeEngine, reqs: list[Request]) -> float:
     """Decode ``reqs`` together; returns decode seconds after every first token."""
-    for r in reqs:
-        engine.add(r, None)
-    while any(not r.output_token_ids and not r.is_finished for r in reqs):
-        engine.step()
-    t0 = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    return time.perf_counter() - t0
+    return decode_after_first(engine, reqs)
 
 
 def _request(prompt: list[int], temperature: float, seed: int, max_tokens: int) -> Request:

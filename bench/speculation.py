@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from bench.copy_prompts import COPY_PROMPTS
+from bench.engine_run import decode_after_first
 from cluster.sharegpt import first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
@@ -57,14 +58,8 @@ def _decode(
         )
         for p in prompts
     ]
-    for r in reqs:
-        engine.add(r, None)
-    while any(not r.output_token_ids and not r.is_finished for r in reqs):
-        engine.step()
-    t0 = time.perf_counter()
-    while engine.has_work:
-        engine.step()
-    return [r.output_token_ids for r in reqs], time.perf_counter() - t0, reqs
+    dt = decode_after_first(engine, reqs)
+    return [r.output_token_ids for r in reqs], dt, reqs
 
 
 def ngram_vs_prompt_lookup(folder: Path, max_tokens: int) -> dict[str, Any]:
