@@ -47,7 +47,10 @@ def _engine(target: ModelSpec, draft: DraftSpec, batch: int = 64) -> DecodeEngin
 
 
 def _decode(
-    engine: DecodeEngine, prompts: list[list[int]], max_tokens: int
+    engine: DecodeEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    finish_s: dict[str, float] | None = None,
 ) -> tuple[list[list[int]], float, list[Request]]:
     """Greedy, all at once; returns outputs, decode seconds (after every first token), requests."""
     reqs = [
@@ -58,7 +61,7 @@ def _decode(
         )
         for p in prompts
     ]
-    dt = decode_after_first(engine, reqs)
+    dt = decode_after_first(engine, reqs, finish_s)
     return [r.output_token_ids for r in reqs], dt, reqs
 
 
@@ -112,16 +115,31 @@ def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[s
     off = _engine(target, DraftSpec())
     on = _engine(target, DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=True))
     out: dict[str, Any] = {}
+    for engine in (off, on):  # untimed: first-run allocations would bias whichever goes first
+        _decode(engine, prompts[:2], 16)
     for b in batches:
         runs: dict[str, list[float]] = {"off": [], "on": []}
+        per_req: dict[str, list[float]] = {"off": [], "on": []}
         for _ in range(2):  # alternate, twice: this machine is noisy
             for name, engine in (("off", off), ("on", on)):
-                outs, dt, _ = _decode(engine, prompts[:b], max_tokens)
+                done: dict[str, float] = {}
+                outs, dt, reqs = _decode(engine, prompts[:b], max_tokens, done)
                 runs[name].append(sum(len(o) - 1 for o in outs) / dt)
+                rates = [(len(r.output_token_ids) - 1) / done[r.request_id] for r in reqs]
+                per_req[name].append(statistics.mean(rates))
         on_rate, off_rate = statistics.median(runs["on"]), statistics.median(runs["off"])
-        out[str(b)] = {"on_tok_s": on_rate, "off_tok_s": off_rate, "ratio": on_rate / off_rate}
+        on_req, off_req = statistics.median(per_req["on"]), statistics.median(per_req["off"])
+        out[str(b)] = {
+            "on_tok_s": on_rate,
+            "off_tok_s": off_rate,
+            "ratio": on_rate / off_rate,
+            "on_per_request_tok_s": on_req,
+            "off_per_request_tok_s": off_req,
+            "per_request_ratio": on_req / off_req,
+        }
         print(
-            f"batch {b}: on/off = {on_rate / off_rate:.2f} ({on_rate:.1f} vs {off_rate:.1f} tok/s)",
+            f"batch {b}: on/off = {on_rate / off_rate:.2f} ({on_rate:.1f} vs {off_rate:.1f} "
+            f"tok/s); per request {on_req / off_req:.2f}",
             flush=True,
         )
     return out
