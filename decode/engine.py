@@ -291,7 +291,11 @@ class DecodeEngine:
                 req.status = RequestStatus.RUNNING
                 self.running[req.request_id] = req
             else:
-                error = self.intake.start(req, handoff)
+                try:
+                    error = self.intake.start(req, handoff)
+                except Exception as e:  # never strand it: it is in no queue right now
+                    log.exception("starting the KV pull of %s failed", req.request_id)
+                    error = f"KV transfer failed: {e}"
                 if error is not None:
                     self._kv_failed(req, handoff, error)
 

@@ -193,19 +193,24 @@ class NixlTransport(KVTransport):
         for src_rank, (rem, loc) in plan.items():
             peer = self._peers[handoff.sources[src_rank].agent_name]
             n = readers(src_rank, src_tp, self.tp_size, total_heads)
-            handle = self.agent.make_prepped_xfer(
-                "READ",
-                self._local,
-                np.concatenate(loc),
-                peer.prepped,
-                np.concatenate(rem),
-                notif_msg=f"{handoff.request_id}|{n}".encode(),
-            )
-            if self.agent.transfer(handle) == "ERR":
-                for h in (*handles, handle):
-                    self.agent.release_xfer_handle(h)
+            handle = None
+            try:
+                handle = self.agent.make_prepped_xfer(
+                    "READ",
+                    self._local,
+                    np.concatenate(loc),
+                    peer.prepped,
+                    np.concatenate(rem),
+                    notif_msg=f"{handoff.request_id}|{n}".encode(),
+                )
+                posted = self.agent.transfer(handle)
+                why = "NIXL refused the read" if posted == "ERR" else None
+            except Exception as e:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the source just died
+                why = f"NIXL could not post the read ({e})"
+            if why is not None:
+                self._release(handles if handle is None else [*handles, handle])
                 self.counters.fail("post")
-                raise KVTransferError(f"NIXL refused the read for {handoff.request_id}")
+                raise KVTransferError(f"{why} for {handoff.request_id}")
             handles.append(handle)
         self.counters.pulls_started += 1
         return PullHandle(handoff.request_id, nbytes, time.perf_counter(), tuple(handles))
@@ -241,11 +246,14 @@ class NixlTransport(KVTransport):
         return PullState.PENDING
 
     def finish(self, pull: PullHandle) -> None:
-        for handle in pull.token:
+        self._release(pull.token)
+
+    def _release(self, handles: Sequence[Any]) -> None:
+        for handle in handles:
             try:
                 self.agent.release_xfer_handle(handle)
             except Exception as e:  # a handle of a dead peer's read; nothing left to free
-                log.warning("releasing the NIXL read of %s: %s", pull.request_id, e)
+                log.warning("releasing a NIXL read handle: %s", e)
 
     def close(self) -> None:
         for reg in self._registrations:
