@@ -93,29 +93,6 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
     return out
 
 
-def _eagle(target: Path, folder: Path) -> Path:
-    """A randomly initialised EAGLE head for ``target`` (sharing its embedding as the head)."""
-    from models.config import LlamaConfig
-    from models.eagle import EagleConfig, EagleHead, save_eagle
-    from models.weights import load_state_dict
-
-    tc = LlamaConfig.from_folder(target)
-    cfg = EagleConfig(
-        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
-        vocab_size=tc.vocab_size,
-        draft_vocab_size=tc.vocab_size,
-        fc_bias=True,
-        final_norm=False,
-    )
-    head = EagleHead(cfg)
-    torch.manual_seed(3)
-    for p in head.parameters():
-        p.data.normal_(0, 0.05)
-    head.lm_head.weight.data.copy_(load_state_dict(target)["model.embed_tokens.weight"])
-    save_eagle(head, folder)
-    return folder
-
-
 def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[str, Any]:
     from decode.config import DecodeEngineConfig
     from decode.engine import DecodeEngine
@@ -329,7 +306,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     target = _tiny(tmp / "t", 1, 2, 128, 4, 2, 4096)
     draft = _tiny(tmp / "d", 2, 1, 64, 2, 1, 4096)
-    eagle = _eagle(target, tmp / "e")
+    from models.eagle import save_random_eagle
+
+    eagle = save_random_eagle(target, tmp / "e")
     for name, fn in (
         ("forward", lambda: check_forward(target, dev)),
         ("decode_path", lambda: check_decode_path(target, draft, eagle, dev)),

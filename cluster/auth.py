@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import AuthConfig
+from cluster.api_config import AuthConfig
 
 
 def digest(key: str) -> str:

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from cluster.api_config import AuthConfig, HTTPConfig, LimitsConfig
+from cluster.api_config import Frozen as _Frozen
 from cluster.autoscaling import (
     AutoscalingConfig,
     DecodeAutoscalingConfig,
@@ -20,10 +22,6 @@ from cluster.autoscaling import (
 )
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class ModelConfig(_Frozen):
@@ -252,47 +250,6 @@ class KVConfig(_Frozen):
         "compute the prompt on decode instead, or end the request with a 503 error.",
     )
     pull_timeout_s: float = Field(10.0, gt=0, description="A KV pull running longer has failed.")
-
-
-class HTTPConfig(_Frozen):
-    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds to.")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-
-
-class LimitsConfig(_Frozen):
-    max_model_len: int | None = Field(
-        None, ge=2, description="Prompt plus output tokens per request; default: the model's."
-    )
-    default_max_tokens: int = Field(
-        256, ge=1, description="max_tokens of a chat request that does not set it."
-    )
-    max_stop_sequences: int = Field(4, ge=0, description="Stop strings a request may give.")
-    max_tokens: int | None = Field(
-        None, ge=1, description="Most tokens one request may ask for; default: what fits."
-    )
-    max_body_bytes: int = Field(
-        1_048_576, ge=1024, description="Largest request body; larger ones get 413."
-    )
-    max_inflight: int = Field(
-        256,
-        ge=1,
-        description="Generation requests one ingress replica serves at once; more get 429 with "
-        "Retry-After at once instead of queueing.",
-    )
-    max_concurrent_per_key: int = Field(
-        0, ge=0, description="Generation requests one API key may have open at once (0: no cap)."
-    )
-
-
-class AuthConfig(_Frozen):
-    api_keys_file: str | None = Field(
-        None, description="A file of API keys, one per line ('#' comments); none: no file."
-    )
-    api_keys_env: str = Field(
-        "TANDEM_API_KEYS",
-        description="An environment variable holding comma-separated API keys, read by the "
-        "process that builds the app. With no key from either source, the API is open.",
-    )
 
 
 class TandemConfig(_Frozen):

@@ -186,6 +186,27 @@ def save_eagle(head: EagleHead, folder: Path) -> None:
     save_file(head.state_for_checkpoint(), str(folder / "model.safetensors"))
 
 
+def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
+    """A randomly initialised one-layer head for the target in ``target_folder`` (its LM head
+    the target's embedding), saved to ``folder``: for tests and benches where weights don't
+    matter."""
+    tc = LlamaConfig.from_folder(target_folder)
+    cfg = EagleConfig(
+        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=tc.vocab_size,
+        fc_bias=True,
+        final_norm=False,
+    )
+    head = EagleHead(cfg)
+    torch.manual_seed(seed)
+    for p in head.parameters():
+        p.data.normal_(0, 0.05)
+    head.lm_head.weight.data.copy_(load_state_dict(target_folder)["model.embed_tokens.weight"])
+    save_eagle(head, folder)
+    return folder
+
+
 def load_eagle(folder: Path, target_folder: Path, dtype: torch.dtype, device: str) -> EagleHead:
     head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
     head.load(load_state_dict(folder), load_state_dict(target_folder))

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from cluster.api_config import AuthConfig
 from cluster.auth import KeyRing, digest, load_keys
-from cluster.config import AuthConfig
 
 KEY = "sk-tandem-unit-test-0123456789"
 

@@ -40,6 +40,21 @@ def _health(base: str) -> dict[str, Any]:
     return body
 
 
+def _serves_again(base: str, within_s: float = 90) -> bool:
+    """Whether a request succeeds within ``within_s`` (Serve replaces a killed replica)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
+            timeout=60,
+        )
+        if r.status_code == 200:
+            return True
+        time.sleep(1)
+    return False
+
+
 async def _request(client: httpx.AsyncClient, i: int) -> int:
     body = {"model": "tiny", "prompt": [5 + i, 6, 7, 8] * 8, "max_tokens": 60, "temperature": 0}
     r = await client.post("/v1/completions", json=body, timeout=60)
@@ -68,18 +83,7 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
     statuses = asyncio.run(load())
     assert set(statuses) <= {200, 503}
     # The replica comes back (Serve replaces it) and serves; decode reads from its new agent.
-    deadline = time.monotonic() + 90
-    ok = False
-    while time.monotonic() < deadline and not ok:
-        r = httpx.post(
-            f"{app}/v1/completions",
-            json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
-            timeout=60,
-        )
-        ok = r.status_code == 200
-        if not ok:
-            time.sleep(1)
-    assert ok, "the app did not recover"
+    assert _serves_again(app), "the app did not recover"
     h = _health(app)
     assert h["status"] == "ok" and h["decode"]["running"] == 0
     assert h["decode"]["free_blocks"] == 256  # nothing leaked on decode
@@ -134,18 +138,7 @@ def test_killing_the_decode_replica_mid_stream(app: str) -> None:
         else:
             assert last["choices"][0]["finish_reason"] is not None
     assert any("error" in events[-1] for events in streams), "no stream saw the replica die"
-    deadline = time.monotonic() + 90
-    ok = False
-    while time.monotonic() < deadline and not ok:
-        r = httpx.post(
-            f"{app}/v1/completions",
-            json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
-            timeout=60,
-        )
-        ok = r.status_code == 200
-        if not ok:
-            time.sleep(1)
-    assert ok, "the app did not recover"
+    assert _serves_again(app), "the app did not recover"
     # Leases of handoffs the dead replica never pulled expire; every prefill block comes back.
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

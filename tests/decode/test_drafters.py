@@ -11,10 +11,9 @@ import torch
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.config import LlamaConfig
-from models.eagle import EagleConfig, EagleHead, save_eagle
+from models.eagle import save_random_eagle
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
-from models.weights import load_state_dict
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
@@ -23,23 +22,7 @@ from tests.decode.engine_utils import make_request, run_all
 @pytest.fixture(scope="module")
 def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised EAGLE head for the tiny target, in the published layout."""
-    tc = LlamaConfig.from_folder(tiny_folder)
-    cfg = EagleConfig(
-        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
-        vocab_size=tc.vocab_size,
-        draft_vocab_size=tc.vocab_size,
-        fc_bias=True,
-        final_norm=False,
-    )
-    head = EagleHead(cfg)
-    torch.manual_seed(3)
-    for p in head.parameters():
-        p.data.normal_(0, 0.05)
-    target = load_state_dict(tiny_folder)
-    head.lm_head.weight.data.copy_(target["model.embed_tokens.weight"])
-    folder = tmp_path_factory.mktemp("eagle")
-    save_eagle(head, folder)
-    return folder
+    return save_random_eagle(tiny_folder, tmp_path_factory.mktemp("eagle"))
 
 
 def _spec(

@@ -1,0 +1,52 @@
+"""The API-facing part of the app config: where HTTP binds, request limits, API keys."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Frozen(BaseModel):
+    """Base of every config section: immutable, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class HTTPConfig(Frozen):
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+
+
+class LimitsConfig(Frozen):
+    max_model_len: int | None = Field(
+        None, ge=2, description="Prompt plus output tokens per request; default: the model's."
+    )
+    default_max_tokens: int = Field(
+        256, ge=1, description="max_tokens of a chat request that does not set it."
+    )
+    max_stop_sequences: int = Field(4, ge=0, description="Stop strings a request may give.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Most tokens one request may ask for; default: what fits."
+    )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body; larger ones get 413."
+    )
+    max_inflight: int = Field(
+        256,
+        ge=1,
+        description="Generation requests one ingress replica serves at once; more get 429 with "
+        "Retry-After at once instead of queueing.",
+    )
+    max_concurrent_per_key: int = Field(
+        0, ge=0, description="Generation requests one API key may have open at once (0: no cap)."
+    )
+
+
+class AuthConfig(Frozen):
+    api_keys_file: str | None = Field(
+        None, description="A file of API keys, one per line ('#' comments); none: no file."
+    )
+    api_keys_env: str = Field(
+        "TANDEM_API_KEYS",
+        description="An environment variable holding comma-separated API keys, read by the "
+        "process that builds the app. With no key from either source, the API is open.",
+    )
