@@ -28,3 +28,20 @@ def decode_after_first(
                 if r.is_finished and r.request_id not in finish_s:
                     finish_s[r.request_id] = now
     return time.perf_counter() - t0
+
+
+def serve_refilling(engine: DecodeEngine, reqs: Sequence[Request], concurrency: int) -> float:
+    """Serve ``reqs`` with at most ``concurrency`` in flight, starting the next one as soon as
+    one finishes (a closed loop of ``concurrency`` clients): the batch stays full until the
+    queue runs dry. Returns the wall seconds from the first admission to the last finish,
+    prompts included."""
+    queue = list(reqs)[::-1]
+    live: list[Request] = []
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live.append(queue.pop())
+            engine.add(live[-1], None)
+        engine.step()
+        live = [r for r in live if not r.is_finished]
+    return time.perf_counter() - t0

@@ -7,7 +7,7 @@
    and 8, relative to k = 0 (the curve adaptive speculation uses).
 4. Memory: KV pool bytes and the process's peak RSS.
 
-    .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64]
+    .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64] [--verify-only]
 
 Writes bench/results/engine_step.json and engine_step.png.
 """
@@ -80,8 +80,10 @@ def hf_tokens_per_s(hf: Any, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0 - t_prefill)
 
 
-def verify_curve(spec: ModelSpec, batch: int, ks: range) -> dict[int, float]:
-    """Median ms of one target forward with k + 1 new tokens per sequence (context 200)."""
+def verify_curve(spec: ModelSpec, batch: int, ks: range, rounds: int = 9) -> dict[int, float]:
+    """Median ms of one target forward with k + 1 new tokens per sequence (context 200); the
+    ks are interleaved round by round, so a burst of load from another process lands on one
+    sample of many ks, not on every sample of one k."""
     model = spec.load()
     c = model.cfg
     pool = torch.zeros(
@@ -89,16 +91,24 @@ def verify_curve(spec: ModelSpec, batch: int, ks: range) -> dict[int, float]:
     )
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(batch)]
     run_step(model, pool, 16, [SeqInput(t, 0, list(range(200)), [199]) for t in tables])
-    out = {}
-    for k in ks:
-        batch_in = [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
-        times = []
-        for _ in range(9):
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(rounds):
+        for k in ks:
+            batch_in = [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
             t0 = time.perf_counter()
             run_step(model, pool, 16, batch_in)
-            times.append(time.perf_counter() - t0)
-        out[k] = 1000 * statistics.median(times)
-    return out
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1000 * statistics.median(v) for k, v in times.items()}
+
+
+def verify_only(report: dict[str, Any], dtypes: list[str], folder: Path) -> None:
+    """Re-measure just the verification curves into an existing report."""
+    for dt in dtypes:
+        curves = {b: verify_curve(ModelSpec(str(folder), dt), b, range(0, 9)) for b in (1, 8)}
+        r = report["dtypes"].setdefault(dt, {})
+        r["verify_ms"] = curves
+        r["verify_ratio"] = {b: {k: v / c[0] for k, v in c.items()} for b, c in curves.items()}
+        print(f"{dt}: verify cost ratio {json.dumps(r['verify_ratio'])}", flush=True)
 
 
 def main() -> None:
@@ -108,9 +118,19 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--trials", type=int, default=3, help="alternating batch-1 trials per side")
+    ap.add_argument(
+        "--verify-only", action="store_true", help="re-measure the verify curves into the JSON"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
+    if args.verify_only:
+        path = RESULTS / "engine_step.json"
+        previous: dict[str, Any] = json.loads(path.read_text())
+        verify_only(previous, args.dtypes, folder)
+        path.write_text(json.dumps(previous, indent=2))
+        _plot(previous, RESULTS / "engine_step.png")
+        return
     report: dict[str, Any] = {"benchmark": "engine_step", "threads": args.threads, "dtypes": {}}
     for dt in args.dtypes:
         spec = ModelSpec(str(folder), dt)

@@ -4,8 +4,12 @@
    the engine against transformers' prompt-lookup decoding
    (``generate(prompt_lookup_num_tokens=K)``, best of K = 3, 5, 10) on the same weights;
    outputs must be token-identical.
-2. ``adaptive``: decode throughput with adaptive n-gram speculation against speculation off at
-   batch sizes 1..32 on ShareGPT prompts (the goal: never below 0.95x).
+2. ``adaptive``: throughput with adaptive n-gram speculation against speculation off at batch
+   sizes 1..32 on ShareGPT prompts (the goal: never below 0.95x), two ways: *steady* — a
+   closed loop of ``batch`` clients, each starting its next request when one finishes, 3 x batch
+   requests (at least 8), prompts included: the batch stays full as on a serving replica; and
+   *closed* — ``batch`` requests started together and run to the last (decode time only), where
+   speculation that finishes the predictable requests early leaves the rest at a smaller batch.
 3. ``acceptance``: acceptance rate and mean accepted length per drafter on held-out ShareGPT
    prompts (n-gram; and an EAGLE head when ``--eagle`` names one).
 
@@ -27,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.copy_prompts import COPY_PROMPTS
-from bench.engine_run import decode_after_first
+from bench.engine_run import decode_after_first, serve_refilling
 from cluster.sharegpt import first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
@@ -53,14 +57,7 @@ def _decode(
     finish_s: dict[str, float] | None = None,
 ) -> tuple[list[list[int]], float, list[Request]]:
     """Greedy, all at once; returns outputs, decode seconds (after every first token), requests."""
-    reqs = [
-        Request(
-            uuid.uuid4().hex,
-            p,
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=(2,)),
-        )
-        for p in prompts
-    ]
+    reqs = _greedy(prompts, max_tokens)
     dt = decode_after_first(engine, reqs, finish_s)
     return [r.output_token_ids for r in reqs], dt, reqs
 
@@ -107,9 +104,21 @@ def ngram_vs_prompt_lookup(folder: Path, max_tokens: int) -> dict[str, Any]:
     }
 
 
+def _greedy(prompts: list[list[int]], max_tokens: int) -> list[Request]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=(2,))
+    return [Request(uuid.uuid4().hex, p, sp) for p in prompts]
+
+
+def _steady(engine: DecodeEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> float:
+    """Output tokens per second of a closed loop of ``batch`` clients (prompts included)."""
+    reqs = _greedy(prompts, max_tokens)
+    dt = serve_refilling(engine, reqs, batch)
+    return sum(len(r.output_token_ids) for r in reqs) / dt
+
+
 def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[str, Any]:
     tok = Tokenizer(folder)
-    texts = first_prompts(max(batches), max_chars=500, skip=500)
+    texts = first_prompts(max(8, 3 * max(batches)), max_chars=500, skip=500)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     target = ModelSpec(str(folder))
     off = _engine(target, DraftSpec())
@@ -120,8 +129,10 @@ def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[s
     for b in batches:
         runs: dict[str, list[float]] = {"off": [], "on": []}
         per_req: dict[str, list[float]] = {"off": [], "on": []}
+        steady: dict[str, list[float]] = {"off": [], "on": []}
         for _ in range(2):  # alternate, twice: this machine is noisy
             for name, engine in (("off", off), ("on", on)):
+                steady[name].append(_steady(engine, prompts[: max(8, 3 * b)], b, max_tokens))
                 done: dict[str, float] = {}
                 outs, dt, reqs = _decode(engine, prompts[:b], max_tokens, done)
                 runs[name].append(sum(len(o) - 1 for o in outs) / dt)
@@ -129,7 +140,11 @@ def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[s
                 per_req[name].append(statistics.mean(rates))
         on_rate, off_rate = statistics.median(runs["on"]), statistics.median(runs["off"])
         on_req, off_req = statistics.median(per_req["on"]), statistics.median(per_req["off"])
+        on_st, off_st = statistics.median(steady["on"]), statistics.median(steady["off"])
         out[str(b)] = {
+            "steady_on_tok_s": on_st,
+            "steady_off_tok_s": off_st,
+            "steady_ratio": on_st / off_st,
             "on_tok_s": on_rate,
             "off_tok_s": off_rate,
             "ratio": on_rate / off_rate,
@@ -138,8 +153,8 @@ def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[s
             "per_request_ratio": on_req / off_req,
         }
         print(
-            f"batch {b}: on/off = {on_rate / off_rate:.2f} ({on_rate:.1f} vs {off_rate:.1f} "
-            f"tok/s); per request {on_req / off_req:.2f}",
+            f"batch {b}: steady on/off = {on_st / off_st:.2f} ({on_st:.1f} vs {off_st:.1f} "
+            f"tok/s); closed {on_rate / off_rate:.2f}; per request {on_req / off_req:.2f}",
             flush=True,
         )
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,13 +33,9 @@ from decode.outputs import SpecUsage, StepOutput
 from decode.routing_stats import RoutingStats, collect_routing_stats
 from decode.scheduler import Scheduler
 from decode.spec_step import Emission, decode_step
-from decode.speculation import (
-    DEFAULT_ACCEPTANCE,
-    SpeculationPolicy,
-    cached_step_time,
-    calibration_points,
-    measure_step_time,
-)
+from decode.speculation import DEFAULT_ACCEPTANCE, SpeculationPolicy
+from decode.step_time import METHOD as STEP_TIME_METHOD
+from decode.step_time import cached_step_time, calibration_points, measure_step_time
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
@@ -49,7 +46,6 @@ from models.spec import DraftKind
 from models.weights import default_cache_dir
 
 log = logging.getLogger(__name__)
-EMA = 0.2  # weight of the newest step in the online acceptance estimate
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,10 @@ class DecodeEngine:
         )
         t = cfg.target
         threads = torch.get_num_threads()
-        key = f"{t.fingerprint()}-{t.dtype}-{cfg.device}-tp{cfg.tp_size}-t{threads}-{shapes}"
+        key = (
+            f"v{STEP_TIME_METHOD}-{t.fingerprint()}-{t.dtype}-{cfg.device}-tp{cfg.tp_size}"
+            f"-t{threads}-{shapes}"
+        )
         path = (
             default_cache_dir()
             / "steptime"
@@ -192,10 +191,7 @@ class DecodeEngine:
         budget = self.cfg.max_num_batched_tokens
         ks = spec.choose(batch, [spec.k_max] * len(batch), 0, budget) if spec else [0] * len(batch)
         return collect_routing_stats(
-            [
-                DEFAULT_ACCEPTANCE if r.acceptance_estimate is None else r.acceptance_estimate
-                for r in batch
-            ],
+            [spec.estimate(r) if spec else DEFAULT_ACCEPTANCE for r in batch],
             ks,
             queued=len(self.waiting) + len(self.intake.pending) + len(running) - len(batch),
             free_blocks=self.allocator.num_free,
@@ -225,9 +221,15 @@ class DecodeEngine:
         plan = self.scheduler.plan(list(self.running.values()), self._preempt)
         if plan:
             reqs = [p.req for p in plan]
+            t0 = time.perf_counter()
             emissions = decode_step(
                 self.target, self.drafter, reqs, [p.new_tokens for p in plan], [p.k for p in plan]
             )
+            if self.speculation is not None and all(p.new_tokens == 1 for p in plan):
+                # decode steps only: the model prices drafts, and a prompt chunk's tokens cost
+                # less each than one token of each of many sequences
+                fed = sum(em.num_fed for em in emissions)
+                self.speculation.observe(fed, time.perf_counter() - t0)
             self._steps += 1
             for r, em in zip(reqs, emissions, strict=True):
                 self._target_fed += em.num_fed
@@ -243,9 +245,8 @@ class DecodeEngine:
             r.stats.num_draft_tokens += em.num_drafted
             r.stats.num_accepted_tokens += em.num_accepted
             r.stats.num_emitted_tokens += len(em.tokens)
-            rate = em.num_accepted / em.num_drafted
-            prev = r.acceptance_estimate
-            r.acceptance_estimate = rate if prev is None else (1 - EMA) * prev + EMA * rate
+            if self.speculation is not None:
+                self.speculation.learn(r, em.num_drafted, em.num_accepted)
         new: list[int] = []
         reason: FinishReason | None = None
         for tok in em.tokens:

@@ -106,6 +106,11 @@ def choose_ks(
 
     ``k_max`` caps every sequence, or each one; ``token_budget`` caps the drafted tokens plus
     one per sequence; ``fixed_tokens`` are other tokens in the same forward (prompt chunks).
+    Drafts must pay for themselves against the decodes' own goodput: the decodes are charged
+    ``T(n)`` plus what the drafts add where the step really runs,
+    ``T(n + fixed + drafts) - T(n + fixed)``. (Charging them the whole mixed step would make a
+    long prompt chunk's step look slow and its drafts cheap beside it, while every token a
+    draft wastes costs as much as in any other step.)
     """
     n = len(alphas)
     ks = [0] * n
@@ -117,7 +122,9 @@ def choose_ks(
     heap = [(-a, i) for i, a in enumerate(clamped) if caps[i] > 0]  # gains a^(k+1), max first
     heapq.heapify(heap)
     emitted = float(n)
-    best, best_extra = emitted / model.predict(n + fixed_tokens), 0
+    decodes = model.predict(n)
+    mixed = model.predict(n + fixed_tokens)
+    best, best_extra = emitted / decodes, 0
     order: list[int] = []
     depth = [0] * n
     while heap and len(order) < room:
@@ -125,7 +132,7 @@ def choose_ks(
         order.append(i)
         depth[i] += 1
         emitted -= neg_gain
-        trial = emitted / model.predict(n + fixed_tokens + len(order))
+        trial = emitted / (decodes + model.predict(n + fixed_tokens + len(order)) - mixed)
         if trial > best:
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:

@@ -5,10 +5,10 @@ the target scores), the model the engine's adaptive speculation and the router a
 
 **cpu** — measured: ``bench/results/engine_step.json`` (``bench/engine_step.py``), the engine's
 own forward over ``k + 1`` tokens per sequence at batch 1 and 8 (2 threads, float32, embedded
-SmolLM2-135M). Shapes with the same token count are averaged and the curve made monotone, as
-``decode.speculation.measure_step_time`` does; a point above 1.5x both neighbours is dropped as
-noise (batch 8, k = 7: 329 ms between 158 and 187). Prefill: 42 ms + 2.2 ms per prompt token
-(FACTS.md: transformers' forward, 1 token 42 ms, 32 tokens 109 ms).
+SmolLM2-135M). Shapes with the same token count are averaged and the curve made monotone (a
+running maximum; the engine's ``decode.step_time`` uses an isotonic fit); a point above 1.5x
+both neighbours is dropped as noise (batch 8, k = 7: 329 ms between 158 and 187). Prefill:
+42 ms + 2.2 ms per prompt token (FACTS.md: transformers' forward, 1 token 42 ms, 32 tokens 109 ms).
 
 **h200** — a 70B target (Llama-3-70B shapes) with an 8B draft (Llama-3-8B shapes), both bf16 at
 TP = 4 on H200s, from first principles. Measured on this workplace's lent H200 (FACTS.md): HBM

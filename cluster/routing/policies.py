@@ -153,14 +153,14 @@ class AcceptanceAware(RoutingPolicy):
     def costs(self, req: RouteRequest, table: ReplicaTable) -> np.ndarray:
         """The request's cost on every row (meaningful where the row has stats and a model)."""
         adaptive, k_max = table.adaptive_mask(), table.k_cap()
-        if len(table.steps) == 1:  # the usual case: one model for the whole pool
+        if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
             cost = placement_costs(
                 req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
-                adaptive, table.eff_max_k, table.draft_round_s, table.steps[0],
+                adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
             )  # fmt: skip
         else:
             cost = np.full(table.size, np.inf)
-            for mid, steps in enumerate(table.steps):
+            for mid, steps in table.steps.items():
                 s = table.model_id == mid
                 cost[s] = placement_costs(
                     req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],

@@ -45,9 +45,13 @@ class ReplicaTable:
         self._usable_is_alive: bool | None = None
         self._adaptive: BoolArray | None = None  # cached with _usable
         self._k_cap = 0
-        self.models: list[StepTimeModel] = []
-        self.steps: list[StepTable] = []  # models[i] tabulated, for scoring every row at once
+        # Step-time models by id, each tabulated for scoring every row at once. Replicas refine
+        # their models while serving, so a model no row uses any more is dropped.
+        self.models: dict[int, StepTimeModel] = {}
+        self.steps: dict[int, StepTable] = {}
         self._model_ids: dict[tuple[tuple[int, float], ...], int] = {}
+        self._model_refs: dict[int, int] = {}  # rows using each model
+        self._next_model = 0
         self._entries: list[deque[tuple[float, int, float, int, bool]]] = []  # (t, k, E, ...)
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
@@ -106,10 +110,26 @@ class ReplicaTable:
             return -1
         i = self._model_ids.get(model.points)
         if i is None:
-            i = self._model_ids[model.points] = len(self.models)
-            self.models.append(model)
-            self.steps.append(StepTable.of(model))
+            i = self._model_ids[model.points] = self._next_model
+            self._next_model += 1
+            self.models[i], self.steps[i] = model, StepTable.of(model)
+            self._model_refs[i] = 0
         return i
+
+    def _use_model(self, rows: int | npt.NDArray[np.int64], model: StepTimeModel | None) -> None:
+        """Point ``rows`` at ``model``; a model left with no rows is dropped."""
+        new = self.model_index(model)
+        old, counts = np.unique(np.atleast_1d(self.model_id[rows]), return_counts=True)
+        self.model_id[rows] = new
+        if new >= 0:
+            self._model_refs[new] += int(np.size(self.model_id[rows]))
+        for mid, n in zip(old.tolist(), counts.tolist(), strict=True):
+            if mid < 0:
+                continue
+            self._model_refs[mid] -= n
+            if self._model_refs[mid] == 0:
+                del self._model_ids[self.models.pop(mid).points]
+                del self.steps[mid], self._model_refs[mid]
 
     # ---- feeding ------------------------------------------------------------------------
 
@@ -117,7 +137,7 @@ class ReplicaTable:
         """A replica's new snapshot (``received_at`` on the router's clock)."""
         self.ensure_rows(row + 1)
         self.alive[row] = self.has_stats[row] = True
-        self.model_id[row] = self.model_index(s.step_time_model())
+        self._use_model(row, s.step_time_model())
         values = (
             s.running, s.queued, s.step_tokens, s.tpot_weight, s.step_emitted, float(s.adaptive),
             s.step_max_k, s.draft_round_s, s.free_blocks, s.num_blocks, s.block_size,
@@ -170,7 +190,7 @@ class ReplicaTable:
         idx = np.asarray(rows, dtype=np.int64)
         self.ensure_rows(int(idx.max()) + 1 if idx.size else 0)
         self.alive[idx] = True
-        self.model_id[idx] = self.model_index(model)
+        self._use_model(idx, model)
         self.num_blocks[idx], self.block_size[idx] = num_blocks, block_size
         self.max_batch[idx], self.k_max[idx] = max_batch, k_max
         self.adaptive[idx], self.draft_round_s[idx] = float(adaptive), draft_round_s
@@ -195,7 +215,7 @@ class ReplicaTable:
     def clear(self, row: int) -> None:
         """The replica is gone; its row may be reused."""
         self.alive[row] = self.has_stats[row] = False
-        self.model_id[row] = -1
+        self._use_model(row, None)
         self._entries[row].clear()
         for name in self._OVERLAY:
             getattr(self, name)[row] = 0.0

@@ -65,6 +65,29 @@ def test_acceptance_aware_prefers_the_shorter_step_for_like_requests() -> None:
     assert ranks == [[1], [2], [0]]
 
 
+def test_refined_step_time_models_replace_each_other_and_mixed_pools_score() -> None:
+    """Replicas republish their step-time model as they refine it: the table keeps one per
+    distinct model in use (not one per snapshot ever seen), and scores rows of different
+    models each by its own."""
+    t = table(stats([0.5] * 8, [2] * 8), stats([0.5] * 8, [2] * 8))
+    assert len(t.models) == 1
+    for i in range(50):  # replica 0 refines its model 50 times
+        slower = StepTimeModel.linear(0.010 * (1 + i / 10), 0.0005)
+        s = collect_routing_stats(
+            [0.5] * 8, [2] * 8, queued=0, free_blocks=1000, num_blocks=1000, block_size=16,
+            max_batch_size=64, k_max=4, adaptive=True, step_time=slower, draft_round_s=0.002,
+            now=NOW,
+        )  # fmt: skip
+        t.set_stats(0, s, NOW)
+    assert len(t.models) == len(t.steps) == 2  # replica 0's latest, replica 1's
+    p = AcceptanceAware(max_staleness_s=5.0, seed=0)
+    assert first(p.rank(RouteRequest(0.5, 100), t, NOW + 0.5)) == 1  # replica 0 is 5.9x slower
+    t.clear(1)
+    assert len(t.models) == 1
+    t.clear(0)
+    assert not t.models and not t.steps
+
+
 def test_a_replica_that_would_queue_the_request_comes_last() -> None:
     full = stats([0.6] * 2, [2] * 2, free=3)  # a 100-token prompt needs 7 blocks
     t = table(full, stats([0.6] * 40, [2] * 40))

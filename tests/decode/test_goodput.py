@@ -45,3 +45,15 @@ def test_speculation_switches_itself_off_when_compute_bound() -> None:
     flat = StepTimeModel.linear(0.05, 0.0001)
     ks = choose_ks([0.9, 0.2], flat, k_max=8)
     assert ks[0] > ks[1] >= 0 and ks[0] == 8
+
+
+def test_a_prompt_chunk_in_the_step_does_not_make_drafts_cheaper() -> None:
+    """Drafts pay for themselves against the decodes' goodput, wherever the step runs: with a
+    cost per token that is the same everywhere, a 500-token prompt chunk in the forward
+    changes nothing (charging drafts the whole mixed step's goodput would grant many more)."""
+    model = StepTimeModel.linear(0.040, 0.004)
+    alphas = [0.3, 0.5, 0.7, 0.9]
+    alone = choose_ks(alphas, model, 4)
+    assert choose_ks(alphas, model, 4, fixed_tokens=500) == alone
+    assert sum(alone) < 4 * 4  # the low-acceptance requests get fewer drafts
+    assert alone[0] <= alone[-1]
