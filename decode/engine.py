@@ -229,7 +229,7 @@ class DecodeEngine:
                 # decode steps only: the model prices drafts, and a prompt chunk's tokens cost
                 # less each than one token of each of many sequences
                 fed = sum(em.num_fed for em in emissions)
-                self.speculation.observe(fed, time.perf_counter() - t0)
+                self.speculation.observe(len(plan), fed, time.perf_counter() - t0)
             self._steps += 1
             for r, em in zip(reqs, emissions, strict=True):
                 self._target_fed += em.num_fed

@@ -95,6 +95,7 @@ def choose_ks(
     k_max: int | Sequence[int],
     token_budget: int | None = None,
     fixed_tokens: int = 0,
+    per_draft_s: float | None = None,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -110,7 +111,8 @@ def choose_ks(
     ``T(n)`` plus what the drafts add where the step really runs,
     ``T(n + fixed + drafts) - T(n + fixed)``. (Charging them the whole mixed step would make a
     long prompt chunk's step look slow and its drafts cheap beside it, while every token a
-    draft wastes costs as much as in any other step.)
+    draft wastes costs as much as in any other step.) ``per_draft_s``, when the replica has
+    measured it (``decode.draft_cost``), is a floor on what each draft token adds.
     """
     n = len(alphas)
     ks = [0] * n
@@ -132,7 +134,10 @@ def choose_ks(
         order.append(i)
         depth[i] += 1
         emitted -= neg_gain
-        trial = emitted / (decodes + model.predict(n + fixed_tokens + len(order)) - mixed)
+        added = model.predict(n + fixed_tokens + len(order)) - mixed
+        if per_draft_s is not None:
+            added = max(added, per_draft_s * len(order))
+        trial = emitted / (decodes + added)
         if trial > best:
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from decode.draft_cost import DraftCost
 from decode.goodput import StepTimeModel, choose_ks
 from decode.step_time import StepTimeTracker
 from models.request import Request
@@ -33,6 +34,7 @@ class SpeculationPolicy:
         self.k_max = k_max
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
+        self.draft_cost = DraftCost()
 
     def estimate(self, r: Request) -> float:
         """The acceptance rate ``r`` is expected to have on its next drafts."""
@@ -53,10 +55,12 @@ class SpeculationPolicy:
         """The step-time model now in use (start-up, refined by the steps run since)."""
         return self.tracker.model if self.tracker is not None else None
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A step that scored ``tokens`` took ``seconds`` (adaptive mode learns from it)."""
+    def observe(self, seqs: int, tokens: int, seconds: float) -> None:
+        """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds`` (adaptive mode
+        learns the step time and the cost of a draft token from it)."""
         if self.tracker is not None:
             self.tracker.observe(tokens, seconds)
+            self.draft_cost.observe(seqs, tokens - seqs, seconds)
 
     def choose(
         self, reqs: Sequence[Request], caps: Sequence[int], fixed_tokens: int, budget: int
@@ -71,4 +75,5 @@ class SpeculationPolicy:
                 left -= k
             return out
         alphas = [self.estimate(r) for r in reqs]
-        return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens)
+        per_draft = self.draft_cost.per_draft(len(reqs))
+        return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens, per_draft)
