@@ -184,7 +184,7 @@ class DecodeEngine:
     def routing_stats(self) -> RoutingStats:
         """The router's view of this replica (read-only; safe from another thread, as it only
         copies): load, each batched request's acceptance estimate and the k the speculation
-        policy would give it now, and the measured step-time model."""
+        policy would give it now, the measured step-time model and draft-token cost."""
         running = tuple(self.running.values())
         batch = running[: self.cfg.max_batch_size]
         spec = self.speculation
@@ -201,6 +201,7 @@ class DecodeEngine:
             k_max=spec.k_max if spec else 0,
             adaptive=spec.adaptive if spec else False,
             step_time=spec.step_time if spec else None,
+            draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
         )
 
     # ---- the step ------------------------------------------------------------------------

@@ -14,7 +14,10 @@ cut to ``MAX_LISTED``:
   gives the batch's goodput, hence the gain below which adaptive speculation grants no draft;
 - ``step_max_k`` and ``draft_round_s``: a draft model proposes in ``max_i k_i`` sequential
   rounds over the batch (``decode.drafters.draft_model``), each costing about ``draft_round_s``
-  whoever drafts in it, a per-step cost the tokens-only step-time model does not see.
+  whoever drafts in it, a per-step cost the tokens-only step-time model does not see;
+- ``draft_token_s``: what one more draft token costs a step at this batch size, as the replica
+  has learned it from its own steps (``decode.draft_cost``; 0 until it has). Adaptive
+  speculation charges drafts at least that, so the router must too to predict the k it grants.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 from decode.goodput import StepTimeModel, expected_tokens
 
-ROUTING_STATS_VERSION = 1
+ROUTING_STATS_VERSION = 2
 MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
 
 
@@ -48,6 +51,7 @@ class RoutingStats:
     adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
     draft_round_s: float  # fixed cost of one draft round (0: drafting has no model forward)
+    draft_token_s: float  # learned cost of one more draft token at this batch size (0: unknown)
     alphas: tuple[float, ...]  # acceptance estimates of (up to MAX_LISTED) batch requests
     ks: tuple[int, ...]  # their current speculation lengths
     step_time: tuple[tuple[int, float], ...]  # the replica's StepTimeModel points; () if none
@@ -82,6 +86,7 @@ class RoutingStats:
                 adaptive=bool(d["adaptive"]),
                 step_max_k=int(d["step_max_k"]),
                 draft_round_s=float(d["draft_round_s"]),
+                draft_token_s=float(d["draft_token_s"]),
                 alphas=tuple(float(a) for a in d["alphas"]),
                 ks=tuple(int(k) for k in d["ks"]),
                 step_time=tuple((int(n), float(t)) for n, t in d["step_time"]),
@@ -106,6 +111,7 @@ def collect_routing_stats(
     adaptive: bool,
     step_time: StepTimeModel | None,
     draft_round_s: float = 0.0,
+    draft_token_s: float = 0.0,
     now: float | None = None,
 ) -> RoutingStats:
     """Summarise a batch (one acceptance estimate and one k per request) for the router."""
@@ -125,6 +131,7 @@ def collect_routing_stats(
         adaptive=adaptive,
         step_max_k=max(ks, default=0),
         draft_round_s=draft_round_s,
+        draft_token_s=draft_token_s,
         alphas=tuple(alphas[:MAX_LISTED]),
         ks=tuple(ks[:MAX_LISTED]),
         step_time=step_time.points if step_time is not None else (),

@@ -33,7 +33,7 @@ from models.runner import ModelRunner, SeqInput
 
 log = logging.getLogger(__name__)
 CONTEXT = 128  # tokens of context the calibration steps attend over
-METHOD = 3  # bumped when measurement or fit change, so cached models are re-measured
+METHOD = 4  # bumped when measurement or fit change, so cached models are re-measured
 
 
 def isotonic(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:

@@ -44,24 +44,94 @@ class SeqSlice:
 
 
 @dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended together, their queries padded to one ``[b, q]`` layout.
+
+    A step's sequences are grouped by how many new tokens they bring (powers of two: 1, 2,
+    3-4, 5-8, ...), so a prompt chunk does not pad every one-token decode in the step to its
+    length, nor a k + 1 verification the decodes beside it; padding wastes at most half of a
+    group's query rows.
+    """
+
+    rows: torch.Tensor | None  # [t] the group's tokens among the step's T; None: all, in order
+    tables: torch.Tensor  # [b, NBmax] each sequence's blocks (padded with block 0)
+    token_index: torch.Tensor  # [t] index of each token in the padded [b * q] query layout
+    mask: torch.Tensor  # [b, 1, q, C] True where a query may attend; C = NBmax * block_size
+    num_seqs: int  # b
+    max_query: int  # q
+    dense: bool  # b == 1 and no padding: the padded layout equals the flat one
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Indices shared by every layer of one forward step (B sequences, T new tokens)."""
 
     positions: torch.Tensor  # [T] position of each new token in its sequence
     slot_blocks: torch.Tensor  # [T] block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    tables: torch.Tensor  # [B, NBmax] each sequence's blocks (padded with block 0)
-    token_index: torch.Tensor  # [T] index of each new token in the padded [B * Q] query layout
-    mask: torch.Tensor  # [B, 1, Q, C] True where a query may attend; C = NBmax * block_size
+    groups: tuple[AttentionGroup, ...]  # the sequences, by new-token count
     cos: torch.Tensor  # [T, 1, head_dim / 2] rotary cosines at the new tokens' positions
     sin: torch.Tensor  # [T, 1, head_dim / 2]
-    num_seqs: int  # B
-    max_query: int  # Q
-    dense: bool  # B == 1 and no padding: the padded layout equals the flat one
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+def _query_bucket(num_new: int) -> int:
+    """Group key: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+    return (num_new - 1).bit_length()
+
+
+def _tables(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
+    """[b, NBmax] each sequence's blocks for this step, padded with block 0."""
+    need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
+    tables = torch.zeros(len(seqs), max(need), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, need, strict=True)):
+        if len(s.block_table) < n:
+            raise ValueError(f"block table holds {len(s.block_table)} blocks, step needs {n}")
+        tables[i, :n] = torch.tensor(list(s.block_table[:n]), dtype=torch.long)
+    return tables
+
+
+def _group(
+    seqs: Sequence[SeqSlice],
+    members: Sequence[int],
+    starts: Sequence[int],
+    total: int,
+    block_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    """The padded layout of ``seqs[members]`` (``starts[i]``: seq i's first token in the step)."""
+    part = [seqs[i] for i in members]
+    num_new = torch.tensor([s.num_new for s in part])  # [b]
+    cached = torch.tensor([s.num_cached for s in part])  # [b]
+    b, q = len(part), int(num_new.max())
+    tables = _tables(part, block_size)  # [b, NBmax]
+    c = tables.shape[1] * block_size
+    q_idx = torch.arange(q)  # [q]
+    q_valid = q_idx.unsqueeze(0) < num_new.unsqueeze(1)  # [b, q]
+    q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)  # [b, q]
+    ctx_pos = torch.arange(c)  # [C]
+    mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [b, q, C]
+    # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
+    mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
+    token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
+    rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
+    in_order = rows.numel() == total and bool((rows == torch.arange(total)).all())
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
+    return AttentionGroup(
+        rows=None if in_order else dev(rows),
+        tables=dev(tables),
+        token_index=dev(token_index),
+        mask=dev(mask.unsqueeze(1)),
+        num_seqs=b,
+        max_query=q,
+        dense=b == 1,
+    )
 
 
 def build_attention_metadata(
@@ -74,47 +144,28 @@ def build_attention_metadata(
     """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch)."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
-    num_new = torch.tensor([s.num_new for s in seqs])  # [B]
-    cached = torch.tensor([s.num_cached for s in seqs])  # [B]
-    b, q = len(seqs), int(num_new.max())
-    max_blocks = (int((cached + num_new).max()) + block_size - 1) // block_size
-    c = max_blocks * block_size
-    tables = torch.zeros(b, max_blocks, dtype=torch.long)  # [B, max_blocks]
+    tables = _tables(seqs, block_size)  # [B, NBmax]: every sequence's slots, for the K/V writes
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.num_new)
+    positions = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
+    seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
+    slot_blocks = tables[seq_of_token, positions // block_size]  # [T]
+    by_bucket: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
-        need = (s.num_cached + s.num_new + block_size - 1) // block_size
-        if len(s.block_table) < need:
-            raise ValueError(f"block table holds {len(s.block_table)} blocks, step needs {need}")
-        tables[i, :need] = torch.tensor(list(s.block_table[:need]), dtype=torch.long)
-
-    q_idx = torch.arange(q)  # [Q]
-    q_valid = q_idx.unsqueeze(0) < num_new.unsqueeze(1)  # [B, Q]
-    q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)  # [B, Q]
-    ctx_pos = torch.arange(c)  # [C]
-    mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [B, Q, C]
-    # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
-    mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
-
-    positions = q_pos[q_valid]  # [T]
-    seq_of_token = torch.arange(b).unsqueeze(1).expand(b, q)[q_valid]  # [T]
-    slot_blocks = tables[seq_of_token, positions // block_size]
-    token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]
-
-    def dev(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
-    pos_dev = dev(positions)
+        by_bucket.setdefault(_query_bucket(s.num_new), []).append(i)
+    groups = tuple(
+        _group(seqs, members, starts, starts[-1], block_size, device)
+        for _, members in sorted(by_bucket.items())
+    )
+    pos_dev = positions.to(device, non_blocking=True)
     return AttentionMetadata(
         positions=pos_dev,
-        slot_blocks=dev(slot_blocks),
-        slot_offsets=dev(positions % block_size),
-        tables=dev(tables),
-        token_index=dev(token_index),
-        mask=dev(mask.unsqueeze(1)),
+        slot_blocks=slot_blocks.to(device, non_blocking=True),
+        slot_offsets=(positions % block_size).to(device, non_blocking=True),
+        groups=groups,
         cos=rope_cos[pos_dev].unsqueeze(1),
         sin=rope_sin[pos_dev].unsqueeze(1),
-        num_seqs=b,
-        max_query=q,
-        dense=b == 1,
     )
 
 
@@ -131,26 +182,38 @@ def paged_attention(
     q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [2, Hkv, num_blocks, block_size, D] (one layer
     of the pool). Returns [T, Hq * D].
     """
-    _t, hq, d = q.shape
-    hkv = k.shape[1]
     k_cache, v_cache = layer_kv[0], layer_kv[1]  # [Hkv, NB, BS, D] views into the pool
     k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
     v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
-    b, qn = meta.num_seqs, meta.max_query
-    flat = meta.tables.view(-1)  # [B * NBmax]
-    c = meta.tables.shape[1] * k_cache.shape[2]
-    # Whole blocks per head, end to end: [Hkv, B * NBmax, BS, D] -> [B, Hkv, C, D] (a view).
+    if len(meta.groups) == 1 and meta.groups[0].rows is None:
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
+    for g in meta.groups:
+        out[g.rows] = _attend(q if g.rows is None else q[g.rows], k_cache, v_cache, g, scale)
+    return out
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """One group's attention. q: [t, Hq, D]; caches: [Hkv, NB, BS, D]. Returns [t, Hq * D]."""
+    _t, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    b, qn = g.num_seqs, g.max_query
+    flat = g.tables.view(-1)  # [b * NBmax]
+    c = g.tables.shape[1] * k_cache.shape[2]
+    # Whole blocks per head, end to end: [Hkv, b * NBmax, BS, D] -> [b, Hkv, C, D] (a view).
     keys = k_cache.index_select(1, flat).view(hkv, b, c, d).transpose(0, 1)
     values = v_cache.index_select(1, flat).view(hkv, b, c, d).transpose(0, 1)
 
-    if meta.dense:
-        qp = q.unsqueeze(0)  # [1, T, Hq, D]
+    if g.dense:
+        qp = q.unsqueeze(0)  # [1, t, Hq, D]
     else:
         qp = q.new_zeros(b * qn, hq, d)
-        qp[meta.token_index] = q
+        qp[g.token_index] = q
         qp = qp.view(b, qn, hq, d)
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=hq != hkv
-    )  # [B, Hq, Q, D]
+        qp.transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
+    )  # [b, Hq, q, D]
     out = out.transpose(1, 2).reshape(b * qn, hq * d)
-    return out if meta.dense else out[meta.token_index]
+    return out if g.dense else out[g.token_index]

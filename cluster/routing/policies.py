@@ -64,6 +64,7 @@ def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) 
             int(table.eff_max_k[row]),
             float(table.draft_round_s[row]),
             table.steps[mid],
+            float(table.draft_token_s[row]),
         ).k
     blocks = math.ceil((req.prompt_tokens + 1) / max(int(table.block_size[row]), 1))
     joins = bool(table.eff_slots[row] > 0)
@@ -157,6 +158,7 @@ class AcceptanceAware(RoutingPolicy):
             cost = placement_costs(
                 req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
                 adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
+                table.draft_token_s,
             )  # fmt: skip
         else:
             cost = np.full(table.size, np.inf)
@@ -165,7 +167,7 @@ class AcceptanceAware(RoutingPolicy):
                 cost[s] = placement_costs(
                     req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
                     table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
-                    table.draft_round_s[s], steps,
+                    table.draft_round_s[s], steps, table.draft_token_s[s],
                 )  # fmt: skip
         admit = table.can_admit(req.prompt_tokens)
         if admit.all():

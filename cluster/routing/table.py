@@ -29,8 +29,8 @@ BoolArray = npt.NDArray[np.bool_]
 class ReplicaTable:
     _STATS = (
         "running", "queued", "step_tokens", "tpot_weight", "step_emitted", "adaptive",
-        "step_max_k", "draft_round_s", "free_blocks", "num_blocks", "block_size", "max_batch",
-        "k_max", "stats_time", "received_at",
+        "step_max_k", "draft_round_s", "draft_token_s", "free_blocks", "num_blocks",
+        "block_size", "max_batch", "k_max", "stats_time", "received_at",
     )  # fmt: skip
     _OVERLAY = (
         "o_running", "o_queued", "o_tokens", "o_weight", "o_emitted", "o_max_k", "o_blocks",
@@ -69,6 +69,7 @@ class ReplicaTable:
     adaptive: FloatArray  # 1.0 where the replica chooses k per request, 0.0 where pinned
     step_max_k: FloatArray
     draft_round_s: FloatArray
+    draft_token_s: FloatArray  # the replica's learned cost of a draft token (0: not yet)
     free_blocks: FloatArray
     num_blocks: FloatArray
     block_size: FloatArray
@@ -140,8 +141,8 @@ class ReplicaTable:
         self._use_model(row, s.step_time_model())
         values = (
             s.running, s.queued, s.step_tokens, s.tpot_weight, s.step_emitted, float(s.adaptive),
-            s.step_max_k, s.draft_round_s, s.free_blocks, s.num_blocks, s.block_size,
-            s.max_batch_size, s.k_max, s.time, received_at,
+            s.step_max_k, s.draft_round_s, s.draft_token_s, s.free_blocks, s.num_blocks,
+            s.block_size, s.max_batch_size, s.k_max, s.time, received_at,
         )  # fmt: skip
         for name, v in zip(self._STATS, values, strict=True):
             getattr(self, name)[row] = v

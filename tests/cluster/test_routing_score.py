@@ -18,19 +18,31 @@ def test_granted_k_takes_every_draft_whose_gain_beats_the_threshold() -> None:
     assert granted_k(0.3, 4, np.array([0.05, 0.1, 0.3])).tolist() == [2, 1, 0]
 
 
-def test_granted_k_agrees_with_choose_ks_on_a_batch() -> None:
-    """Adding one request to a batch: the k the router predicts is what choose_ks grants it."""
+@pytest.mark.parametrize("per_draft_s", [None, 0.0015])
+def test_granted_k_agrees_with_choose_ks_on_a_batch(per_draft_s: float | None) -> None:
+    """Adding one request to a batch: the k the router predicts is what choose_ks grants it,
+    also where the replica has learned that a draft token costs more than its model says."""
     batch = [0.6] * 12
     s = collect_routing_stats(
-        batch, choose_ks(batch, MODEL, 4), queued=0, free_blocks=100, num_blocks=100,
-        block_size=16, max_batch_size=64, k_max=4, adaptive=True, step_time=MODEL,
+        batch, choose_ks(batch, MODEL, 4, per_draft_s=per_draft_s), queued=0, free_blocks=100,
+        num_blocks=100, block_size=16, max_batch_size=64, k_max=4, adaptive=True,
+        step_time=MODEL, draft_token_s=per_draft_s or 0.0,
     )  # fmt: skip
+    grants = []
     for alpha in (0.2, 0.6, 0.9):
         predicted = placement(
-            alpha, 4, s.step_tokens, s.tpot_weight, s.step_emitted, True, 0, 0.0, MODEL
-        )
-        granted = choose_ks([*batch, alpha], MODEL, 4)[-1]
+            alpha, 4, s.step_tokens, s.tpot_weight, s.step_emitted, True, 0, 0.0, MODEL,
+            s.draft_token_s,
+        )  # fmt: skip
+        granted = choose_ks([*batch, alpha], MODEL, 4, per_draft_s=per_draft_s)[-1]
         assert abs(predicted.k - granted) <= 1, (alpha, predicted.k, granted)
+        grants.append(predicted.k)
+    if per_draft_s is not None:  # the dearer draft buys less than the model alone would
+        cheap = [
+            placement(a, 4, s.step_tokens, s.tpot_weight, s.step_emitted, True, 0, 0.0, MODEL).k
+            for a in (0.2, 0.6, 0.9)
+        ]
+        assert sum(grants) < sum(cheap), (grants, cheap)
 
 
 def test_placement_prices_own_tpot_and_the_slowdown_of_others() -> None:
@@ -60,13 +72,17 @@ def test_vectorised_costs_equal_the_scalar_ones() -> None:
     adaptive = rng.random(50) < 0.7
     max_k = rng.integers(0, 5, 50).astype(float)
     rounds = np.full(50, 0.0015)
+    per_draft = np.where(rng.random(50) < 0.5, 0.0, rng.random(50) * 0.003)
     for alpha in (0.1, 0.5, 0.95):
         got = placement_costs(
-            alpha, 4, tokens, weight, emitted, adaptive, max_k, rounds, StepTable.of(MODEL)
-        )
+            alpha, 4, tokens, weight, emitted, adaptive, max_k, rounds, StepTable.of(MODEL),
+            per_draft,
+        )  # fmt: skip
         want = [
-            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL).cost_s
-            for t, w, e, a, m in zip(tokens, weight, emitted, adaptive, max_k, strict=True)
+            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL, c).cost_s
+            for t, w, e, a, m, c in zip(
+                tokens, weight, emitted, adaptive, max_k, per_draft, strict=True
+            )
         ]
         np.testing.assert_allclose(got, want, rtol=1e-9)
 
@@ -74,7 +90,8 @@ def test_vectorised_costs_equal_the_scalar_ones() -> None:
 def test_routing_stats_survive_the_trip_through_a_dict() -> None:
     s = collect_routing_stats(
         [0.3, 0.9], [0, 3], queued=2, free_blocks=7, num_blocks=9, block_size=16,
-        max_batch_size=8, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=0.001, now=5.0,
+        max_batch_size=8, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=0.001,
+        draft_token_s=0.0021, now=5.0,
     )  # fmt: skip
     assert (s.running, s.step_tokens, s.step_max_k) == (2, 5, 3)  # (1 + 0) + (1 + 3)
     assert s.tpot_weight == pytest.approx(1 + 1 / expected_tokens(0.9, 3))

@@ -92,6 +92,34 @@ def test_ragged_batch_matches_each_sequence_alone(tiny_folder: Path) -> None:
         rows += j
 
 
+def test_interleaved_query_lengths_match_each_sequence_alone(tiny_folder: Path) -> None:
+    """Sequences attended in separate groups (by new-token count) though interleaved in the
+    batch: decodes, verifications and a prompt chunk in one step, each as if alone."""
+    ours, ref, pool = _setup(tiny_folder)
+    gen = torch.Generator().manual_seed(5)
+    news = (1, 20, 1, 4, 2, 5)
+    cached = (9, 0, 30, 12, 17, 3)
+    seqs = [
+        torch.randint(0, ours.cfg.vocab_size, (c + n,), generator=gen).tolist()
+        for c, n in zip(cached, news, strict=True)
+    ]
+    tables = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(seqs))]
+    prefix = [
+        SeqInput(t, 0, s[:c], [c - 1]) for t, s, c in zip(tables, seqs, cached, strict=True) if c
+    ]
+    run_step(ours, pool, BS, prefix)  # the cached parts, ragged
+    batch = [
+        SeqInput(t, c, s[c:], list(range(n)))
+        for t, s, c, n in zip(tables, seqs, cached, news, strict=True)
+    ]
+    out = run_step(ours, pool, BS, batch)
+    rows = 0
+    for s, c, n in zip(seqs, cached, news, strict=True):
+        want = _ref_logits(ref, s)[c : c + n]
+        assert (out.logits[rows : rows + n] - want).abs().max().item() <= TOL
+        rows += n
+
+
 def test_untied_lm_head_loads(embedded_folder: Path, tmp_path: Path) -> None:
     from tests.helpers import make_tiny_checkpoint
 
