@@ -5,9 +5,14 @@
 2. Decode throughput at batch 1..32 (speculation off): tokens/s per batch size, ratio to batch 1.
 3. Verification cost: one target forward over k + 1 tokens per sequence, k = 0..8, at batch 1
    and 8, relative to k = 0 (the curve adaptive speculation uses).
-4. Memory: KV pool bytes and the process's peak RSS.
+4. Ragged steps: one forward carrying 32 decodes and a prompt chunk (or 16 one-token decodes
+   and 16 k = 4 verifications) against the two parts run as separate forwards, and 32 decodes
+   over contexts of 100-900 tokens against 32 at their mean context: attention groups
+   sequences by new-token count and context length, so raggedness should cost nothing extra.
+5. Memory: KV pool bytes and the process's peak RSS.
 
-    .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64] [--verify-only]
+    .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64]
+        [--verify-only | --mixed-only]
 
 Writes bench/results/engine_step.json and engine_step.png.
 """
@@ -91,14 +96,79 @@ def verify_curve(spec: ModelSpec, batch: int, ks: range, rounds: int = 9) -> dic
     )
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(batch)]
     run_step(model, pool, 16, [SeqInput(t, 0, list(range(200)), [199]) for t in tables])
-    times: dict[int, list[float]] = {k: [] for k in ks}
+    cases = {
+        str(k): [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
+        for k in ks
+    }
+    return {int(k): v for k, v in _median_ms(cases, model, pool, rounds).items()}
+
+
+def _median_ms(
+    cases: dict[str, list[SeqInput]], model: Any, pool: torch.Tensor, rounds: int
+) -> dict[str, float]:
+    """Median ms of one forward per case, the cases interleaved round by round."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
-        for k in ks:
-            batch_in = [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
+        for name, batch in cases.items():
             t0 = time.perf_counter()
-            run_step(model, pool, 16, batch_in)
-            times[k].append(time.perf_counter() - t0)
+            run_step(model, pool, 16, batch)
+            times[name].append(time.perf_counter() - t0)
     return {k: 1000 * statistics.median(v) for k, v in times.items()}
+
+
+def mixed_cost(spec: ModelSpec, rounds: int = 7) -> dict[str, dict[str, float]]:
+    """Mixed forwards against baselines in the same run (median ms, interleaved):
+
+    - 32 decodes + a 128-token prompt chunk, and 16 decodes + 16 verifications of k = 4 (context
+      200), each against its two parts run as separate forwards;
+    - 32 decodes over contexts spread from 100 to 900 tokens against 32 decodes all at their
+      mean context (the KV is not filled: timing does not depend on its values).
+    """
+    model = spec.load()
+    c = model.cfg
+    pool = torch.zeros(
+        kv_pool_shape(33 * 64, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
+    )
+    tables = [list(range(i * 64, i * 64 + 64)) for i in range(33)]
+
+    def dec(t: list[int], width: int, ctx: int = 200) -> SeqInput:
+        return SeqInput(t, ctx, list(range(width)), list(range(width)))
+
+    chunk = SeqInput(tables[32], 0, list(range(PROMPT_LEN)), [PROMPT_LEN - 1])
+    decodes = [dec(t, 1) for t in tables[:32]]
+    half, verifies = decodes[:16], [dec(t, 5) for t in tables[16:32]]
+    spread = [100 + 800 * i // 31 for i in range(32)]
+    mean_ctx = round(statistics.mean(spread))
+    ms = _median_ms(
+        {
+            "decodes": decodes,
+            "prompt": [chunk],
+            "decodes+prompt": [*decodes, chunk],
+            "half": half,
+            "verifies": verifies,
+            "decodes+verifies": half + verifies,
+            "spread": [dec(t, 1, n) for t, n in zip(tables, spread, strict=False)],
+            "mean": [dec(t, 1, mean_ctx) for t in tables[:32]],
+        },
+        model,
+        pool,
+        rounds,
+    )
+    out = {
+        "decodes+prompt": {"ms": ms["decodes+prompt"], "baseline_ms": ms["decodes"] + ms["prompt"]},
+        "decodes+verifies": {
+            "ms": ms["decodes+verifies"],
+            "baseline_ms": ms["half"] + ms["verifies"],
+        },
+        "contexts 100-900": {"ms": ms["spread"], "baseline_ms": ms["mean"]},
+    }
+    for name, r in out.items():
+        r["ratio"] = r["ms"] / r["baseline_ms"]
+        print(
+            f"{spec.dtype} {name}: {r['ms']:.1f} ms vs baseline {r['baseline_ms']:.1f} ms",
+            flush=True,
+        )
+    return out
 
 
 def verify_only(report: dict[str, Any], dtypes: list[str], folder: Path) -> None:
@@ -121,13 +191,19 @@ def main() -> None:
     ap.add_argument(
         "--verify-only", action="store_true", help="re-measure the verify curves into the JSON"
     )
+    ap.add_argument("--mixed-only", action="store_true", help="re-measure mixed steps into it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
-    if args.verify_only:
+    if args.verify_only or args.mixed_only:
         path = RESULTS / "engine_step.json"
         previous: dict[str, Any] = json.loads(path.read_text())
-        verify_only(previous, args.dtypes, folder)
+        if args.verify_only:
+            verify_only(previous, args.dtypes, folder)
+        if args.mixed_only:
+            for dt in args.dtypes:
+                mixed = mixed_cost(ModelSpec(str(folder), dt))
+                previous["dtypes"].setdefault(dt, {})["mixed"] = mixed
         path.write_text(json.dumps(previous, indent=2))
         _plot(previous, RESULTS / "engine_step.png")
         return
@@ -165,6 +241,7 @@ def main() -> None:
         r["verify_ms"] = curves
         r["verify_ratio"] = {b: {k: v / c[0] for k, v in c.items()} for b, c in curves.items()}
         print(f"{dt}: verify cost ratio {json.dumps(r['verify_ratio'])}", flush=True)
+        r["mixed"] = mixed_cost(spec)
         report["dtypes"][dt] = r
         del engine
     report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -15,7 +15,10 @@ blocks through a *block table*: token ``p`` of a sequence lives in block
 A forward step may mix sequences with different numbers of new tokens (prompt chunks, one decode
 token, k + 1 verification tokens). :class:`AttentionMetadata` is built once per step and shared
 by all layers: where each new token's K/V is written, which blocks each sequence attends to,
-the causal mask over them, and the rotary angles of the new tokens.
+the causal mask over them, and the rotary angles of the new tokens. Attention runs per group of
+sequences with similar new-token counts and context lengths (``AttentionGroup``), each padded
+to its own longest query and context, so one long prompt chunk does not make every decode in
+the step attend with its query length, nor one long context every short one with its length.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ class SeqSlice:
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Sequences attended together, their queries padded to one ``[b, q]`` layout.
+    """Sequences attended together, their queries padded to one ``[b, q]`` layout and their
+    contexts to one length ``C``.
 
-    A step's sequences are grouped by how many new tokens they bring (powers of two: 1, 2,
-    3-4, 5-8, ...), so a prompt chunk does not pad every one-token decode in the step to its
-    length, nor a k + 1 verification the decodes beside it; padding wastes at most half of a
-    group's query rows.
+    A step's sequences are grouped by how many new tokens they bring and by how many KV blocks
+    they attend over, each in powers of two (1, 2, 3-4, 5-8, ...): a prompt chunk does not pad
+    every one-token decode in the step to its length, a k + 1 verification the decodes beside
+    it, nor the longest context every short one (measured on 2 CPU cores, 32 decodes with
+    contexts of 100-900 tokens: 830 ms in one group, 298 ms grouped). Padding wastes at most
+    half of a group's query rows and half of its context.
     """
 
     rows: torch.Tensor | None  # [t] the group's tokens among the step's T; None: all, in order
@@ -78,9 +84,15 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
-def _query_bucket(num_new: int) -> int:
-    """Group key: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
-    return (num_new - 1).bit_length()
+def _pow2_bucket(n: int) -> int:
+    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+    return (n - 1).bit_length()
+
+
+def _group_key(s: SeqSlice, block_size: int) -> tuple[int, int]:
+    """Sequences attended together: alike in new tokens and in context blocks, to a factor 2."""
+    blocks = (s.num_cached + s.num_new + block_size - 1) // block_size
+    return _pow2_bucket(s.num_new), _pow2_bucket(blocks)
 
 
 def _tables(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
@@ -151,9 +163,9 @@ def build_attention_metadata(
     positions = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
     seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
     slot_blocks = tables[seq_of_token, positions // block_size]  # [T]
-    by_bucket: dict[int, list[int]] = {}
+    by_bucket: dict[tuple[int, int], list[int]] = {}
     for i, s in enumerate(seqs):
-        by_bucket.setdefault(_query_bucket(s.num_new), []).append(i)
+        by_bucket.setdefault(_group_key(s, block_size), []).append(i)
     groups = tuple(
         _group(seqs, members, starts, starts[-1], block_size, device)
         for _, members in sorted(by_bucket.items())
@@ -189,7 +201,8 @@ def paged_attention(
         return _attend(q, k_cache, v_cache, meta.groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
     for g in meta.groups:
-        out[g.rows] = _attend(q if g.rows is None else q[g.rows], k_cache, v_cache, g, scale)
+        assert g.rows is not None  # only a lone group covering the whole step has none
+        out[g.rows] = _attend(q[g.rows], k_cache, v_cache, g, scale)
     return out
 
 
