@@ -128,6 +128,7 @@ class OpenAIService:
             max_tokens=max_tokens,
             seed=body.seed if body.seed is not None else secrets.randbits(63),
             stop_token_ids=s.eos_token_ids,
+            seeded=body.seed is not None,
         )
         return Request(
             request_id=uuid.uuid4().hex,

@@ -110,8 +110,9 @@ class DecodeEngine:
 
     def _speculation(self) -> SpeculationPolicy:
         d, cfg = self.cfg.draft, self.cfg
+        held = self.drafter is not None and self.drafter.step_dependent
         if not d.adaptive:
-            return SpeculationPolicy(d.num_speculative_tokens, None)
+            return SpeculationPolicy(d.num_speculative_tokens, None, held)
         shapes = calibration_points(
             min(cfg.max_batch_size, 32),
             d.num_speculative_tokens + 1,
@@ -131,7 +132,7 @@ class DecodeEngine:
         model = cached_step_time(
             path, lambda: measure_step_time(self.target, self.allocator, cfg.block_size, shapes)
         )
-        return SpeculationPolicy(d.num_speculative_tokens, model)
+        return SpeculationPolicy(d.num_speculative_tokens, model, held)
 
     # ---- requests in and out -------------------------------------------------------------
 

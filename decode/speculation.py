@@ -4,7 +4,9 @@ Adaptive mode picks ``k_i`` per request to maximise the step's expected goodput
 (``decode.goodput``) from each request's acceptance estimate — prefill's probe at first, then
 the running average of what it actually accepts — and this replica's step-time model, measured
 at start-up and refined by the steps it runs (``decode.step_time``). Pinned mode always asks
-for ``k``.
+for ``k``. Either way, a request whose tokens must not depend on the batch while its drafter's
+proposals depend on where each step began (``Drafter.step_dependent``, with a client-chosen
+seed and sampling) is held at its cap every step.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ class SpeculationPolicy:
     would read as certain acceptance).
     """
 
-    def __init__(self, k_max: int, step_time: StepTimeModel | None) -> None:
+    def __init__(
+        self, k_max: int, step_time: StepTimeModel | None, step_dependent: bool = False
+    ) -> None:
         self.k_max = k_max
+        self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
         self.draft_cost = DraftCost()
@@ -62,11 +67,47 @@ class SpeculationPolicy:
             self.tracker.observe(tokens, seconds)
             self.draft_cost.observe(seqs, tokens - seqs, seconds)
 
+    def held(self, r: Request) -> bool:
+        """Whether ``r`` speculates its full cap every step, whatever the batch: a client-seeded
+        sampled request on a replica whose drafter's proposal at a position depends on where
+        the step began (an EAGLE head). Its tokens then depend on its speculation lengths; held
+        at the cap (fixed by ``k_max``, ``max_tokens`` and its own length), they are the same
+        whatever shares its batch. Goodput choice and the token budget do not apply to it."""
+        return self.step_dependent and r.sampling.seeded and not r.sampling.greedy
+
     def choose(
         self, reqs: Sequence[Request], caps: Sequence[int], fixed_tokens: int, budget: int
     ) -> list[int]:
         """Per request, the draft tokens to verify (each at most its cap)."""
         caps = [min(c, self.k_max) for c in caps]
+        held = [self.held(r) for r in reqs]
+        if not any(held):
+            return self._choose(reqs, caps, fixed_tokens, budget, len(reqs))
+        free = [i for i, h in enumerate(held) if not h]
+        taken = sum(1 + caps[i] for i, h in enumerate(held) if h)  # tokens the held ones score
+        got = self._choose(
+            [reqs[i] for i in free],
+            [caps[i] for i in free],
+            fixed_tokens + taken,
+            budget - taken,
+            len(reqs),
+        )
+        out = list(caps)
+        for i, k in zip(free, got, strict=True):
+            out[i] = k
+        return out
+
+    def _choose(
+        self,
+        reqs: Sequence[Request],
+        caps: Sequence[int],
+        fixed_tokens: int,
+        budget: int,
+        seqs: int,
+    ) -> list[int]:
+        """``choose`` over the requests not held (``seqs``: all that decode this step)."""
+        if not reqs:
+            return []
         if self.tracker is None:
             out, left = [], budget - len(reqs)
             for c in caps:
@@ -75,5 +116,5 @@ class SpeculationPolicy:
                 left -= k
             return out
         alphas = [self.estimate(r) for r in reqs]
-        per_draft = self.draft_cost.per_draft(len(reqs))
+        per_draft = self.draft_cost.per_draft(seqs)
         return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens, per_draft)

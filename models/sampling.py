@@ -26,6 +26,7 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # end-of-sequence ids included unless ignore_eos
+    seeded: bool = False  # the client chose the seed: its tokens must not depend on the batch
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,8 @@ class Drafter(ABC):
     verify; it proposes tokens for the positions right after every known token
     (``len(output_token_ids)``, ``+1``, ...), and may stop early where it has nothing to
     propose. The proposal at a position must depend only on the tokens before it (never on how
-    many positions were asked for), and be drawn with the generator of
+    many positions were asked for; a drafter whose proposals also depend on where the step
+    began declares ``step_dependent``), and be drawn with the generator of
     ``(seed, position, Stream.DRAFT)`` from ``probs``, computed under the request's own sampling
     transform (``models.sampling.probs_from_logits``): that keeps verification exact and seeded
     outputs independent of the step width. A drafter with its own KV keeps
@@ -38,6 +39,10 @@ class Drafter(ABC):
     uses_kv: bool = False
     #: whether ``observe`` wants the target's features (final hidden states)
     needs_features: bool = False
+    #: whether a proposal depends on where the step began, not only on the tokens before it
+    #: (an EAGLE head's later drafts read its own predicted features): then a seeded sampled
+    #: request's tokens depend on its speculation lengths, which must not depend on the batch
+    step_dependent: bool = False
 
     @abstractmethod
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:

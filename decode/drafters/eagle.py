@@ -25,6 +25,7 @@ from models.sampling import Stream, probs_from_logits, sample_token
 class EagleDrafter(Drafter):
     uses_kv = True
     needs_features = True
+    step_dependent = True
 
     def __init__(self, runner: EagleRunner) -> None:
         self.runner = runner

@@ -98,24 +98,30 @@ def test_seeded_sampling_does_not_depend_on_the_speculation_length(
     assert outs[0] == outs[1] == outs[2]
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 def test_seeded_eagle_sampling_does_not_depend_on_the_batch(
-    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, adaptive: bool
 ) -> None:
     """An EAGLE head's later drafts read its own predicted features, so its proposal at a
-    position depends on where the step began: with k pinned, the batch around a seeded request
-    still changes nothing."""
+    position depends on where the step began: a client-seeded sampled request is held at its
+    full speculation length every step (``SpeculationPolicy.held``), so neither the batch
+    around it nor adaptive speculation changes its tokens."""
     target = ModelSpec(str(tiny_folder))
-    spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, False)
-    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=9)
-    engine = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=9, seeded=True)
+    pinned_spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, False)
+    pinned = DecodeEngine(DecodeEngineConfig("t", target, pinned_spec, num_blocks=128))
     alone = make_request(_prompts()[2], sp)
-    want = run_all(engine, [alone])[alone.request_id]
+    want = run_all(pinned, [alone])[alone.request_id]
+    spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, adaptive)
+    engine = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
     crowd = [
         make_request(p, SamplingParams(temperature=0.8, max_tokens=30, seed=i))
         for i, p in enumerate(_prompts())
     ]
     again = make_request(_prompts()[2], sp)
-    assert run_all(engine, [*crowd, again])[again.request_id] == want
+    got = run_all(engine, [*crowd, again])
+    assert got[again.request_id] == want
+    assert again.stats.num_draft_tokens > 0
 
 
 def test_eagle_handoff_carries_the_last_feature(

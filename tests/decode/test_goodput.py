@@ -5,6 +5,9 @@ import itertools
 import pytest
 
 from decode.goodput import StepTimeModel, choose_ks, expected_tokens, goodput
+from decode.speculation import SpeculationPolicy
+from models.sampling import SamplingParams
+from tests.decode.engine_utils import make_request
 
 
 def test_expected_tokens() -> None:
@@ -57,3 +60,23 @@ def test_a_prompt_chunk_in_the_step_does_not_make_drafts_cheaper() -> None:
     assert choose_ks(alphas, model, 4, fixed_tokens=500) == alone
     assert sum(alone) < 4 * 4  # the low-acceptance requests get fewer drafts
     assert alone[0] <= alone[-1]
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_seeded_request_is_held_at_its_cap_where_drafts_depend_on_the_step(
+    adaptive: bool,
+) -> None:
+    """With a step-dependent drafter (EAGLE), a client-seeded sampled request speculates its
+    cap whatever the batch, the goodput and the budget say; the others are chosen as usual."""
+    saturated = StepTimeModel.linear(0.0, 0.01)  # any draft only adds cost: adaptive gives 0
+    policy = SpeculationPolicy(4, saturated if adaptive else None, step_dependent=True)
+    seeded = SamplingParams(temperature=0.7, max_tokens=50, seed=3, seeded=True)
+    unseeded = SamplingParams(temperature=0.7, max_tokens=50, seed=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, seeded=True)
+    reqs = [make_request([5, 6, 7], sp) for sp in (unseeded, seeded, greedy, seeded)]
+    budget = 4 + 3  # one token per request and three drafts
+    ks = policy.choose(reqs, [4, 4, 4, 2], 0, budget)
+    assert ks[1] == 4 and ks[3] == 2  # held at their caps, past the budget
+    assert ks[0] == ks[2] == 0  # the budget is spent, and drafts do not pay when saturated
+    free = SpeculationPolicy(4, saturated if adaptive else None, step_dependent=False)
+    assert sum(free.choose(reqs, [4, 4, 4, 2], 0, budget)) <= 3  # no drafter quirk: no hold
