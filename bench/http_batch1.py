@@ -1,10 +1,12 @@
-"""Batch-1 latency through HTTP: speculation off vs n-gram speculation, in one run.
+"""Batch-1 latency through HTTP: speculation off vs drafting, in one run.
 
 Starts a local disaggregated cluster per configuration (same machine, same prompts, greedy),
 streams each prompt alone, and reports time to first token and decode tokens/s per prompt set,
-with the n-gram/off ratio. Writes bench/results/http_batch1.json.
+with each drafter's ratio to off. Drafters: ``ngram`` (prompt lookup) and ``eagle`` (the shipped
+distilled head, ``models/drafts/smollm2-135m-eagle``), k = 4 adaptive, as served.
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
+        [--drafts ngram eagle] [--out bench/results/http_batch1.json]
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from cluster.config import TandemConfig
 from cluster.local_cluster import start_ray
 
 RESULTS = Path(__file__).parent / "results"
+EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
 def _config(draft: str, port: int) -> TandemConfig:
     return TandemConfig.model_validate(
         {
             "mode": "disaggregated",
-            "draft": {"kind": draft, "num_speculative_tokens": 4},
+            "draft": {"kind": draft, "num_speculative_tokens": 4}
+            | ({"source": EAGLE_HEAD} if draft == "eagle" else {}),
             "prefill": {"num_blocks": 256, "num_threads": 2},
             "decode": {"num_blocks": 512, "num_threads": 2},
             "http": {"port": port},
@@ -57,7 +61,8 @@ def _summary(ts: list[Timing]) -> dict[str, float]:
 
 def run_config(
     draft: str, sets: dict[str, list[str]], max_tokens: int, port: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Per prompt set: the summary, and the texts (greedy: to compare across drafters)."""
     cfg = _config(draft, port)
     start_ray(cfg, num_cpus=2)
     try:
@@ -67,11 +72,13 @@ def run_config(
         model = resolve_models(cfg).name
         timed_chat(client, model, "Hello!", 8, temperature=0)  # warm-up
         out: dict[str, Any] = {}
+        texts: dict[str, list[str]] = {}
         for name, prompts in sets.items():
             ts = [timed_chat(client, model, p, max_tokens, temperature=0) for p in prompts]
             out[name] = _summary(ts)
+            texts[name] = [t.text for t in ts]
             print(f"  {draft:6s} {name:9s} {out[name]}", flush=True)
-        return out
+        return out, texts
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -82,18 +89,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sharegpt", type=int, default=8, help="ShareGPT prompts in the chat set")
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--drafts", nargs="+", default=["ngram"], choices=["ngram", "eagle"])
+    ap.add_argument("--out", type=Path, default=RESULTS / "http_batch1.json")
     args = ap.parse_args()
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
     t0 = time.time()
-    results = {d: run_config(d, sets, args.max_tokens, args.port) for d in ("none", "ngram")}
+    runs = {d: run_config(d, sets, args.max_tokens, args.port) for d in ["none", *args.drafts]}
+    results = {d: r[0] for d, r in runs.items()}
+    identical = {d: runs[d][1] == runs["none"][1] for d in args.drafts}
     ratios = {
-        name: {
-            "decode_tok_s": results["ngram"][name]["decode_tok_s_mean"]
-            / results["none"][name]["decode_tok_s_mean"],
-            "ttft": results["ngram"][name]["ttft_ms_median"]
-            / results["none"][name]["ttft_ms_median"],
+        f"{d}_over_off": {
+            name: {
+                "decode_tok_s": results[d][name]["decode_tok_s_mean"]
+                / results["none"][name]["decode_tok_s_mean"],
+                "ttft": results[d][name]["ttft_ms_median"]
+                / results["none"][name]["ttft_ms_median"],
+            }
+            for name in sets
         }
-        for name in sets
+        for d in args.drafts
     }
     report = {
         "benchmark": "http_batch1",
@@ -101,12 +115,13 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "prompts": {k: len(v) for k, v in sets.items()},
         "results": results,
-        "ngram_over_off": ratios,
+        **ratios,
+        "greedy_identical_to_off": identical,
         "wall_s": time.time() - t0,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "http_batch1.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(ratios, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({**ratios, "greedy_identical_to_off": identical}, indent=2))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ class Timing:
     completion_tokens: int
     draft_tokens: int
     accepted_tokens: int
+    text: str = ""  # the streamed content
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -30,6 +31,7 @@ def timed_chat(
     t0 = time.perf_counter()
     first: float | None = None
     usage: Any = None
+    parts: list[str] = []
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
@@ -39,8 +41,10 @@ def timed_chat(
         **kw,
     )
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+            if first is None:
+                first = time.perf_counter()
         if chunk.usage is not None:
             usage = chunk.usage
     end = time.perf_counter()
@@ -51,4 +55,5 @@ def timed_chat(
         completion_tokens=int(usage.completion_tokens) if usage else 0,
         draft_tokens=int(spec.get("draft_tokens", 0)),
         accepted_tokens=int(spec.get("accepted_tokens", 0)),
+        text="".join(parts),
     )
