@@ -89,15 +89,8 @@ def _pow2_bucket(n: int) -> int:
     return (n - 1).bit_length()
 
 
-def _group_key(s: SeqSlice, block_size: int) -> tuple[int, int]:
-    """Sequences attended together: alike in new tokens and in context blocks, to a factor 2."""
-    blocks = (s.num_cached + s.num_new + block_size - 1) // block_size
-    return _pow2_bucket(s.num_new), _pow2_bucket(blocks)
-
-
-def _tables(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
-    """[b, NBmax] each sequence's blocks for this step, padded with block 0."""
-    need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
+def _tables(seqs: Sequence[SeqSlice], need: Sequence[int]) -> torch.Tensor:
+    """[B, NBmax] each sequence's ``need[i]`` blocks for this step, padded with block 0."""
     tables = torch.zeros(len(seqs), max(need), dtype=torch.long)
     for i, (s, n) in enumerate(zip(seqs, need, strict=True)):
         if len(s.block_table) < n:
@@ -109,17 +102,20 @@ def _tables(seqs: Sequence[SeqSlice], block_size: int) -> torch.Tensor:
 def _group(
     seqs: Sequence[SeqSlice],
     members: Sequence[int],
+    all_tables: torch.Tensor,
+    need: Sequence[int],
     starts: Sequence[int],
-    total: int,
     block_size: int,
     device: torch.device,
 ) -> AttentionGroup:
-    """The padded layout of ``seqs[members]`` (``starts[i]``: seq i's first token in the step)."""
+    """The padded layout of ``seqs[members]``: ``all_tables`` [B, NBmax] and ``need`` are every
+    sequence's blocks, ``starts[i]`` sequence i's first token in the step (``starts[-1]``: T)."""
     part = [seqs[i] for i in members]
     num_new = torch.tensor([s.num_new for s in part])  # [b]
     cached = torch.tensor([s.num_cached for s in part])  # [b]
     b, q = len(part), int(num_new.max())
-    tables = _tables(part, block_size)  # [b, NBmax]
+    idx = torch.tensor(list(members))
+    tables = all_tables[idx, : max(need[i] for i in members)]  # [b, NBmax of the group]
     c = tables.shape[1] * block_size
     q_idx = torch.arange(q)  # [q]
     q_valid = q_idx.unsqueeze(0) < num_new.unsqueeze(1)  # [b, q]
@@ -130,6 +126,7 @@ def _group(
     mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
     token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
     rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
+    total = starts[-1]
     in_order = rows.numel() == total and bool((rows == torch.arange(total)).all())
 
     def dev(t: torch.Tensor) -> torch.Tensor:
@@ -156,18 +153,20 @@ def build_attention_metadata(
     """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch)."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
-    tables = _tables(seqs, block_size)  # [B, NBmax]: every sequence's slots, for the K/V writes
+    need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
+    tables = _tables(seqs, need)  # [B, NBmax]: every sequence's blocks
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
     positions = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
     seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
     slot_blocks = tables[seq_of_token, positions // block_size]  # [T]
+    # Sequences attended together: alike in new tokens and in context blocks, to a factor 2.
     by_bucket: dict[tuple[int, int], list[int]] = {}
     for i, s in enumerate(seqs):
-        by_bucket.setdefault(_group_key(s, block_size), []).append(i)
+        by_bucket.setdefault((_pow2_bucket(s.num_new), _pow2_bucket(need[i])), []).append(i)
     groups = tuple(
-        _group(seqs, members, starts, starts[-1], block_size, device)
+        _group(seqs, members, tables, need, starts, block_size, device)
         for _, members in sorted(by_bucket.items())
     )
     pos_dev = positions.to(device, non_blocking=True)
