@@ -185,7 +185,8 @@ class DecodeEngine:
     def routing_stats(self) -> RoutingStats:
         """The router's view of this replica (read-only; safe from another thread, as it only
         copies): load, each batched request's acceptance estimate and the k the speculation
-        policy would give it now, the measured step-time model and draft-token cost."""
+        policy would give it now, the measured step-time model and draft-token cost, and the
+        acceptance calibration learned from finished requests."""
         running = tuple(self.running.values())
         batch = running[: self.cfg.max_batch_size]
         spec = self.speculation
@@ -203,6 +204,7 @@ class DecodeEngine:
             adaptive=spec.adaptive if spec else False,
             step_time=spec.step_time if spec else None,
             draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
+            calibration=spec.calibration.cells() if spec else (),
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class DecodeEngine:
                     self._finish(req, FinishReason.ERROR, "the handoff lacks the drafter's feature")
                     continue
                 self.drafter.observe(req, handoff.hidden_state.view(1, -1).to(self.pool.device))
-            self.running[req.request_id] = req
+            self._run(req)
         plan = self.scheduler.plan(list(self.running.values()), self._preempt)
         if plan:
             reqs = [p.req for p in plan]
@@ -292,7 +294,7 @@ class DecodeEngine:
             if handoff is None:
                 req.num_computed = req.num_draft_computed = 0
                 req.status = RequestStatus.RUNNING
-                self.running[req.request_id] = req
+                self._run(req)
             else:
                 try:
                     error = self.intake.start(req, handoff)
@@ -301,6 +303,11 @@ class DecodeEngine:
                     error = f"KV transfer failed: {e}"
                 if error is not None:
                     self._kv_failed(req, handoff, error)
+
+    def _run(self, r: Request) -> None:
+        self.running[r.request_id] = r
+        if self.speculation is not None:
+            self.speculation.start(r)
 
     def _kv_failed(self, r: Request, handoff: KVHandoff, error: str) -> None:
         """A pull failed (source gone, lease ended, timeout): per ``kv_failure_policy``,
@@ -360,6 +367,8 @@ class DecodeEngine:
             log.warning("request %s failed: %s", r.request_id, error)
         r.finish_reason, r.error = reason, error
         self._release(r)
+        if self.speculation is not None and reason is not FinishReason.ERROR:
+            self.speculation.finished(r)
         drafted, accepted = (em.num_drafted, em.num_accepted) if em else (0, 0)
         self._outbox.append(
             StepOutput(r.request_id, new, reason.value, self._usage(r), error, drafted, accepted)

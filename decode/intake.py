@@ -75,7 +75,7 @@ class KVIntake:
                 req.num_computed = handoff.num_tokens
                 req.num_draft_computed = handoff.draft_computed
                 req.output_token_ids = [handoff.first_token]
-                req.acceptance_estimate = handoff.acceptance_probe
+                req.acceptance_probe = req.acceptance_estimate = handoff.acceptance_probe
                 req.status = RequestStatus.RUNNING
                 out.append((req, handoff, None))
         return out

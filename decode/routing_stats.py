@@ -17,7 +17,10 @@ cut to ``MAX_LISTED``:
   whoever drafts in it, a per-step cost the tokens-only step-time model does not see;
 - ``draft_token_s``: what one more draft token costs a step at this batch size, as the replica
   has learned it from its own steps (``decode.draft_cost``; 0 until it has). Adaptive
-  speculation charges drafts at least that, so the router must too to predict the k it grants.
+  speculation charges drafts at least that, so the router must too to predict the k it grants;
+- ``calibration``: the replica's acceptance cells (``decode.calibration``): what its finished
+  requests accepted per temperature and probe bin. Routers sum them over replicas to turn a new
+  request's probe into the estimate its engine will start it from.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from decode.calibration import Cell, cells_from
 from decode.goodput import StepTimeModel, expected_tokens
 
-ROUTING_STATS_VERSION = 2
+ROUTING_STATS_VERSION = 3
 MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
 
 
@@ -55,6 +59,7 @@ class RoutingStats:
     alphas: tuple[float, ...]  # acceptance estimates of (up to MAX_LISTED) batch requests
     ks: tuple[int, ...]  # their current speculation lengths
     step_time: tuple[tuple[int, float], ...]  # the replica's StepTimeModel points; () if none
+    calibration: tuple[Cell, ...] = ()  # acceptance realised per (temperature, probe) cell
     version: int = ROUTING_STATS_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +68,10 @@ class RoutingStats:
         d["alphas"] = [round(a, 4) for a in self.alphas]
         d["ks"] = list(self.ks)
         d["step_time"] = [[n, t] for n, t in self.step_time]
+        d["calibration"] = [
+            [c.temperature_bin, c.probe_bin, round(c.drafted, 2), round(c.accepted, 2)]
+            for c in self.calibration
+        ]
         return d
 
     @classmethod
@@ -90,8 +99,9 @@ class RoutingStats:
                 alphas=tuple(float(a) for a in d["alphas"]),
                 ks=tuple(int(k) for k in d["ks"]),
                 step_time=tuple((int(n), float(t)) for n, t in d["step_time"]),
+                calibration=cells_from(d["calibration"]),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed routing stats: {e!r}") from e
 
     def step_time_model(self) -> StepTimeModel | None:
@@ -112,6 +122,7 @@ def collect_routing_stats(
     step_time: StepTimeModel | None,
     draft_round_s: float = 0.0,
     draft_token_s: float = 0.0,
+    calibration: tuple[Cell, ...] = (),
     now: float | None = None,
 ) -> RoutingStats:
     """Summarise a batch (one acceptance estimate and one k per request) for the router."""
@@ -135,4 +146,5 @@ def collect_routing_stats(
         alphas=tuple(alphas[:MAX_LISTED]),
         ks=tuple(ks[:MAX_LISTED]),
         step_time=step_time.points if step_time is not None else (),
+        calibration=calibration,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from decode.calibration import AcceptanceCalibration, calibration_key
 from decode.draft_cost import DraftCost
 from decode.goodput import StepTimeModel, choose_ks
 from decode.step_time import StepTimeTracker
@@ -29,7 +30,8 @@ class SpeculationPolicy:
     A request's estimate starts from prefill's probe or, without one (colocated mode, a probe
     that did not run), from the replica's prior: the slow average of what every request here
     has accepted, so a request is not judged by its first verified step alone (one lucky draft
-    would read as certain acceptance).
+    would read as certain acceptance). Either is then calibrated by what finished requests of
+    the same temperature and probe bins accepted here (``decode.calibration``).
     """
 
     def __init__(
@@ -40,6 +42,23 @@ class SpeculationPolicy:
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
         self.draft_cost = DraftCost()
+        self.calibration = AcceptanceCalibration()
+
+    def start(self, r: Request) -> None:
+        """``r`` joins the batch: its first estimate is its calibration cell's (once per
+        request; a preempted one keeps what it has learned)."""
+        if r.calibration_key is not None:
+            return
+        temperature = 0.0 if r.sampling.greedy else r.sampling.temperature
+        r.calibration_key = calibration_key(r.acceptance_probe, temperature)
+        r.acceptance_estimate = self.calibration.estimate(r.calibration_key, self.estimate(r))
+
+    def finished(self, r: Request) -> None:
+        """``r`` finished: what it accepted calibrates the requests of its cell after it."""
+        if r.calibration_key is not None:
+            self.calibration.record(
+                r.calibration_key, r.stats.num_draft_tokens, r.stats.num_accepted_tokens
+            )
 
     def estimate(self, r: Request) -> float:
         """The acceptance rate ``r`` is expected to have on its next drafts."""

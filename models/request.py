@@ -66,7 +66,9 @@ class Request:
     num_computed: int = 0  # tokens whose target KV is in this engine's cache
     num_draft_computed: int = 0  # tokens whose draft KV is in this engine's cache
     block_table: list[int] = field(default_factory=list)
-    acceptance_estimate: float | None = None  # prefill's probe, refined online by decode
+    acceptance_estimate: float | None = None  # calibrated probe at first, refined by decode
+    acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
+    calibration_key: tuple[int, int] | None = None  # decode.calibration cell, once started
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -5,8 +5,9 @@ Decode routers (``AcceptanceAwareRouter``, ``LeastKVRouter``, ``RoundRobinRouter
 ``routing_stats`` (what ``DecodeServer.record_routing_stats`` returned, refreshed every
 ``request_routing_stats_period_s``) through ``update_replicas``; a snapshot is parsed once, when
 its timestamp changes. ``choose_replicas`` reads the pending ``generate(req, handoff)`` call's
-arguments and returns the policy's ranks; ``on_request_routed`` records the request on the
-chosen row's overlay. Power of two choices is Ray Serve's own default router.
+arguments (its acceptance estimate calibrated by the replicas' published acceptance cells,
+``cluster.routing.calibration``) and returns the policy's ranks; ``on_request_routed`` records
+the request on the chosen row's overlay. Power of two choices is Ray Serve's own default router.
 
 ``PrefixAffinityRouter`` places prefill calls: power of two choices over this router's own count
 of requests in flight per replica, with affinity to the replica that last prefilled the prompt's
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from cluster.routing.calibration import CalibrationPool
 from cluster.routing.policies import RouteRequest, RoutingPolicy, make_policy, two_choices
 from cluster.routing.prefix import PrefixAffinity
 from cluster.routing.request_info import request_of, route_request
@@ -82,6 +84,7 @@ class _DecodeRouter(RequestRouter):
 
     def _setup(self, max_staleness_s: float = 5.0, seed: int | None = None) -> None:
         self._table = ReplicaTable()
+        self._calibration = CalibrationPool()
         self._rows = _Rows()
         self._policy: RoutingPolicy = make_policy(self.policy, max_staleness_s, seed)
         self._seen: dict[int, float] = {}  # row -> time of the snapshot last applied
@@ -97,6 +100,7 @@ class _DecodeRouter(RequestRouter):
         rows, freed = self._rows.sync(replicas)
         for row in freed:
             self._table.clear(row)
+            self._calibration.clear(row)
             self._seen.pop(row, None)
         for row, replica in zip(rows, replicas, strict=True):
             stats = replica.routing_stats or {}
@@ -106,7 +110,9 @@ class _DecodeRouter(RequestRouter):
                     self._table.mark_alive(row)
                 continue
             try:
-                self._table.set_stats(row, RoutingStats.from_dict(stats), now)
+                parsed = RoutingStats.from_dict(stats)
+                self._table.set_stats(row, parsed, now)
+                self._calibration.set(row, parsed.calibration)
             except ValueError as e:
                 log.warning("ignoring routing stats of %s: %s", replica.replica_id, e)
                 self._table.mark_alive(row)
@@ -120,7 +126,9 @@ class _DecodeRouter(RequestRouter):
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
         req = (
-            route_request(pending_request.args, pending_request.kwargs) if pending_request else None
+            route_request(pending_request.args, pending_request.kwargs, self._calibration)
+            if pending_request
+            else None
         )
         if req is None:
             return self._random_pair(candidate_replicas)

@@ -4,7 +4,9 @@ The ingress calls ``prefill.prefill(req)`` and then ``decode.generate(req, hando
 (``cluster.generation``): the ``Request`` carries the prompt and the sampling parameters, the
 ``KVHandoff`` prefill's acceptance probe. The decode router's acceptance estimate is the probe;
 without one (colocated mode, no prefill) the request's own estimate, or else a prior from its
-temperature: sampling at temperature 1 accepts far fewer drafts than greedy decoding.
+temperature: sampling at temperature 1 accepts far fewer drafts than greedy decoding. The
+router then calibrates that estimate by what finished requests like it accepted
+(``cluster.routing.calibration``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from cluster.routing.calibration import CalibrationPool
 from cluster.routing.policies import RouteRequest
+from decode.calibration import calibration_key
 from decode.speculation import DEFAULT_ACCEPTANCE
 from kvtransfer.handoff import KVHandoff
 from models.request import Request
@@ -34,18 +38,27 @@ def request_of(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> Request | None
     return req
 
 
-def route_request(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> RouteRequest | None:
-    """The decode policy's view of ``generate(req, handoff)``; None if there is no Request."""
+def route_request(
+    args: Iterable[Any], kwargs: Mapping[Any, Any], calibration: CalibrationPool | None = None
+) -> RouteRequest | None:
+    """The decode policy's view of ``generate(req, handoff)``; None if there is no Request.
+
+    With ``calibration`` the estimate is calibrated by what the replicas' finished requests of
+    the same temperature and probe bins accepted, as the engine will calibrate it."""
     values = [*args, *kwargs.values()]
     req: Request | None = _first(values, Request)
     if req is None:
         return None
     handoff: KVHandoff | None = _first(values, KVHandoff)
-    if handoff is not None and handoff.acceptance_probe is not None:
-        alpha = handoff.acceptance_probe
+    probe = handoff.acceptance_probe if handoff is not None else None
+    if probe is not None:
+        alpha = probe
     elif req.acceptance_estimate is not None:
         alpha = req.acceptance_estimate
     else:
         alpha = acceptance_prior(req.sampling.temperature)
+    if calibration is not None:
+        temperature = 0.0 if req.sampling.greedy else req.sampling.temperature
+        alpha = calibration.estimate(calibration_key(probe, temperature), alpha)
     tokens = handoff.num_tokens if handoff is not None else len(req.prompt_token_ids)
     return RouteRequest(alpha=alpha, prompt_tokens=tokens)

@@ -16,6 +16,7 @@ from ray import serve
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter
+from decode.calibration import calibration_key
 from decode.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
 
@@ -108,3 +109,12 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     table = router._table
     assert table.size == 2 and table.has_stats.all() and len(table.models) == 1
     assert table.fresh(time.time(), 5.0).all()  # scored by acceptance, not the fallback
+    # The replicas' acceptance cells reach the router too: every request here finished, and
+    # those that drafted calibrate the next ones of their (temperature, probe) cell.
+    usages: list[Any] = [r["usage"] for r in replies]
+    drafted = sum(u.get("speculative", {}).get("draft_tokens", 0) for u in usages)
+    assert drafted > 0
+    while time.monotonic() < deadline and not router._calibration.keys():
+        time.sleep(0.2)
+    assert router._calibration.keys() <= {calibration_key(None, 0.0), calibration_key(None, 1.0)}
+    assert router._calibration.keys()  # colocated: no probe, so cells by temperature alone

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from decode.calibration import Cell, calibrated, calibration_key
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.goodput import expected_tokens
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
-from tests.decode.engine_utils import make_request
+from tests.decode.engine_utils import make_request, run_all
 
 
 @pytest.mark.timeout(300)
@@ -41,5 +42,33 @@ def test_routing_stats_describe_the_running_batch(tiny_folder: Path) -> None:
         assert s.tpot_weight == pytest.approx(
             sum(1 / expected_tokens(a, k) for a, k in zip(s.alphas, s.ks, strict=True))
         )
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_finished_requests_calibrate_the_next_ones_of_their_cell(tiny_folder: Path) -> None:
+    draft = DraftSpec(kind=DraftKind.NGRAM, num_speculative_tokens=3)
+    cfg = DecodeEngineConfig("tiny", ModelSpec(str(tiny_folder)), draft, num_blocks=64)
+    engine = DecodeEngine(cfg)
+    spec = engine.speculation
+    assert spec is not None
+    try:
+        prompt = [5, 6, 7, 8, 9] * 6
+        first = make_request(prompt, SamplingParams(temperature=0.0, max_tokens=40))
+        run_all(engine, [first])
+        drafted, accepted = first.stats.num_draft_tokens, first.stats.num_accepted_tokens
+        assert drafted > 0
+        cell = calibration_key(None, 0.0)  # colocated: no probe; greedy
+        assert engine.routing_stats().calibration == (Cell(*cell, drafted, accepted),)
+        prior = spec.prior
+        greedy = make_request(prompt, SamplingParams(temperature=0.0, max_tokens=40))
+        hot = make_request(prompt, SamplingParams(temperature=1.0, max_tokens=40))
+        engine.add(greedy, None)
+        engine.add(hot, None)
+        engine.step()  # both start: the prompt step verifies nothing yet
+        assert greedy.acceptance_estimate == pytest.approx(calibrated(drafted, accepted, prior))
+        assert greedy.acceptance_estimate != pytest.approx(prior)
+        assert hot.acceptance_estimate == pytest.approx(prior)  # its cell has seen nothing
     finally:
         engine.close()

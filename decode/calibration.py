@@ -1,0 +1,88 @@
+"""Acceptance calibration: what requests like this one actually accepted.
+
+Prefill's probe scores the drafter on the prompt's last positions — mostly the chat template —
+so it says little about whether the *output* will copy (measured: probes 0.00–0.29 for requests
+that went on to accept 0.86 and 0.10 of their drafts alike). The sampling temperature says
+more, and the two together say most. A replica therefore keeps, per **cell** (temperature bin ×
+probe bin), the draft tokens its finished requests drafted and had accepted, and a new
+request's estimate is its cell's realised rate, shrunk toward the uncalibrated estimate (the
+probe, or the prior) by ``PRIOR_TOKENS`` draft tokens of weight. A cell forgets gradually: it
+keeps about ``WINDOW_TOKENS`` draft tokens, so it follows a workload that changes.
+
+Replicas publish their cells in ``RoutingStats``; the router sums them over replicas
+(``cluster.routing.calibration``) and calibrates with the same rule (``calibrated``), so the
+router and the engine start a request from the same estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+TEMPERATURE_EDGES = (0.5, 1.0)  # bins: greedy | (0, 0.5] | (0.5, 1.0] | above 1.0
+PROBE_BINS = 5  # probe bins of width 1/5; bin 0 holds requests without a probe
+PRIOR_TOKENS = 32.0  # weight of the uncalibrated estimate, in draft tokens
+WINDOW_TOKENS = 4096.0  # draft tokens a cell remembers (older ones fade proportionally)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell's counts: what its requests drafted and had accepted (decayed, so floats)."""
+
+    temperature_bin: int
+    probe_bin: int
+    drafted: float
+    accepted: float
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.temperature_bin, self.probe_bin)
+
+
+def calibration_key(probe: float | None, temperature: float) -> tuple[int, int]:
+    """The cell of a request with prefill probe ``probe`` (None: no probe ran) sampled at
+    ``temperature`` (0: greedy)."""
+    t_bin = 0 if temperature <= 0.0 else 1 + sum(temperature > e for e in TEMPERATURE_EDGES)
+    p_bin = 0 if probe is None else 1 + min(int(max(probe, 0.0) * PROBE_BINS), PROBE_BINS - 1)
+    return (t_bin, p_bin)
+
+
+def calibrated(drafted: float, accepted: float, fallback: float) -> float:
+    """A cell's realised rate ``accepted / drafted`` shrunk toward ``fallback``."""
+    if drafted <= 0.0:
+        return fallback
+    return (accepted + PRIOR_TOKENS * fallback) / (drafted + PRIOR_TOKENS)
+
+
+class AcceptanceCalibration:
+    """One replica's cells, fed by its finished requests."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def record(self, key: tuple[int, int], drafted: int, accepted: int) -> None:
+        """A request of cell ``key`` finished having ``accepted`` of ``drafted`` drafts accepted."""
+        if drafted <= 0:
+            return
+        d0, a0 = self._counts.get(key, (0.0, 0.0))
+        d, a = d0 + drafted, a0 + accepted
+        if d > WINDOW_TOKENS:
+            d, a = WINDOW_TOKENS, a * WINDOW_TOKENS / d
+        self._counts[key] = (d, a)
+
+    def estimate(self, key: tuple[int, int], fallback: float) -> float:
+        """The starting estimate of a request of cell ``key`` (``fallback`` if none finished)."""
+        d, a = self._counts.get(key, (0.0, 0.0))
+        return calibrated(d, a, fallback)
+
+    def cells(self) -> tuple[Cell, ...]:
+        return tuple(Cell(t, p, d, a) for (t, p), (d, a) in sorted(self._counts.items()))
+
+
+def cells_from(rows: Iterable[Iterable[float]]) -> tuple[Cell, ...]:
+    """Parse published ``[temperature_bin, probe_bin, drafted, accepted]`` rows."""
+    out = []
+    for row in rows:
+        t, p, d, a = row
+        out.append(Cell(int(t), int(p), float(d), float(a)))
+    return tuple(out)

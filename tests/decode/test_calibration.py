@@ -1,0 +1,96 @@
+"""Acceptance calibration: cells, shrinkage, forgetting, the router's pool, the wire format."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.routing.calibration import CalibrationPool
+from cluster.routing.policies import RouteRequest
+from cluster.routing.request_info import route_request
+from decode.calibration import (
+    PRIOR_TOKENS,
+    WINDOW_TOKENS,
+    AcceptanceCalibration,
+    Cell,
+    calibrated,
+    calibration_key,
+)
+from decode.routing_stats import RoutingStats, collect_routing_stats
+from kvtransfer.handoff import KVCompat, KVHandoff
+from models.request import Request
+from models.sampling import SamplingParams
+
+
+def test_cells_split_by_temperature_and_probe() -> None:
+    assert calibration_key(None, 0.0) == (0, 0)
+    assert calibration_key(0.0, 0.0) == (0, 1)
+    assert calibration_key(0.19, 0.3) == (1, 1)
+    assert calibration_key(0.2, 0.7) == (2, 2)
+    assert calibration_key(1.0, 1.0) == (2, 5)
+    assert calibration_key(0.99, 1.5) == (3, 5)
+
+
+def test_the_estimate_moves_from_the_fallback_to_what_the_cell_accepted() -> None:
+    cal = AcceptanceCalibration()
+    key = calibration_key(0.1, 0.0)
+    assert cal.estimate(key, 0.1) == 0.1  # nothing finished yet
+    cal.record(key, drafted=32, accepted=28)
+    assert cal.estimate(key, 0.1) == pytest.approx((28 + PRIOR_TOKENS * 0.1) / (32 + PRIOR_TOKENS))
+    for _ in range(50):
+        cal.record(key, drafted=100, accepted=86)
+    assert cal.estimate(key, 0.1) == pytest.approx(0.86, abs=0.01)
+    assert cal.estimate(calibration_key(0.1, 1.0), 0.1) == 0.1  # another cell learned nothing
+    cal.record(key, drafted=0, accepted=0)  # a request that never drafted says nothing
+    (cell,) = cal.cells()
+    assert cell.key == key and cell.drafted == WINDOW_TOKENS
+
+
+def test_a_cell_forgets_an_old_workload() -> None:
+    cal = AcceptanceCalibration()
+    key = (0, 1)
+    for _ in range(100):
+        cal.record(key, drafted=100, accepted=90)
+    for _ in range(200):
+        cal.record(key, drafted=100, accepted=10)
+    assert cal.estimate(key, 0.5) < 0.2
+
+
+def test_the_router_pool_sums_replicas_and_drops_those_that_leave() -> None:
+    pool = CalibrationPool()
+    pool.set(0, (Cell(0, 1, 100.0, 90.0),))
+    pool.set(1, (Cell(0, 1, 100.0, 70.0), Cell(2, 1, 50.0, 5.0)))
+    assert pool.estimate((0, 1), 0.0) == pytest.approx(calibrated(200.0, 160.0, 0.0))
+    pool.set(1, (Cell(0, 1, 300.0, 150.0),))  # a newer snapshot replaces the older
+    assert pool.estimate((0, 1), 0.0) == pytest.approx(calibrated(400.0, 240.0, 0.0))
+    assert pool.estimate((2, 1), 0.3) == 0.3  # no replica publishes that cell any more
+    pool.clear(0)
+    assert pool.estimate((0, 1), 0.0) == pytest.approx(calibrated(300.0, 150.0, 0.0))
+    pool.clear(1)
+    assert pool.estimate((0, 1), 0.42) == 0.42
+
+
+def test_the_router_calibrates_the_probe_by_temperature_and_probe_bin() -> None:
+    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram")
+    handoff = KVHandoff("r", (), (1, 2, 3), ("target",), 40, 7, compat, 0.0, acceptance_probe=0.1)
+    greedy = Request("g", list(range(40)), SamplingParams(temperature=0.0, max_tokens=8))
+    hot = Request("h", list(range(40)), SamplingParams(temperature=1.0, max_tokens=8))
+    pool = CalibrationPool()
+    pool.set(0, (Cell(0, 1, 4000.0, 3440.0), Cell(2, 1, 4000.0, 400.0)))
+    g = route_request([greedy, handoff], {}, pool)
+    h = route_request([hot, handoff], {}, pool)
+    assert g == RouteRequest(pytest.approx(calibrated(4000.0, 3440.0, 0.1)), 40)
+    assert h == RouteRequest(pytest.approx(calibrated(4000.0, 400.0, 0.1)), 40)
+    assert route_request([greedy, handoff], {}) == RouteRequest(0.1, 40)  # no pool: the probe
+
+
+def test_cells_travel_in_the_routing_stats() -> None:
+    cells = (Cell(0, 1, 123.456, 100.0), Cell(3, 0, 7.0, 0.0))
+    stats = collect_routing_stats(
+        [0.5], [2], queued=0, free_blocks=1, num_blocks=2, block_size=16, max_batch_size=4,
+        k_max=4, adaptive=True, step_time=None, calibration=cells,
+    )  # fmt: skip
+    back = RoutingStats.from_dict(stats.to_dict())
+    assert back.calibration == (Cell(0, 1, 123.46, 100.0), Cell(3, 0, 7.0, 0.0))
+    bad = stats.to_dict() | {"calibration": [[0, 1, 5.0]]}
+    with pytest.raises(ValueError, match="malformed"):
+        RoutingStats.from_dict(bad)
