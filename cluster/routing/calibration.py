@@ -17,7 +17,7 @@ class CalibrationPool:
         self._by_row: dict[int, tuple[Cell, ...]] = {}
         self._sums: dict[tuple[int, int], tuple[float, float]] = {}
 
-    def set(self, row: int, cells: tuple[Cell, ...]) -> None:
+    def put(self, row: int, cells: tuple[Cell, ...]) -> None:
         """Row ``row`` published ``cells`` (replacing what it published before)."""
         self._add(self._by_row.get(row, ()), -1.0)
         self._by_row[row] = cells

@@ -112,7 +112,7 @@ class _DecodeRouter(RequestRouter):
             try:
                 parsed = RoutingStats.from_dict(stats)
                 self._table.set_stats(row, parsed, now)
-                self._calibration.set(row, parsed.calibration)
+                self._calibration.put(row, parsed.calibration)
             except ValueError as e:
                 log.warning("ignoring routing stats of %s: %s", replica.replica_id, e)
                 self._table.mark_alive(row)

@@ -57,10 +57,10 @@ def test_a_cell_forgets_an_old_workload() -> None:
 
 def test_the_router_pool_sums_replicas_and_drops_those_that_leave() -> None:
     pool = CalibrationPool()
-    pool.set(0, (Cell(0, 1, 100.0, 90.0),))
-    pool.set(1, (Cell(0, 1, 100.0, 70.0), Cell(2, 1, 50.0, 5.0)))
+    pool.put(0, (Cell(0, 1, 100.0, 90.0),))
+    pool.put(1, (Cell(0, 1, 100.0, 70.0), Cell(2, 1, 50.0, 5.0)))
     assert pool.estimate((0, 1), 0.0) == pytest.approx(calibrated(200.0, 160.0, 0.0))
-    pool.set(1, (Cell(0, 1, 300.0, 150.0),))  # a newer snapshot replaces the older
+    pool.put(1, (Cell(0, 1, 300.0, 150.0),))  # a newer snapshot replaces the older
     assert pool.estimate((0, 1), 0.0) == pytest.approx(calibrated(400.0, 240.0, 0.0))
     assert pool.estimate((2, 1), 0.3) == 0.3  # no replica publishes that cell any more
     pool.clear(0)
@@ -75,7 +75,7 @@ def test_the_router_calibrates_the_probe_by_temperature_and_probe_bin() -> None:
     greedy = Request("g", list(range(40)), SamplingParams(temperature=0.0, max_tokens=8))
     hot = Request("h", list(range(40)), SamplingParams(temperature=1.0, max_tokens=8))
     pool = CalibrationPool()
-    pool.set(0, (Cell(0, 1, 4000.0, 3440.0), Cell(2, 1, 4000.0, 400.0)))
+    pool.put(0, (Cell(0, 1, 4000.0, 3440.0), Cell(2, 1, 4000.0, 400.0)))
     g = route_request([greedy, handoff], {}, pool)
     h = route_request([hot, handoff], {}, pool)
     assert g == RouteRequest(pytest.approx(calibrated(4000.0, 3440.0, 0.1)), 40)
