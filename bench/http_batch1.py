@@ -2,11 +2,12 @@
 
 Starts a local disaggregated cluster per configuration (same machine, same prompts, greedy),
 streams each prompt alone, and reports time to first token and decode tokens/s per prompt set,
-with each drafter's ratio to off. Drafters: ``ngram`` (prompt lookup) and ``eagle`` (the shipped
-distilled head, ``models/drafts/smollm2-135m-eagle``), k = 4 adaptive, as served.
+with each drafter's ratio to off. Drafters: ``ngram`` (prompt lookup), ``eagle`` (the shipped
+distilled head, ``models/drafts/smollm2-135m-eagle``) and ``eagle+lookup`` (the head where
+prompt lookup finds no match: ``draft.lookup_first``), k = 4 adaptive, as served.
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
-        [--drafts ngram eagle] [--out bench/results/http_batch1.json]
+        [--drafts ngram eagle eagle+lookup] [--out bench/results/http_batch1.json]
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
 def _config(draft: str, port: int) -> TandemConfig:
+    kind = draft.removesuffix("+lookup")
     return TandemConfig.model_validate(
         {
             "mode": "disaggregated",
-            "draft": {"kind": draft, "num_speculative_tokens": 4}
-            | ({"source": EAGLE_HEAD} if draft == "eagle" else {}),
+            "draft": {"kind": kind, "num_speculative_tokens": 4}
+            | ({"source": EAGLE_HEAD} if kind == "eagle" else {})
+            | ({"lookup_first": True} if draft.endswith("+lookup") else {}),
             "prefill": {"num_blocks": 256, "num_threads": 2},
             "decode": {"num_blocks": 512, "num_threads": 2},
             "http": {"port": port},
@@ -77,7 +80,7 @@ def run_config(
             ts = [timed_chat(client, model, p, max_tokens, temperature=0) for p in prompts]
             out[name] = _summary(ts)
             texts[name] = [t.text for t in ts]
-            print(f"  {draft:6s} {name:9s} {out[name]}", flush=True)
+            print(f"  {draft:12s} {name:9s} {out[name]}", flush=True)
         return out, texts
     finally:
         serve.shutdown()
@@ -89,7 +92,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--sharegpt", type=int, default=8, help="ShareGPT prompts in the chat set")
     ap.add_argument("--port", type=int, default=8123)
-    ap.add_argument("--drafts", nargs="+", default=["ngram"], choices=["ngram", "eagle"])
+    ap.add_argument(
+        "--drafts", nargs="+", default=["ngram"], choices=["ngram", "eagle", "eagle+lookup"]
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "http_batch1.json")
     args = ap.parse_args()
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}

@@ -101,6 +101,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         adaptive=d.adaptive,
         ngram_max=d.ngram_max,
         ngram_min=d.ngram_min,
+        lookup_first=d.lookup_first,
     )
     check_tp(folder, cfg.decode.tp, "decode")
     if cfg.mode == "disaggregated":

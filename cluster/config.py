@@ -60,6 +60,11 @@ class DraftConfig(_Frozen):
     )
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup tries.")
     ngram_min: int = Field(1, ge=1, le=16, description="Shortest suffix n-gram lookup accepts.")
+    lookup_first: bool = Field(
+        False,
+        description="With draft_model or eagle: propose by n-gram prompt lookup where it finds "
+        "a match (copy-heavy text), and by the model only where it does not.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DraftConfig:
@@ -72,6 +77,11 @@ class DraftConfig(_Frozen):
             )
         if self.ngram_min > self.ngram_max:
             raise ValueError("draft.ngram_min must not exceed draft.ngram_max")
+        if self.lookup_first and not needs_source:
+            raise ValueError(
+                f"draft.lookup_first needs kind=draft_model or eagle (the model that drafts "
+                f"where lookup finds nothing), not {self.kind}"
+            )
         return self
 
 

@@ -25,9 +25,7 @@ import torch
 
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
-from decode.drafters.draft_model import DraftModelDrafter
-from decode.drafters.eagle import EagleDrafter
-from decode.drafters.ngram import NgramDrafter
+from decode.drafters.build import build_drafter
 from decode.intake import KVIntake
 from decode.outputs import SpecUsage, StepOutput
 from decode.routing_stats import RoutingStats, collect_routing_stats
@@ -40,9 +38,7 @@ from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
 from kvtransfer.shard import ShardSpec, build_shard
-from models.eagle import EagleRunner
 from models.request import FinishReason, Request, RequestStatus
-from models.spec import DraftKind
 from models.weights import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -81,13 +77,7 @@ class DecodeEngine:
         self.pool = self.shard.pool
         self.target = self.shard.target
         self.transport = self.shard.transport
-        self.drafter: Drafter | None = None
-        if isinstance(self.shard.draft, EagleRunner):
-            self.drafter = EagleDrafter(self.shard.draft)
-        elif self.shard.draft is not None:
-            self.drafter = DraftModelDrafter(self.shard.draft)
-        elif cfg.draft.kind is DraftKind.NGRAM:
-            self.drafter = NgramDrafter(cfg.draft.ngram_max, cfg.draft.ngram_min)
+        self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
         self.speculation = self._speculation() if self.drafter is not None else None

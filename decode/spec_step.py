@@ -50,6 +50,23 @@ def _propose(
     return out
 
 
+def _draft_probs(
+    proposals: Sequence[DraftProposal], tested: Sequence[Sequence[int]], p: torch.Tensor
+) -> torch.Tensor | None:
+    """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot. A
+    batch mixing both (lookup-first drafting) gives its one-hot drafts one-hot rows."""
+    if all(prop.probs is None for prop in proposals):
+        return None
+    rows = []
+    for prop, t in zip(proposals, tested, strict=True):
+        if prop.probs is not None:
+            rows.append(prop.probs[: len(t)].to(p.device))
+        elif t:
+            ids = torch.tensor(list(t), dtype=torch.long, device=p.device)
+            rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
+    return torch.cat(rows) if rows else None
+
+
 def decode_step(
     target: ModelRunner,
     drafter: Drafter | None,
@@ -92,12 +109,7 @@ def decode_step(
     tested = [proposals[i].tokens[: widths[i]] for i in sampled]
     flat = [t for toks in tested for t in toks]
     draft_tokens = torch.tensor(flat, dtype=torch.long, device=p.device)  # [sum t_i]
-    with_probs = []
-    for i, t in zip(sampled, tested, strict=True):
-        q = proposals[i].probs
-        if q is not None:
-            with_probs.append(q[: len(t)])
-    draft_probs = torch.cat(with_probs).to(p.device) if with_probs else None  # [sum t_i, V]
+    draft_probs = _draft_probs([proposals[i] for i in sampled], tested, p)  # [sum t_i, V] | None
     uniforms = torch.cat(
         [
             accept_uniforms(reqs[i].sampling, len(reqs[i].output_token_ids), len(t))

@@ -57,11 +57,14 @@ class DraftSpec:
     adaptive: bool = True  # choose k per request per step for goodput; False pins k
     ngram_max: int = 4
     ngram_min: int = 1
+    lookup_first: bool = False  # n-gram lookup proposes where it matches, the model elsewhere
 
     def __post_init__(self) -> None:
         needs_model = self.kind in (DraftKind.DRAFT_MODEL, DraftKind.EAGLE)
         if needs_model != (self.model is not None):
             raise ValueError("a draft checkpoint is required exactly for draft_model and eagle")
+        if self.lookup_first and not needs_model:
+            raise ValueError("lookup_first puts n-gram lookup before a draft model or EAGLE head")
 
     def identity(self) -> str:
         """What both pools must agree on about the draft (part of the KV compatibility hash)."""

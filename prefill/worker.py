@@ -268,22 +268,31 @@ class PrefillWorker:
         )
 
     def _probe(self, p: _Prompt, probs: torch.Tensor) -> float | None:
+        d = self.cfg.draft
         if p.draft_logits:
             both = [j for j, u in enumerate(p.positions) if u in p.draft_logits]
             if not both:
                 return None
             q_logits = torch.stack([p.draft_logits[p.positions[j]] for j in both])
             q = probs_from_logits(q_logits, [p.req.sampling] * len(both))
-            return probe_estimate(overlap(probs[both], q))
-        d = self.cfg.draft
+            per = overlap(probs[both], q)
+            if d.lookup_first:  # decode proposes by lookup wherever lookup finds a match
+                props = self._lookups(p, [p.positions[j] for j in both], probs.device)
+                per = torch.where(props >= 0, one_hot_overlap(probs[both], props), per)
+            return probe_estimate(per)
         if d.kind is DraftKind.NGRAM:
-            prompt = p.req.prompt_token_ids
-            props = [
-                (ngram_lookup(prompt[: t + 1], 1, d.ngram_max, d.ngram_min) or [-1])[0]
-                for t in p.positions
-            ]
-            return probe_estimate(one_hot_overlap(probs, torch.tensor(props, device=probs.device)))
+            props = self._lookups(p, p.positions, probs.device)
+            return probe_estimate(one_hot_overlap(probs, props))
         return None
+
+    def _lookups(self, p: _Prompt, positions: list[int], device: torch.device) -> torch.Tensor:
+        """[len(positions)] the n-gram proposal after each prompt position (-1: none)."""
+        d, prompt = self.cfg.draft, p.req.prompt_token_ids
+        props = [
+            (ngram_lookup(prompt[: t + 1], 1, d.ngram_max, d.ngram_min) or [-1])[0]
+            for t in positions
+        ]
+        return torch.tensor(props, device=device)
 
     def _fail(self, p: _Prompt, error: BaseException) -> None:
         if p in self._queue:

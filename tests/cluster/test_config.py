@@ -22,6 +22,7 @@ def test_local_yaml_loads() -> None:
     [
         ({"draft": {"kind": "draft_model"}}, "draft.source"),
         ({"draft": {"kind": "ngram", "source": "/x"}}, "only used with kind=draft_model"),
+        ({"draft": {"kind": "ngram", "lookup_first": True}}, "lookup_first needs kind"),
         ({"mode": "both"}, "mode"),
         ({"decode": {"tp": 0}}, "tp"),
         ({"kv": {"block_size": 0}}, "block_size"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from decode.config import DecodeEngineConfig
+from decode.drafters.lookup_first import LookupFirstDrafter
 from decode.engine import DecodeEngine
 from models.config import LlamaConfig
 from models.eagle import save_random_eagle
@@ -28,13 +29,19 @@ def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def _spec(
     kind: str, tiny_draft_folder: Path, eagle_folder: Path, k: int, adaptive: bool
 ) -> DraftSpec:
+    """``kind``: a ``DraftKind`` value, ``+lookup`` for n-gram lookup first."""
+    base, lookup = kind.removesuffix("+lookup"), kind.endswith("+lookup")
     model = {
         "ngram": None,
         "draft_model": ModelSpec(str(tiny_draft_folder)),
         "eagle": ModelSpec(str(eagle_folder)),
     }
     return DraftSpec(
-        DraftKind(kind), model=model[kind], num_speculative_tokens=k, adaptive=adaptive
+        DraftKind(base),
+        model=model[base],
+        num_speculative_tokens=k,
+        adaptive=adaptive,
+        lookup_first=lookup,
     )
 
 
@@ -59,7 +66,7 @@ def _run(
     return [out[r.request_id] for r in reqs], engine, reqs
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle", "eagle+lookup"])
 @pytest.mark.parametrize("disaggregated", [False, True])
 def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
     tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str, disaggregated: bool
@@ -73,6 +80,11 @@ def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
     assert got == want
     drafted = sum(r.stats.num_draft_tokens for r in reqs)
     assert drafted > 0
+    if isinstance(engine.drafter, LookupFirstDrafter):
+        # the repetitive prompt is looked up, the random ones are left to the head
+        share = engine.drafter.lookup_share
+        assert share is not None and 0 < share < 1
+        assert engine.stats().draft_tokens_fed > 0
     if disaggregated:
         decoded = sum(len(o) for o in got) - len(got)
         assert engine.stats().target_tokens_fed <= decoded + drafted
@@ -80,7 +92,7 @@ def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
             assert engine.stats().draft_tokens_fed <= decoded + drafted
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "draft_model+lookup"])
 def test_seeded_sampling_does_not_depend_on_the_speculation_length(
     tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str
 ) -> None:
@@ -139,3 +151,20 @@ def test_eagle_handoff_carries_the_last_feature(
     )
     assert h.draft_computed == len(prompt) - 1  # every head position but the last one
     assert h.acceptance_probe is not None and 0.0 <= h.acceptance_probe <= 1.0
+
+
+def test_lookup_first_probe_scores_lookup_where_it_matches(
+    tiny_folder: Path, eagle_folder: Path, tiny_draft_folder: Path
+) -> None:
+    """On a prompt that repeats itself lookup matches at every probed position, so with
+    ``lookup_first`` the probe is n-gram's, not the head's."""
+    target = ModelSpec(str(tiny_folder))
+    prompt = _prompts()[0]  # six tokens, four times
+    probes = {}
+    for kind in ("ngram", "eagle", "eagle+lookup"):
+        spec = _spec(kind, tiny_draft_folder, eagle_folder, 3, True)
+        prefill = PrefillWorker(PrefillWorkerConfig("t", target, spec, num_blocks=64))
+        sp = SamplingParams(temperature=1.0, max_tokens=4, seed=1)  # random models: p, q ~flat
+        probes[kind] = prefill.prefill(make_request(prompt, sp)).acceptance_probe
+    assert probes["eagle+lookup"] == pytest.approx(probes["ngram"], abs=1e-6)
+    assert probes["eagle+lookup"] != pytest.approx(probes["eagle"], abs=1e-3)

@@ -89,3 +89,20 @@ def test_draft_at_every_row_has_no_bonus() -> None:
     ver = rejection_sample(p, [2], torch.tensor([2, 4]), [2], None, torch.zeros(2))
     assert int(ver.num_accepted[0]) == 1 and bool(ver.has_final[0])
     assert int(ver.final_dist[0].argmax()) == 5
+
+
+def test_one_hot_rows_verify_exactly_like_one_hot_drafts() -> None:
+    """Lookup-first drafting mixes one-hot and model drafts in a batch; the one-hot ones then
+    travel as one-hot rows (``decode.spec_step._draft_probs``), which must verify alike."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [4, 2, 3]
+    p = torch.softmax(torch.randn(sum(rows), V, generator=gen), -1)
+    drafts = torch.randint(0, V, (sum(r - 1 for r in rows),), generator=gen)
+    for trial in range(50):
+        u = torch.rand(drafts.numel(), generator=gen)
+        plain = rejection_sample(p, rows, drafts, [r - 1 for r in rows], None, u)
+        one_hot = torch.nn.functional.one_hot(drafts, V).float()
+        rowed = rejection_sample(p, rows, drafts, [r - 1 for r in rows], one_hot, u)
+        assert torch.equal(plain.num_accepted, rowed.num_accepted), trial
+        assert torch.equal(plain.has_final, rowed.has_final)
+        assert torch.allclose(plain.final_dist, rowed.final_dist)
