@@ -4,18 +4,21 @@ Prompts are the first user turns of conversations on the held-out side of the sp
 was trained with (``held_out_per_mille`` from its ``card.json``; training never read them), in
 file order. Each prompt runs through ``DecodeEngine`` with the head drafting a fixed ``k``
 tokens per step (adaptive off), once greedy and once at temperature 0.7 (seeded). With
-``--ngram`` the same prompts also run under n-gram prompt lookup (same k) for comparison.
+``--ngram`` the same prompts also run under n-gram prompt lookup (same k) for comparison, with
+``--lookup-first`` under the head behind lookup (``draft.lookup_first``: lookup where it finds
+a match, the head elsewhere), and ``--no-eagle`` leaves out the head alone.
 Reported per drafter and temperature: acceptance rate (accepted / drafted) and mean tokens per
 target forward (tokens emitted by the verification steps over those steps: accepted plus the
 recovered or bonus token). Prompts run in chunks and the JSON is rewritten after each, so a run
 stopped early still reports how many prompts it covered.
 
 ``--speedup N`` adds batch-1 decode speed through the engine on the first N prompts, greedy,
-with adaptive speculation as served (``draft.adaptive``): the head and n-gram lookup against
-speculation off (alternated per prompt, medians), checking the outputs are identical.
+with adaptive speculation as served (``draft.adaptive``): the drafters above and n-gram lookup
+against speculation off (alternated per prompt, medians), checking the outputs are identical.
 
     .venv/bin/python -m bench.draft_acceptance [--draft models/drafts/smollm2-135m-eagle]
-        [--prompts 200] [--max-tokens 64] [--k 4] [--ngram] [--speedup 8]
+        [--prompts 200] [--max-tokens 64] [--k 4] [--ngram] [--lookup-first] [--no-eagle]
+        [--speedup 8]
 
 Writes bench/results/draft_acceptance.json (``--out``).
 """
@@ -148,6 +151,20 @@ def _write(report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _drafts(head: ModelSpec, args: argparse.Namespace, adaptive: bool) -> dict[str, DraftSpec]:
+    """The drafters measured: the head alone, n-gram lookup, the head behind lookup."""
+    out = {}
+    if not args.no_eagle:
+        out["eagle"] = DraftSpec(DraftKind.EAGLE, head, args.k, adaptive=adaptive)
+    if args.ngram:
+        out["ngram"] = DraftSpec(DraftKind.NGRAM, None, args.k, adaptive=adaptive)
+    if args.lookup_first:
+        out["eagle+lookup"] = DraftSpec(
+            DraftKind.EAGLE, head, args.k, adaptive=adaptive, lookup_first=True
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--draft", type=Path, default=Path("models/drafts/smollm2-135m-eagle"))
@@ -157,6 +174,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed)")
     ap.add_argument("--chunk", type=int, default=25, help="prompts decoded together")
     ap.add_argument("--ngram", action="store_true", help="also measure n-gram lookup")
+    ap.add_argument(
+        "--lookup-first", action="store_true", help="also measure the head behind lookup"
+    )
+    ap.add_argument("--no-eagle", action="store_true", help="skip the head alone")
     ap.add_argument("--speedup", type=int, default=0, help="prompts for the batch-1 speed part")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "draft_acceptance.json")
@@ -169,9 +190,7 @@ def main() -> None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     target = ModelSpec(str(folder))
     head = ModelSpec(str(args.draft))
-    fixed = {"eagle": DraftSpec(DraftKind.EAGLE, head, args.k, adaptive=False)}
-    if args.ngram:
-        fixed["ngram"] = DraftSpec(DraftKind.NGRAM, None, args.k, adaptive=False)
+    fixed = _drafts(head, args, adaptive=False)
     report: dict[str, Any] = {
         "draft": str(args.draft),
         "target": str(folder.name),
@@ -183,9 +202,9 @@ def main() -> None:
         "out": str(args.out),
     }
     if args.speedup:
-        served = {  # adaptive k, as `tandem serve` runs them
+        served = {  # adaptive k, as `tandem serve` runs them; n-gram always, for reference
             "off": DraftSpec(),
-            "eagle": DraftSpec(DraftKind.EAGLE, head, args.k),
+            **_drafts(head, args, adaptive=True),
             "ngram": DraftSpec(DraftKind.NGRAM, None, args.k),
         }
         report["batch1_speedup"] = speedup(target, served, prompts[: args.speedup], args.max_tokens)

@@ -91,7 +91,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         draft_model = ModelSpec(str(draft_folder), d.dtype)
     elif d.kind == "eagle":
         assert d.source is not None
-        head_folder = Path(d.source).expanduser()
+        head_folder = Path(d.source).expanduser().resolve()  # replicas may run elsewhere
         check_eagle_head(folder, head_folder)
         draft_model = ModelSpec(str(head_folder), d.dtype)
     draft = DraftSpec(

@@ -29,6 +29,9 @@ def _load_config(args: argparse.Namespace) -> TandemConfig:
         overrides["http.port"] = args.port
     if args.draft:
         overrides["draft.kind"] = args.draft
+        if args.draft in ("none", "ngram"):  # no checkpoint: drop the config's head, if any
+            overrides["draft.source"] = None
+            overrides["draft.lookup_first"] = False
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from cluster.builder import DraftMismatchError, check_draft_vocab, resolve_models
+from cluster.cli import _load_config
 from cluster.config import TandemConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -13,8 +15,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_local_yaml_loads() -> None:
     cfg = TandemConfig.from_yaml(REPO / "deploy" / "local.yaml")
-    assert cfg.mode == "disaggregated" and cfg.draft.kind == "ngram"
+    assert cfg.mode == "disaggregated" and cfg.draft.kind == "eagle" and cfg.draft.lookup_first
+    assert (REPO / str(cfg.draft.source) / "model.safetensors").is_file()  # the shipped head
     assert cfg.local_resources() == {"decode_pool": 1.0, "prefill_pool": 1.0}
+
+
+def test_cli_draft_override_drops_the_configs_head() -> None:
+    """README's `tandem serve --config deploy/local.yaml --mode colocated --draft none`."""
+    args = argparse.Namespace(
+        config=str(REPO / "deploy" / "local.yaml"),
+        model=None,
+        mode="colocated",
+        host=None,
+        port=None,
+        draft="none",
+    )
+    cfg = _load_config(args)
+    assert cfg.mode == "colocated" and cfg.draft.kind == "none"
+    assert cfg.draft.source is None and not cfg.draft.lookup_first
 
 
 @pytest.mark.parametrize(
