@@ -14,48 +14,28 @@ Not thread-safe: one thread (``decode.loop.EngineLoop``) drives ``add``, ``abort
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
-
-import torch
 
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.build import build_drafter
 from decode.intake import KVIntake
-from decode.outputs import SpecUsage, StepOutput
+from decode.outputs import EngineStats, SpecUsage, StepOutput
 from decode.routing_stats import RoutingStats, collect_routing_stats
 from decode.scheduler import Scheduler
 from decode.spec_step import Emission, decode_step
-from decode.speculation import DEFAULT_ACCEPTANCE, SpeculationPolicy
-from decode.step_time import METHOD as STEP_TIME_METHOD
-from decode.step_time import cached_step_time, calibration_points, measure_step_time
+from decode.speculation import DEFAULT_ACCEPTANCE
+from decode.speculation_setup import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
 from kvtransfer.shard import ShardSpec, build_shard
 from models.request import FinishReason, Request, RequestStatus
-from models.weights import default_cache_dir
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_blocks: int
-    free_blocks: int
-    waiting: int
-    pulling: int
-    running: int
-    target_tokens_fed: int  # tokens the target computed on this replica (prompts included)
-    draft_tokens_fed: int  # tokens the draft model computed on this replica
-    steps: int
-    preemptions: int
-    kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
 
 
 class DecodeEngine:
@@ -80,7 +60,11 @@ class DecodeEngine:
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
-        self.speculation = self._speculation() if self.drafter is not None else None
+        self.speculation = (
+            build_speculation(cfg, self.drafter, self.target, self.allocator)
+            if self.drafter is not None
+            else None
+        )
         self.scheduler = Scheduler(
             self.allocator,
             cfg.block_size,
@@ -97,32 +81,6 @@ class DecodeEngine:
         self._steps = 0
         self._preemptions = 0
         self._recomputed = 0
-
-    def _speculation(self) -> SpeculationPolicy:
-        d, cfg = self.cfg.draft, self.cfg
-        held = self.drafter is not None and self.drafter.step_dependent
-        if not d.adaptive:
-            return SpeculationPolicy(d.num_speculative_tokens, None, held)
-        shapes = calibration_points(
-            min(cfg.max_batch_size, 32),
-            d.num_speculative_tokens + 1,
-            min(cfg.max_num_batched_tokens, 256),
-        )
-        t = cfg.target
-        threads = torch.get_num_threads()
-        key = (
-            f"v{STEP_TIME_METHOD}-{t.fingerprint()}-{t.dtype}-{cfg.device}-tp{cfg.tp_size}"
-            f"-t{threads}-{shapes}"
-        )
-        path = (
-            default_cache_dir()
-            / "steptime"
-            / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
-        )
-        model = cached_step_time(
-            path, lambda: measure_step_time(self.target, self.allocator, cfg.block_size, shapes)
-        )
-        return SpeculationPolicy(d.num_speculative_tokens, model, held)
 
     # ---- requests in and out -------------------------------------------------------------
 

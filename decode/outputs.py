@@ -1,4 +1,4 @@
-"""What the decode engine reports per request per step."""
+"""What the decode engine reports: per request per step, and about itself (``EngineStats``)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,19 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters (``DecodeServer.stats`` reports them, e.g. to ``/health``)."""
+
+    num_blocks: int
+    free_blocks: int
+    waiting: int
+    pulling: int
+    running: int
+    target_tokens_fed: int  # tokens the target computed on this replica (prompts included)
+    draft_tokens_fed: int  # tokens the draft model computed on this replica
+    steps: int
+    preemptions: int
+    kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
