@@ -33,8 +33,6 @@ from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
 from kvtransfer.shard import ShardSpec, build_shard
-from models.acceptance import one_hot_overlap, overlap, probe_estimate
-from models.ngram import ngram_lookup
 from models.request import FinishReason, Request
 from models.runner import SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
@@ -42,6 +40,7 @@ from models.spec import DraftKind
 from prefill.chunks import plan_chunks, window_rows
 from prefill.config import PrefillWorkerConfig
 from prefill.drafting import run_draft
+from prefill.probe import acceptance_probe
 from prefill.stats import PrefillStats
 
 log = logging.getLogger(__name__)
@@ -230,7 +229,9 @@ class PrefillWorker:
         try:
             probs = probs_from_logits(torch.cat(p.target_logits), [sp] * len(p.positions))  # [W, V]
             first = sample_token(probs[-1], sp, 0, Stream.SAMPLE)
-            probe = self._probe(p, probs)
+            probe = acceptance_probe(
+                self.cfg.draft, req.prompt_token_ids, sp, p.positions, probs, p.draft_logits
+            )
         except Exception as e:
             self._fail(p, e)
             return
@@ -266,33 +267,6 @@ class PrefillWorker:
                 payload=payload,
             )
         )
-
-    def _probe(self, p: _Prompt, probs: torch.Tensor) -> float | None:
-        d = self.cfg.draft
-        if p.draft_logits:
-            both = [j for j, u in enumerate(p.positions) if u in p.draft_logits]
-            if not both:
-                return None
-            q_logits = torch.stack([p.draft_logits[p.positions[j]] for j in both])
-            q = probs_from_logits(q_logits, [p.req.sampling] * len(both))
-            per = overlap(probs[both], q)
-            if d.lookup_first:  # decode proposes by lookup wherever lookup finds a match
-                props = self._lookups(p, [p.positions[j] for j in both], probs.device)
-                per = torch.where(props >= 0, one_hot_overlap(probs[both], props), per)
-            return probe_estimate(per)
-        if d.kind is DraftKind.NGRAM:
-            props = self._lookups(p, p.positions, probs.device)
-            return probe_estimate(one_hot_overlap(probs, props))
-        return None
-
-    def _lookups(self, p: _Prompt, positions: list[int], device: torch.device) -> torch.Tensor:
-        """[len(positions)] the n-gram proposal after each prompt position (-1: none)."""
-        d, prompt = self.cfg.draft, p.req.prompt_token_ids
-        props = [
-            (ngram_lookup(prompt[: t + 1], 1, d.ngram_max, d.ngram_min) or [-1])[0]
-            for t in positions
-        ]
-        return torch.tensor(props, device=device)
 
     def _fail(self, p: _Prompt, error: BaseException) -> None:
         if p in self._queue:

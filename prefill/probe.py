@@ -1,0 +1,59 @@
+"""The acceptance probe of one prompt: how well decode's drafter will predict the target.
+
+Prefill has the target's distributions over the prompt's last positions (``probs``) and, for a
+model drafter, the draft's logits at the same positions. The probe is the mean per-position
+chance a draft token is accepted (``models.acceptance``): the distributions' overlap for a model
+drafter, the target's probability of the proposal for n-gram lookup, and with ``lookup_first``
+lookup's where it matches and the model's elsewhere, as decode will draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from models.acceptance import one_hot_overlap, overlap, probe_estimate
+from models.ngram import ngram_lookup
+from models.sampling import SamplingParams, probs_from_logits
+from models.spec import DraftKind, DraftSpec
+
+
+def acceptance_probe(
+    draft: DraftSpec,
+    prompt: Sequence[int],
+    sampling: SamplingParams,
+    positions: Sequence[int],
+    probs: torch.Tensor,
+    draft_logits: Mapping[int, torch.Tensor],
+) -> float | None:
+    """probs: [len(positions), V] the target's distributions after each prompt position;
+    draft_logits: the draft's [V] logits by target position (empty without a model drafter).
+    None when nothing could be scored."""
+    if draft_logits:
+        both = [j for j, u in enumerate(positions) if u in draft_logits]
+        if not both:
+            return None
+        q_logits = torch.stack([draft_logits[positions[j]] for j in both])
+        q = probs_from_logits(q_logits, [sampling] * len(both))
+        per = overlap(probs[both], q)
+        if draft.lookup_first:  # decode proposes by lookup wherever lookup finds a match
+            props = lookups(draft, prompt, [positions[j] for j in both], probs.device)
+            per = torch.where(props >= 0, one_hot_overlap(probs[both], props), per)
+        return probe_estimate(per)
+    if draft.kind is DraftKind.NGRAM:
+        return probe_estimate(
+            one_hot_overlap(probs, lookups(draft, prompt, positions, probs.device))
+        )
+    return None
+
+
+def lookups(
+    draft: DraftSpec, prompt: Sequence[int], positions: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """[len(positions)] the n-gram proposal after each prompt position (-1: none)."""
+    props = [
+        (ngram_lookup(list(prompt[: t + 1]), 1, draft.ngram_max, draft.ngram_min) or [-1])[0]
+        for t in positions
+    ]
+    return torch.tensor(props, device=device)
