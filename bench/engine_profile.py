@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.gpu_check import _sync, _tiny
+from bench.gpu_check import _tiny
+from bench.gpu_kv import _sync
 
 SHAPES = {"tiny": (2, 128, 4, 2, 4096), "1b": (16, 2048, 32, 8, 32000)}
 

