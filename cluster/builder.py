@@ -20,7 +20,7 @@ from cluster.service import ServiceSettings
 from decode.config import DecodeEngineConfig
 from decode.server import DecodeServer
 from models.config import LlamaConfig
-from models.embedded import EMBEDDED_NAME
+from models.embedded import EMBEDDED_NAME, embedded_eagle_path
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from models.weights import resolve_checkpoint
 from prefill.config import PrefillWorkerConfig
@@ -91,7 +91,11 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         draft_model = ModelSpec(str(draft_folder), d.dtype)
     elif d.kind == "eagle":
         assert d.source is not None
-        head_folder = Path(d.source).expanduser().resolve()  # replicas may run elsewhere
+        head_folder = (
+            embedded_eagle_path()
+            if d.source == "embedded"
+            else Path(d.source).expanduser().resolve()  # replicas may run elsewhere
+        )
         check_eagle_head(folder, head_folder)
         draft_model = ModelSpec(str(head_folder), d.dtype)
     draft = DraftSpec(

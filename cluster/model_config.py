@@ -32,7 +32,10 @@ class DraftConfig(_Frozen):
         "the target's features.",
     )
     source: str | None = Field(
-        None, description="Draft checkpoint: a model (draft_model) or an EAGLE head folder (eagle)."
+        None,
+        description="Draft checkpoint: a model (draft_model) or an EAGLE head folder (eagle); "
+        "'embedded' with eagle is the head shipped for the embedded model "
+        "(models/drafts/smollm2-135m-eagle, found wherever tandem is installed).",
     )
     dtype: Dtype = Field("float32", description="Draft model dtype.")
     num_speculative_tokens: int = Field(

@@ -21,3 +21,18 @@ def embedded_gguf_path() -> Path:
     if not ggufs:
         raise FileNotFoundError(f"no .gguf file in {folder}")
     return ggufs[0]
+
+
+EMBEDDED_EAGLE = "smollm2-135m-eagle"
+
+
+def embedded_eagle_path() -> Path:
+    """The EAGLE head distilled for the embedded model by ``tandem distill`` and shipped inside
+    the ``models`` package (``models/drafts/``), wherever tandem is installed."""
+    folder = Path(__file__).resolve().parent / "drafts" / EMBEDDED_EAGLE
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the shipped EAGLE head is missing from {folder}: reinstall tandem with its "
+            "package data (models/drafts)"
+        )
+    return folder

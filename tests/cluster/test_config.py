@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_local_yaml_loads() -> None:
     cfg = TandemConfig.from_yaml(REPO / "deploy" / "local.yaml")
     assert cfg.mode == "disaggregated" and cfg.draft.kind == "eagle" and cfg.draft.lookup_first
-    assert (REPO / str(cfg.draft.source) / "model.safetensors").is_file()  # the shipped head
+    assert cfg.draft.source == "embedded"  # the head shipped with tandem
     assert cfg.local_resources() == {"decode_pool": 1.0, "prefill_pool": 1.0}
 
 
@@ -88,3 +88,24 @@ def test_tp_must_divide_the_heads() -> None:
     ):
         resolve_models(cfg)
     resolve_models(TandemConfig.model_validate({"decode": {"tp": 3}, "prefill": {"tp": 3}}))
+
+
+def test_embedded_head_resolves_to_the_shipped_folder_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`draft.source: embedded` names the head inside the installed `models` package, so a Serve
+    app built in another working directory (serve deploy, KubeRay) finds it too."""
+    monkeypatch.chdir(tmp_path)
+    cfg = TandemConfig.model_validate(
+        {"draft": {"kind": "eagle", "source": "embedded", "lookup_first": True}}
+    )
+    models = resolve_models(cfg)
+    assert models.draft.model is not None
+    head = Path(models.draft.model.folder)
+    assert head == REPO / "models" / "drafts" / "smollm2-135m-eagle"
+    assert (head / "model.safetensors").is_file()
+    relative = TandemConfig.model_validate(
+        {"draft": {"kind": "eagle", "source": "models/drafts/smollm2-135m-eagle"}}
+    )
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        resolve_models(relative)  # a relative path is relative to where the app is built

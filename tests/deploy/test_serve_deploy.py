@@ -67,7 +67,7 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
         address = f"http://127.0.0.1:{dashboard}"
         subprocess.run([serve_cli, "deploy", str(path), "-a", address], check=True, timeout=120)
         base = f"http://127.0.0.1:{port}"
-        health = _wait_healthy(base, timeout_s=120)
+        health = _wait_healthy(base, timeout_s=300)
         assert health["mode"] == "colocated"
         yield Deployed(base, address)
     finally:
@@ -90,6 +90,9 @@ def test_deployed_serve_config_answers_a_chat_request(deployed: Deployed) -> Non
     body = r.json()
     assert body["choices"][0]["message"]["content"].strip()
     assert body["usage"]["completion_tokens"] >= 1
+    # The config's draft is the shipped head (`source: embedded`), found where Serve builds the
+    # app, not relative to the directory `serve deploy` ran in: it drafted.
+    assert body["usage"]["speculative"]["draft_tokens"] > 0
 
 
 def test_serve_runs_the_deployments_the_config_sizes(deployed: Deployed) -> None:
