@@ -158,8 +158,16 @@ def run(
             "held_out_per_mille": plan.held_out_per_mille,
             "max_len": plan.max_len,
             "transcript": "chat template over every turn (system prompt, user and assistant)",
-            "train": {"conversations": train_c.num_rows, "tokens": train_c.num_tokens},
-            "eval": {"conversations": eval_c.num_rows, "tokens": eval_c.num_tokens},
+            "train": {
+                "conversations": train_c.num_rows,
+                "requested": plan.train_conversations,
+                "tokens": train_c.num_tokens,
+            },
+            "eval": {
+                "conversations": eval_c.num_rows,
+                "requested": plan.eval_conversations,
+                "tokens": eval_c.num_tokens,
+            },
         },
         "draft_vocab": {
             "size": plan.draft_vocab,

@@ -44,8 +44,8 @@ def render_readme(card: dict[str, Any]) -> str:
         f"training transcripts; it holds {100 * v['heldout_generated_coverage']:.1f}% of the "
         "held-out assistant tokens).",
         f"- Data: `{d['dataset']}`; {d['train']['conversations']} training conversations "
-        f"({d['train']['tokens']:,} tokens), {d['eval']['conversations']} held-out "
-        f"({d['eval']['tokens']:,} tokens); {d['split']}",
+        f"({d['train']['tokens']:,} tokens{shortfall(d['train'])}), {d['eval']['conversations']} "
+        f"held-out ({d['eval']['tokens']:,} tokens{shortfall(d['eval'])}); {d['split']}",
         f"- Training: {tr['steps']} steps of ~{tr['batch_tokens']} tokens, depth {tr['depth']} "
         f"unrolled, seed {tr['seed']}, {tr['device']} ({tr['threads']} threads); feature "
         f"extraction {tr['extraction_seconds'] / 60:.1f} min, training "
@@ -90,3 +90,11 @@ def coverage(draft_ids: Sequence[int], tokens: Sequence[int]) -> float:
     """Fraction of ``tokens`` inside the draft vocabulary."""
     inside = set(draft_ids)
     return sum(t in inside for t in tokens) / max(len(tokens), 1)
+
+
+def shortfall(split: dict[str, Any]) -> str:
+    """Say so when the dataset held fewer usable conversations than were asked for."""
+    asked = int(split.get("requested", 0))
+    if asked <= split["conversations"]:
+        return ""
+    return f"; all the split holds, {asked:,} were asked for"

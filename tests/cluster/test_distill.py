@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cluster.cli import main
+from cluster.distill_card import shortfall
 from cluster.distill_data import load_corpus
 from cluster.distill_train import TrainConfig, make_head, train
 from cluster.sharegpt import Conversation, held_out
@@ -121,7 +122,7 @@ def test_distill_trains_ships_and_loads_into_the_decode_path(
     train_ids = load_corpus(work / "features-train").conv_ids
     assert len(eval_ids) == card["data"]["eval"]["conversations"] > 0
     assert all(_is_held(c) for c in eval_ids) and not any(_is_held(c) for c in train_ids)
-    assert card["data"]["train"]["conversations"] == 16
+    assert card["data"]["train"]["conversations"] == card["data"]["train"]["requested"] == 16
     assert [a["temperature"] for a in card["held_out_acceptance"]] == [0.0, 0.7]
     assert all(
         0.0 <= x <= 1.0 for a in card["held_out_acceptance"] for x in a["acceptance_per_depth"]
@@ -184,3 +185,12 @@ def test_resumed_training_equals_an_uninterrupted_run(
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="other training settings"):
         train(_head(tiny_folder), corpus, rows, TrainConfig(steps=7), tmp_path / "b.pt")
+
+
+def test_card_says_when_the_dataset_ran_out() -> None:
+    """Asking for more conversations than the split holds trains on all of them, and the card
+    says how many were asked for."""
+    assert shortfall({"conversations": 16, "requested": 16}) == ""
+    assert shortfall({"conversations": 14266, "requested": 16000}) == (
+        "; all the split holds, 16,000 were asked for"
+    )
