@@ -77,6 +77,7 @@ class DecodeEngine:
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
+        # counters, read by decode.engine_views
         self.target_tokens_fed = 0
         self.steps = 0
         self.preemptions = 0
