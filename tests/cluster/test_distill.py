@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.draft_topk import topk_agreement
 from cluster.cli import main
 from cluster.distill_card import shortfall
 from cluster.distill_data import load_corpus
@@ -149,6 +150,15 @@ def test_distill_trains_ships_and_loads_into_the_decode_path(
     )
     assert (served.all_hidden - dense[0]).abs().max() <= 1e-4
     assert torch.equal(served.logits.argmax(-1), trained.logits(dense[0]).argmax(-1))
+
+    # bench.draft_topk on the same run: top-1 at depth 1 is the card's greedy acceptance, and a
+    # wider top-k can only find the target's token more often.
+    report = topk_agreement(out, str(tiny_folder), work / "features-eval", 2, (1, 2, 8))
+    d1 = report["topk_by_depth"]["depth_1"]
+    assert d1["top1"] <= d1["top2"] <= d1["top8"] <= 1.0
+    greedy = card["held_out_acceptance"][0]
+    assert greedy["temperature"] == 0.0
+    assert abs(d1["top1"] - greedy["acceptance_per_depth"][0]) < 2e-3
 
 
 def _is_held(conv_id: str) -> bool:
