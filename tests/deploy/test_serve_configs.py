@@ -94,7 +94,12 @@ def test_builder_sizes_pools_as_the_serve_config_does(embedded_folder: Path, nam
     overrides = _app(load_yaml(DEPLOY / "serve" / f"{name}.yaml"))["deployments"]
     # The GPU models are not on this machine: same pools and sizing, the embedded model.
     cfg = TandemConfig.from_yaml(DEPLOY / "apps" / f"{name}.yaml").with_overrides(
-        **{"model.source": "embedded", "draft.kind": "ngram", "draft.source": None}
+        **{
+            "model.source": "embedded",
+            "draft.kind": "ngram",
+            "draft.source": None,
+            "draft.lookup_first": False,
+        }
     )
     built = serve_build_app(build_app(cfg), name="tandem")
     deployments = {d.name: d for d in built.deployments}
