@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from cluster.distill_data import load_corpus
+from cluster.distill_eval import held_out_drafts
 from models.eagle import load_eagle
-from models.eagle_train import unrolled_forward
 from models.embedded import embedded_eagle_path
 from models.weights import load_state_dict, resolve_checkpoint
 
@@ -35,28 +35,15 @@ def topk_agreement(
     head = load_eagle(head_folder, folder, torch.float32, "cpu")
     weights = load_state_dict(folder)
     lm = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()  # [V, H]
-    corpus = load_corpus(features)
     hits = torch.zeros(depth, len(ks), dtype=torch.float64)
     counts = torch.zeros(depth, dtype=torch.float64)
     kmax = max(ks)
-    for r in range(corpus.num_rows):
-        f, x, gen = corpus.row(r)
-        t = x.shape[0] - 1  # head positions s = 0 .. t - 1
-        f = f.float()
-        outs = unrolled_forward(head, x[1:].unsqueeze(0), f[:-1].unsqueeze(0), depth)
-        s = torch.arange(t)
-        labelled = torch.zeros(t, dtype=torch.bool)
-        labelled[: t - 1] = gen[2:]  # x_{s+2} is a generated token of the transcript
-        greedy = (f[1:] @ lm.t()).argmax(-1)  # [t] the target's argmax of x_{s+2}
-        for d, g in enumerate(outs):
-            keep = labelled & (s >= d)
-            if not bool(keep.any()):
-                continue
-            top = head.logits(g[0][keep]).topk(kmax, dim=-1).indices  # [n, kmax]
-            match = top == greedy[keep].unsqueeze(-1)  # [n, kmax]
-            counts[d] += int(keep.sum())
-            for j, k in enumerate(ks):
-                hits[d, j] += float(match[:, :k].any(-1).sum())
+    for d, draft, target_logits in held_out_drafts(head, load_corpus(features), lm, depth):
+        top = draft.topk(kmax, dim=-1).indices  # [n, kmax]
+        match = top == target_logits.argmax(-1, keepdim=True)  # [n, kmax]
+        counts[d] += draft.shape[0]
+        for j, k in enumerate(ks):
+            hits[d, j] += float(match[:, :k].any(-1).sum())
     share = hits / counts.clamp_min(1.0).unsqueeze(-1)
     return {
         "head": str(head_folder),

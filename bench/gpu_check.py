@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_kv import _sync, kv_transfer
+from bench.gpu_kv import kv_transfer, sync_device
 
 
 def _tiny(
@@ -175,10 +175,10 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
             times = []
             for _ in range(7):
-                _sync(dev)
+                sync_device(dev)
                 t0 = time.perf_counter()
                 run_step(model, pool, 16, batch_in)
-                _sync(dev)
+                sync_device(dev)
                 times.append(time.perf_counter() - t0)
             return 1000 * statistics.median(times)
 
@@ -218,25 +218,25 @@ def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
             )
             for _ in range(batch)
         ]
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         for r in reqs:
             engine.add(r, None)
         n = 0
         while engine.has_work:
             n += sum(len(o.new_token_ids) for o in engine.step())
-        _sync(dev)
+        sync_device(dev)
         out["engine_tok_s"][batch] = n / (time.perf_counter() - t0)
     engine.close()
     ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     ref = ref.to(dev).eval()
     ids = torch.randint(3, vocab, (1, plen), generator=g).to(dev)
     for _ in range(2):  # warm-up, then timed
-        _sync(dev)
+        sync_device(dev)
         t0 = time.perf_counter()
         with torch.no_grad():
             gen = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        _sync(dev)
+        sync_device(dev)
         hf = (gen.shape[1] - plen) / (time.perf_counter() - t0)
     out["transformers_tok_s_batch1"] = hf
     out["engine_over_transformers_batch1"] = out["engine_tok_s"][1] / hf

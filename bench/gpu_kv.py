@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 
-def _sync(dev: str) -> None:
+def sync_device(dev: str) -> None:
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -45,10 +45,10 @@ def kv_transfer(dev: str) -> dict[int, Any]:
         x, y = a.tensor("target"), b.tensor("target")
         ctimes = []
         for _ in range(5):
-            _sync(dev)
+            sync_device(dev)
             t0 = time.perf_counter()
             y[:, :, :, :n].copy_(x[:, :, :, :n])
-            _sync(dev)
+            sync_device(dev)
             ctimes.append(time.perf_counter() - t0)
         t_nixl, t_copy = statistics.median(times), statistics.median(ctimes)
         out[n] = {

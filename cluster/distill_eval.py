@@ -14,7 +14,7 @@ forward with ``k`` drafts if acceptances at successive depths are independent;
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,19 +45,14 @@ class Acceptance:
 
 
 @torch.no_grad()
-def evaluate(
-    head: EagleHead,
-    corpus: Corpus,
-    target_lm: torch.Tensor,
-    depth: int,
-    temperatures: Sequence[float],
-    rows: int | None = None,
-) -> list[Acceptance]:
-    """target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
+def held_out_drafts(
+    head: EagleHead, corpus: Corpus, target_lm: torch.Tensor, depth: int, rows: int | None = None
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each row and drafting depth ``d`` (0-based): the head's logits [n, V] and the
+    target's [n, V] at the held-out positions whose next-but-one token the assistant generated.
+    target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
     dev = head.device
     lm = target_lm.to(dev, torch.float32)
-    sums = torch.zeros(len(temperatures), depth, dtype=torch.float64)
-    counts = torch.zeros(depth, dtype=torch.float64)
     for r in range(corpus.num_rows if rows is None else min(rows, corpus.num_rows)):
         f, x, gen = corpus.row(r)
         t = x.shape[0] - 1  # head positions s = 0 .. t - 1
@@ -69,12 +64,26 @@ def evaluate(
         target_logits = f[1:] @ lm.t()  # [t, V] the target's distribution of x_{s+2}
         for d, g in enumerate(outs):
             keep = (labelled & (s >= d)).to(dev)
-            if not bool(keep.any()):
-                continue
-            draft = head.logits(g[0][keep])  # [n, V]
-            counts[d] += int(keep.sum())
-            for i, temp in enumerate(temperatures):
-                sums[i, d] += float(teacher_forced_overlap(draft, target_logits[keep], temp).sum())
+            if bool(keep.any()):
+                yield d, head.logits(g[0][keep]), target_logits[keep]
+
+
+@torch.no_grad()
+def evaluate(
+    head: EagleHead,
+    corpus: Corpus,
+    target_lm: torch.Tensor,
+    depth: int,
+    temperatures: Sequence[float],
+    rows: int | None = None,
+) -> list[Acceptance]:
+    """target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
+    sums = torch.zeros(len(temperatures), depth, dtype=torch.float64)
+    counts = torch.zeros(depth, dtype=torch.float64)
+    for d, draft, target in held_out_drafts(head, corpus, target_lm, depth, rows):
+        counts[d] += draft.shape[0]
+        for i, temp in enumerate(temperatures):
+            sums[i, d] += float(teacher_forced_overlap(draft, target, temp).sum())
     means = sums / counts.clamp_min(1.0)
     return [
         Acceptance(temp, tuple(float(v) for v in means[i]), int(counts[0]))
