@@ -15,7 +15,9 @@ blocks through a *block table*: token ``p`` of a sequence lives in block
 A forward step may mix sequences with different numbers of new tokens (prompt chunks, one decode
 token, k + 1 verification tokens). :class:`AttentionMetadata` is built once per step and shared
 by all layers: where each new token's K/V is written, which blocks each sequence attends to,
-the causal mask over them, and the rotary angles of the new tokens. Attention runs per group of
+the causal mask over them, and the rotary angles of the new tokens. A sequence may bring a token
+tree instead of a run (``models.tree``): its tokens then attend to their ancestors only, at
+their depth's position. Attention runs per group of
 sequences with similar new-token counts and context lengths (``AttentionGroup``), each padded
 to its own longest query and context, so one long prompt chunk does not make every decode in
 the step attend with its query length, nor one long context every short one with its length.
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.tree import TreeSpan
+
 
 def kv_pool_shape(
     num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int, head_dim: int
@@ -39,11 +43,30 @@ def kv_pool_shape(
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence in a forward step: `num_new` tokens after `num_cached` cached ones."""
+    """One sequence in a forward step: `num_new` tokens after `num_cached` cached ones, in the
+    slots after them; with ``tree``, the new tokens are that tree's last ``num_new`` nodes."""
 
     block_table: Sequence[int]
     num_cached: int
     num_new: int
+    tree: TreeSpan | None = None
+
+    def __post_init__(self) -> None:
+        t = self.tree
+        if t is not None and not (
+            t.base <= self.num_cached and t.base + t.size == self.num_cached + self.num_new
+        ):
+            raise ValueError(
+                f"a tree over slots {t.base}..{t.base + t.size - 1} does not end with the "
+                f"{self.num_new} new tokens after {self.num_cached} cached ones"
+            )
+
+    def positions(self) -> torch.Tensor:
+        """[num_new] the rotary position of each new token."""
+        if self.tree is None:
+            return torch.arange(self.num_cached, self.num_cached + self.num_new)
+        depths = self.tree.depths()[self.num_cached - self.tree.base :]
+        return self.tree.base + torch.tensor(depths, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -72,7 +95,7 @@ class AttentionGroup:
 class AttentionMetadata:
     """Indices shared by every layer of one forward step (B sequences, T new tokens)."""
 
-    positions: torch.Tensor  # [T] position of each new token in its sequence
+    positions: torch.Tensor  # [T] rotary position of each new token (its slot, unless a tree)
     slot_blocks: torch.Tensor  # [T] block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
     groups: tuple[AttentionGroup, ...]  # the sequences, by new-token count
@@ -123,6 +146,12 @@ def _group(
     ctx_pos = torch.arange(c)  # [C]
     mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [b, q, C]
     # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
+    for row, s in enumerate(part):  # a tree's tokens see their ancestors only, inside it
+        if s.tree is not None:
+            t = s.tree
+            mask[row, : s.num_new, t.base : t.base + t.size] &= t.ancestors()[
+                s.num_cached - t.base :
+            ]
     mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
     token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
     rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
@@ -158,9 +187,10 @@ def build_attention_metadata(
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
-    positions = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])
+    positions = torch.cat([s.positions() for s in seqs])  # [T] rotary positions
+    slots = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])  # [T]
     seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
-    slot_blocks = tables[seq_of_token, positions // block_size]  # [T]
+    slot_blocks = tables[seq_of_token, slots // block_size]  # [T]
     # Sequences attended together: alike in new tokens and in context blocks, to a factor 2.
     by_bucket: dict[tuple[int, int], list[int]] = {}
     for i, s in enumerate(seqs):
@@ -173,7 +203,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         positions=pos_dev,
         slot_blocks=slot_blocks.to(device, non_blocking=True),
-        slot_offsets=(positions % block_size).to(device, non_blocking=True),
+        slot_offsets=(slots % block_size).to(device, non_blocking=True),
         groups=groups,
         cos=rope_cos[pos_dev].unsqueeze(1),
         sin=rope_sin[pos_dev].unsqueeze(1),

@@ -226,7 +226,7 @@ class EagleRunner:
         """features: [T, H], one per new token of the batch, in batch order."""
         dev = self.head.device
         meta = build_attention_metadata(
-            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch],
+            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
             self.block_size,
             dev,
             self.head.rope.cos,

@@ -10,6 +10,7 @@ import torch
 
 from models.attention import SeqSlice, build_attention_metadata
 from models.llama import LlamaModel
+from models.tree import TreeSpan, move_slots
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class SeqInput:
     num_cached: int
     token_ids: Sequence[int]
     logit_positions: Sequence[int]  # indices into token_ids whose next-token logits are wanted
+    tree: TreeSpan | None = None  # the new tokens are this tree's last nodes (models.tree)
+    kv_moves: Sequence[tuple[int, int]] = ()  # slot copies (src, dst) done before this step
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,14 @@ def run_step(
 ) -> StepResult:
     """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
 
-    kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, head_dim].
+    kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, head_dim]. Each sequence's
+    ``kv_moves`` (the compaction of a path accepted from a tree) are applied first.
     """
     dev = model.device
+    for s in batch:
+        move_slots(kv_pool, s.block_table, s.kv_moves, block_size)
     meta = build_attention_metadata(
-        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids)) for s in batch],
+        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
         block_size,
         dev,
         model.rope.cos,
