@@ -55,7 +55,7 @@ class TreeSpan:
 
 def chain_parents(n: int, first: int = -1) -> tuple[int, ...]:
     """Parents of ``n`` nodes in a row, the first continuing ``first``."""
-    return tuple([first] + list(range(n - 1))) if n else ()
+    return (first, *list(range(n - 1))) if n else ()
 
 
 def children(parents: Sequence[int], node: int) -> list[int]:

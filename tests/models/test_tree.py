@@ -70,7 +70,7 @@ def test_every_tree_path_equals_its_chain_and_the_compacted_cache_continues_it(
         BS,
         [SeqInput(table, n + 3, [8], [0], kv_moves=moves)],
     ).logits
-    run_step(model, pool, BS, [SeqInput(other, 0, prompt + [40, 50, 51], [])])
+    run_step(model, pool, BS, [SeqInput(other, 0, [*prompt, 40, 50, 51], [])])
     after_chain = run_step(model, pool, BS, [SeqInput(other, n + 3, [8], [0])]).logits
     assert (after_tree - after_chain).abs().max().item() <= TOL
 
