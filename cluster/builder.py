@@ -106,6 +106,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         ngram_max=d.ngram_max,
         ngram_min=d.ngram_min,
         lookup_first=d.lookup_first,
+        tree_width=d.tree_width,
     )
     check_tp(folder, cfg.decode.tp, "decode")
     if cfg.mode == "disaggregated":

@@ -32,6 +32,8 @@ def _load_config(args: argparse.Namespace) -> TandemConfig:
         if args.draft in ("none", "ngram"):  # no checkpoint: drop the config's head, if any
             overrides["draft.source"] = None
             overrides["draft.lookup_first"] = False
+        if args.draft != "eagle":  # trees are drafted by an EAGLE head only
+            overrides["draft.tree_width"] = 1
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 

@@ -56,6 +56,15 @@ class DraftConfig(_Frozen):
         description="With draft_model or eagle: propose by n-gram prompt lookup where it finds "
         "a match (copy-heavy text), and by the model only where it does not.",
     )
+    tree_width: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="With eagle: greedy requests draft a tree keeping this many candidates "
+        "per depth (the head's most likely paths) and the target verifies all of them in one "
+        "forward; 1 drafts chains. Costs tree_width times the tokens per step: worth it where "
+        "a step's time barely grows with its tokens (GPUs), not on a few CPU cores.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DraftConfig:
@@ -73,4 +82,6 @@ class DraftConfig(_Frozen):
                 f"draft.lookup_first needs kind=draft_model or eagle (the model that drafts "
                 f"where lookup finds nothing), not {self.kind}"
             )
+        if self.tree_width > 1 and self.kind != "eagle":
+            raise ValueError(f"draft.tree_width > 1 needs kind=eagle, not {self.kind}")
         return self

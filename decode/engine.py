@@ -72,6 +72,7 @@ class DecodeEngine:
             cfg.max_num_batched_tokens,
             cfg.max_model_len,
             self.speculation,
+            cfg.draft.tree_width,
         )
         self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
@@ -250,6 +251,7 @@ class DecodeEngine:
         self.allocator.free(r.block_table)
         r.block_table = []
         r.num_computed = r.num_draft_computed = 0
+        r.kv_moves = ()
         r.status = RequestStatus.WAITING
         if self.drafter is not None:
             self.drafter.forget(r.request_id)

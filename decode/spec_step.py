@@ -6,11 +6,15 @@ is known sample this step: such a sequence verifies ``w_i = min(m_i, k_i) + 1`` 
 positions, where ``m_i`` is how many positions the drafter proposed for (of ``k_i + 1`` asked)
 — the target scores its pending tokens plus ``w_i - 1`` drafts in one forward, and the
 rejection rule (``decode.rejection``) tests the drafts. KV of rejected positions is rolled back
-by lowering the counters (the next step overwrites those slots).
+by lowering the counters (the next step overwrites those slots). A greedy request may bring a
+draft tree instead (``DraftProposal.parents``): the target computes every node in the same
+forward (``models.tree``), ``decode.tree_verify`` walks it, and the accepted path's KV is
+compacted into place at the start of the request's next step.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,9 +22,11 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from decode.rejection import rejection_sample
+from decode.tree_verify import accept_greedy_path
 from models.request import Request
-from models.runner import ModelRunner, SeqInput
+from models.runner import ModelRunner, SeqInput, StepResult
 from models.sampling import Stream, accept_uniforms, probs_from_logits, sample_token
+from models.tree import TreeSpan, chain_parents, path_moves
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,16 @@ def decode_step(
     ]
     samples = [r.num_computed + n == r.num_tokens for r, n in zip(reqs, new_tokens, strict=True)]
     proposals = _propose(drafter, reqs, samples, ks)
-    widths = [min(len(p.tokens), k) + 1 for p, k in zip(proposals, ks, strict=True)]
+    widths = [
+        min(len(p.tokens), k) + 1 if p.parents is None else len(p.tokens) + 1
+        for p, k in zip(proposals, ks, strict=True)
+    ]
     batch = [
-        SeqInput(
-            r.block_table,
-            r.num_computed,
-            pend + list(prop.tokens[: w - 1]),
-            list(range(len(pend) - 1, len(pend) - 1 + w)) if sample else [],
-        )
+        _seq_input(r, pend, prop, w, sample)
         for r, pend, prop, w, sample in zip(reqs, pending, proposals, widths, samples, strict=True)
     ]
+    for r in reqs:
+        r.kv_moves = ()  # owed compaction travels with this step (models.runner.run_step)
     out = target.run(batch)
 
     emissions = [Emission((), 0, 0, len(b.token_ids)) for b in batch]
@@ -100,31 +106,46 @@ def decode_step(
     sampled = [i for i, s in enumerate(samples) if s]
     for i, s in enumerate(samples):
         if not s:
-            _observe(drafter, reqs[i], out.all_hidden, offsets[i], new_tokens[i])
+            _observe(drafter, reqs[i], out.all_hidden[offsets[i] : offsets[i] + new_tokens[i]])
             reqs[i].num_computed += new_tokens[i]
     if not sampled:
         return emissions
     row_params = [reqs[i].sampling for i in sampled for _ in range(widths[i])]
     p = probs_from_logits(out.logits, row_params)  # [sum(w_i), V] over sampled sequences
-    tested = [proposals[i].tokens[: widths[i]] for i in sampled]
+    # row of each sampled sequence's first distribution in p
+    starts = itertools.accumulate((widths[i] for i in sampled), initial=0)
+    first_row = dict(zip(sampled, starts, strict=False))  # starts has one more: the end
+    chains = [i for i in sampled if proposals[i].parents is None]
+    for i in sampled:
+        if proposals[i].parents is not None:
+            rows = p[first_row[i] : first_row[i] + widths[i]]  # [w_i, V]
+            emissions[i] = _accept_tree(
+                drafter, reqs[i], proposals[i], rows, out, offsets[i], pending[i]
+            )
+    if not chains:
+        return emissions
+    if len(chains) < len(sampled):
+        keep = [first_row[i] + j for i in chains for j in range(widths[i])]
+        p = p[torch.tensor(keep, dtype=torch.long, device=p.device)]  # [sum over chains, V]
+    tested = [proposals[i].tokens[: widths[i]] for i in chains]
     flat = [t for toks in tested for t in toks]
     draft_tokens = torch.tensor(flat, dtype=torch.long, device=p.device)  # [sum t_i]
-    draft_probs = _draft_probs([proposals[i] for i in sampled], tested, p)  # [sum t_i, V] | None
+    draft_probs = _draft_probs([proposals[i] for i in chains], tested, p)  # [sum t_i, V] | None
     uniforms = torch.cat(
         [
             accept_uniforms(reqs[i].sampling, len(reqs[i].output_token_ids), len(t))
-            for i, t in zip(sampled, tested, strict=True)
+            for i, t in zip(chains, tested, strict=True)
         ]
     )
     ver = rejection_sample(
         p,
-        [widths[i] for i in sampled],
+        [widths[i] for i in chains],
         draft_tokens,
         [len(t) for t in tested],
         draft_probs,
         uniforms,
     )
-    for row, (i, toks) in enumerate(zip(sampled, tested, strict=True)):
+    for row, (i, toks) in enumerate(zip(chains, tested, strict=True)):
         r = reqs[i]
         n = int(ver.num_accepted[row])
         emitted = toks[:n]
@@ -133,14 +154,67 @@ def decode_step(
             emitted += (sample_token(ver.final_dist[row], r.sampling, pos, Stream.SAMPLE),)
         # KV now holds the pending tokens and the accepted drafts that were fed.
         valid = len(pending[i]) + min(n, widths[i] - 1)
-        _observe(drafter, r, out.all_hidden, offsets[i], valid)
+        _observe(drafter, r, out.all_hidden[offsets[i] : offsets[i] + valid])
         r.num_computed += valid
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
         emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids))
     return emissions
 
 
-def _observe(drafter: Drafter | None, r: Request, hidden: torch.Tensor, start: int, n: int) -> None:
-    """Hand a drafter that reads target features those of the positions that stayed valid."""
+def _seq_input(
+    r: Request, pend: Sequence[int], prop: DraftProposal, width: int, sample: bool
+) -> SeqInput:
+    """What the target computes for ``r``: its pending tokens, then the drafts it verifies."""
+    n = len(pend)
+    if prop.parents is None:
+        logit_rows = list(range(n - 1, n - 1 + width)) if sample else []
+        return SeqInput(
+            r.block_table,
+            r.num_computed,
+            [*pend, *prop.tokens[: width - 1]],
+            logit_rows,
+            kv_moves=r.kv_moves,
+        )
+    # The pending tokens as a chain, the draft tree hanging from the last of them.
+    parents = chain_parents(n) + tuple(n - 1 if q < 0 else n + q for q in prop.parents)
+    return SeqInput(
+        r.block_table,
+        r.num_computed,
+        [*pend, *prop.tokens],
+        list(range(n - 1, n - 1 + width)),
+        TreeSpan(r.num_computed, parents),
+        r.kv_moves,
+    )
+
+
+def _accept_tree(
+    drafter: Drafter | None,
+    r: Request,
+    prop: DraftProposal,
+    p: torch.Tensor,
+    out: StepResult,
+    offset: int,
+    pend: Sequence[int],
+) -> Emission:
+    """Verify a greedy request's draft tree (``decode.tree_verify``) and keep the accepted
+    path's KV, compacted into the chain layout at the start of its next step.
+    p: [1 + nodes, V] the target's distributions after the root and after each node."""
+    assert prop.parents is not None
+    # A greedy request's token is its distribution's argmax (models.sampling.sample_token).
+    path, final = accept_greedy_path(p.argmax(dim=-1).tolist(), prop.tokens, prop.parents)
+    n = len(pend)
+    rows = list(range(offset, offset + n)) + [offset + n + node for node in path]
+    _observe(drafter, r, out.all_hidden[torch.tensor(rows, device=out.all_hidden.device)])
+    r.kv_moves = path_moves(r.num_computed + n, path)
+    r.num_computed += n + len(path)
+    r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
+    depth = max(TreeSpan(0, prop.parents).depths()) + 1
+    emitted = (*(prop.tokens[node] for node in path), final)
+    return Emission(emitted, depth, len(path), n + len(prop.tokens))
+
+
+def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:
+    """Hand a drafter that reads target features those of the positions that stayed valid
+    (features: [n, H])."""
     if drafter is not None and drafter.needs_features:
-        drafter.observe(r, hidden[start : start + n])
+        drafter.observe(r, features)

@@ -66,6 +66,9 @@ class Request:
     num_computed: int = 0  # tokens whose target KV is in this engine's cache
     num_draft_computed: int = 0  # tokens whose draft KV is in this engine's cache
     block_table: list[int] = field(default_factory=list)
+    # target KV slot copies (src, dst) owed to the cache: a path accepted from a draft tree,
+    # compacted at the start of the request's next step (models.tree)
+    kv_moves: tuple[tuple[int, int], ...] = ()
     acceptance_estimate: float | None = None  # calibrated probe at first, refined by decode
     acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
     calibration_key: tuple[int, int] | None = None  # decode.calibration cell, once started

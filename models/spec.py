@@ -58,6 +58,7 @@ class DraftSpec:
     ngram_max: int = 4
     ngram_min: int = 1
     lookup_first: bool = False  # n-gram lookup proposes where it matches, the model elsewhere
+    tree_width: int = 1  # > 1 (eagle): greedy requests verify draft trees this wide per depth
 
     def __post_init__(self) -> None:
         needs_model = self.kind in (DraftKind.DRAFT_MODEL, DraftKind.EAGLE)
@@ -65,6 +66,8 @@ class DraftSpec:
             raise ValueError("a draft checkpoint is required exactly for draft_model and eagle")
         if self.lookup_first and not needs_model:
             raise ValueError("lookup_first puts n-gram lookup before a draft model or EAGLE head")
+        if self.tree_width < 1 or (self.tree_width > 1 and self.kind is not DraftKind.EAGLE):
+            raise ValueError("tree_width is at least 1, and above 1 only for an EAGLE head")
 
     def identity(self) -> str:
         """What both pools must agree on about the draft (part of the KV compatibility hash)."""

@@ -17,6 +17,9 @@ class DraftProposal:
 
     tokens: tuple[int, ...]  # up to `width` tokens, possibly fewer (even none)
     probs: torch.Tensor | None  # [len(tokens), V] draft distributions; None: one-hot on `tokens`
+    # A tree (greedy requests only): the parent of each token (-1: the newest known token),
+    # parents first (models.tree); None: a chain, each token after the one before.
+    parents: tuple[int, ...] | None = None
 
 
 class Drafter(ABC):

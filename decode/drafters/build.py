@@ -16,7 +16,7 @@ def build_drafter(spec: DraftSpec, runner: ModelRunner | EagleRunner | None) -> 
     """``runner``: the draft model or EAGLE head the shard loaded (None for n-gram and none)."""
     drafter: Drafter | None = None
     if isinstance(runner, EagleRunner):
-        drafter = EagleDrafter(runner)
+        drafter = EagleDrafter(runner, spec.tree_width)
     elif runner is not None:
         drafter = DraftModelDrafter(runner)
     elif spec.kind is DraftKind.NGRAM:

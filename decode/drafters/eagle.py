@@ -6,7 +6,8 @@ has computed since last time (one, after a plain step; the whole prompt when the
 computed here) — and the head's output at the last of them proposes the next token; each
 further draft feeds the head its own predicted feature and the token it just drafted. Head KV
 computed from predicted features is provisional: ``num_draft_computed`` only counts positions
-fed with the target's true features, so the next step overwrites the rest.
+fed with the target's true features, so the next step overwrites the rest. With
+``tree_width`` > 1, greedy requests draft trees instead of chains (``eagle_tree``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.drafters.eagle_tree import grow_trees
 from models.eagle import EagleRunner
 from models.request import Request
-from models.runner import SeqInput
+from models.runner import SeqInput, StepResult
 from models.sampling import Stream, probs_from_logits, sample_token
 
 
@@ -27,8 +29,11 @@ class EagleDrafter(Drafter):
     needs_features = True
     step_dependent = True
 
-    def __init__(self, runner: EagleRunner) -> None:
+    def __init__(self, runner: EagleRunner, tree_width: int = 1) -> None:
         self.runner = runner
+        self.tree_width = (
+            tree_width  # > 1: greedy requests draft trees (decode.drafters.eagle_tree)
+        )
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
 
@@ -44,44 +49,92 @@ class EagleDrafter(Drafter):
         self._features.pop(request_id, None)
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        out = [DraftProposal((), None)] * len(reqs)
+        live = [i for i, w in enumerate(widths) if w > 0]
+        if not live:
+            return out
+        first = self._catch_up([reqs[i] for i in live])
+        # Greedy requests verifying at least one fed draft grow a tree (tree_width > 1).
+        tree = [
+            row
+            for row, i in enumerate(live)
+            if self.tree_width > 1 and reqs[i].sampling.greedy and widths[i] > 1
+        ]
+        chain = [row for row in range(len(live)) if row not in set(tree)]
+        if tree:
+            tokens, parents, fed = grow_trees(
+                self.runner,
+                [reqs[live[row]] for row in tree],
+                [widths[live[row]] - 1 for row in tree],
+                first.hidden[tree],
+                first.logits[tree],
+                self.tree_width,
+            )
+            self._fed += fed
+            for row, toks, par in zip(tree, tokens, parents, strict=True):
+                out[live[row]] = DraftProposal(toks, None, par)
+        if chain:
+            idx = [live[row] for row in chain]
+            got = self._chains(
+                [reqs[i] for i in idx],
+                [widths[i] for i in idx],
+                first.hidden[chain],
+                first.logits[chain],
+            )
+            for i, prop in zip(idx, got, strict=True):
+                out[i] = prop
+        for i in live:  # only the true-feature positions stay: the rest is provisional
+            reqs[i].num_draft_computed = reqs[i].num_computed
+        return out
+
+    def _catch_up(self, reqs: Sequence[Request]) -> StepResult:
+        """Feed the head positions ``num_draft_computed .. num_computed - 1``, each with the
+        token that follows it (the last: the pending, newest token); its output at the last
+        one, per request, proposes the first draft."""
+        batch, feats = [], []
+        for r in reqs:
+            f = self._features.pop(r.request_id)
+            ids = r.all_token_ids[r.num_draft_computed + 1 : r.num_computed + 1]
+            if len(ids) != f.shape[0]:
+                raise RuntimeError(
+                    f"{r.request_id}: {f.shape[0]} features for {len(ids)} head positions"
+                )
+            batch.append(SeqInput(r.block_table, r.num_draft_computed, ids, [len(ids) - 1]))
+            feats.append(f)
+            self._fed += len(ids)
+        return self.runner.run(batch, torch.cat(feats))
+
+    def _chains(
+        self,
+        reqs: Sequence[Request],
+        widths: Sequence[int],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> list[DraftProposal]:
+        """Each request's draft drawn token by token: the head's own predicted feature and the
+        token it just drafted give the next. hidden [B, H] and logits [B, V]: the catch-up's."""
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        last: list[torch.Tensor | None] = [None] * len(reqs)  # each request's predicted feature
-        start: list[int] = [0] * len(reqs)  # head position of each request's next input
-        for j in range(max(widths, default=0)):
-            live = [i for i, w in enumerate(widths) if w > j]
-            batch, feats = [], []
-            for i in live:
-                r = reqs[i]
-                if j == 0:
-                    # Catch up: positions num_draft_computed .. num_computed - 1, each with the
-                    # token that follows it, the last being the pending (newest) token.
-                    f = self._features.pop(r.request_id)
-                    ids = r.all_token_ids[r.num_draft_computed + 1 : r.num_computed + 1]
-                    if len(ids) != f.shape[0]:
-                        raise RuntimeError(
-                            f"{r.request_id}: {f.shape[0]} features for {len(ids)} head positions"
-                        )
-                    pos = r.num_draft_computed
-                else:
-                    f, ids, pos = last[i], [tokens[i][-1]], start[i]  # type: ignore[assignment]
-                batch.append(SeqInput(r.block_table, pos, ids, [len(ids) - 1]))
-                feats.append(f)
-                start[i] = pos + len(ids)
-                self._fed += len(ids)
-            out = self.runner.run(batch, torch.cat(feats))
-            q = probs_from_logits(out.logits, [reqs[i].sampling for i in live])  # [B_j, V]
-            for row, i in enumerate(live):
-                r = reqs[i]
-                last[i] = out.hidden[row : row + 1]
-                tokens[i].append(
+        last = [hidden[b : b + 1] for b in range(len(reqs))]  # each request's predicted feature
+        live = list(range(len(reqs)))
+        for j in range(max(widths)):
+            if j > 0:
+                live = [b for b in live if widths[b] > j]
+                batch = [
+                    SeqInput(
+                        reqs[b].block_table, reqs[b].num_computed + j - 1, [tokens[b][-1]], [0]
+                    )
+                    for b in live
+                ]
+                self._fed += len(batch)
+                step = self.runner.run(batch, torch.cat([last[b] for b in live]))
+                hidden, logits = step.hidden, step.logits
+            q = probs_from_logits(logits, [reqs[b].sampling for b in live])  # [B_j, V]
+            for row, b in enumerate(live):
+                r = reqs[b]
+                last[b] = hidden[row : row + 1]
+                tokens[b].append(
                     sample_token(q[row], r.sampling, len(r.output_token_ids) + j, Stream.DRAFT)
                 )
-                probs[i].append(q[row])
-        for i, w in enumerate(widths):
-            if w > 0:  # only the true-feature positions stay: the rest is provisional
-                reqs[i].num_draft_computed = reqs[i].num_computed
-        return [
-            DraftProposal(tuple(t), torch.stack(p)) if t else DraftProposal((), None)
-            for t, p in zip(tokens, probs, strict=True)
-        ]
+                probs[b].append(q[row])
+        return [DraftProposal(tuple(t), torch.stack(p)) for t, p in zip(tokens, probs, strict=True)]
