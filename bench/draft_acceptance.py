@@ -6,7 +6,9 @@ file order. Each prompt runs through ``DecodeEngine`` with the head drafting a f
 tokens per step (adaptive off), once greedy and once at temperature 0.7 (seeded). With
 ``--ngram`` the same prompts also run under n-gram prompt lookup (same k) for comparison, with
 ``--lookup-first`` under the head behind lookup (``draft.lookup_first``: lookup where it finds
-a match, the head elsewhere), and ``--no-eagle`` leaves out the head alone.
+a match, the head elsewhere), and ``--no-eagle`` leaves out the head alone. ``--tree-width W``
+adds each head configuration drafting trees ``W`` wide for greedy requests
+(``draft.tree_width``; measured at temperature 0 only, since sampled requests draft chains).
 Reported per drafter and temperature: acceptance rate (accepted / drafted) and mean tokens per
 target forward (tokens emitted by the verification steps over those steps: accepted plus the
 recovered or bonus token). Prompts run in chunks and the JSON is rewritten after each, so a run
@@ -18,7 +20,7 @@ against speculation off (alternated per prompt, medians), checking the outputs a
 
     .venv/bin/python -m bench.draft_acceptance [--draft models/drafts/smollm2-135m-eagle]
         [--prompts 200] [--max-tokens 64] [--k 4] [--ngram] [--lookup-first] [--no-eagle]
-        [--speedup 8]
+        [--tree-width 4] [--speedup 8]
 
 Writes bench/results/draft_acceptance.json (``--out``).
 """
@@ -94,6 +96,11 @@ def _summary(t: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def _temperatures(name: str) -> tuple[float, ...]:
+    """A tree configuration samples by chains, as its chain twin: greedy alone tells it apart."""
+    return (0.0,) if "-tree" in name else TEMPERATURES
+
+
 def acceptance(
     engines: dict[str, DecodeEngine],
     prompts: list[list[int]],
@@ -101,11 +108,12 @@ def acceptance(
     report: dict[str, Any],
 ) -> None:
     keys = ("steps", "drafted", "accepted", "emitted", "decoded")
-    totals = {name: {t: dict.fromkeys(keys, 0) for t in TEMPERATURES} for name in engines}
+    temps = {name: _temperatures(name) for name in engines}
+    totals = {name: {t: dict.fromkeys(keys, 0) for t in temps[name]} for name in engines}
     for start in range(0, len(prompts), args.chunk):
         chunk = prompts[start : start + args.chunk]
         for name, engine in engines.items():
-            for temp in TEMPERATURES:
+            for temp in temps[name]:
                 reqs = [_request(p, temp, start + i, args.max_tokens) for i, p in enumerate(chunk)]
                 _run(engine, reqs)
                 for key, v in _totals(reqs).items():
@@ -113,7 +121,7 @@ def acceptance(
         report["acceptance"] = {
             "prompts": start + len(chunk),
             **{
-                name: {f"temperature_{t}": _summary(totals[name][t]) for t in TEMPERATURES}
+                name: {f"temperature_{t}": _summary(totals[name][t]) for t in temps[name]}
                 for name in engines
             },
         }
@@ -162,6 +170,16 @@ def _drafts(head: ModelSpec, args: argparse.Namespace, adaptive: bool) -> dict[s
         out["eagle+lookup"] = DraftSpec(
             DraftKind.EAGLE, head, args.k, adaptive=adaptive, lookup_first=True
         )
+    if args.tree_width > 1:  # greedy requests draft trees; sampled ones chains, as "eagle"
+        for name in [n for n in out if n.startswith("eagle")]:
+            out[f"{name}-tree{args.tree_width}"] = DraftSpec(
+                DraftKind.EAGLE,
+                head,
+                args.k,
+                adaptive=adaptive,
+                lookup_first=out[name].lookup_first,
+                tree_width=args.tree_width,
+            )
     return out
 
 
@@ -178,6 +196,12 @@ def main() -> None:
         "--lookup-first", action="store_true", help="also measure the head behind lookup"
     )
     ap.add_argument("--no-eagle", action="store_true", help="skip the head alone")
+    ap.add_argument(
+        "--tree-width",
+        type=int,
+        default=1,
+        help="also measure each head configuration drafting trees this wide (greedy only)",
+    )
     ap.add_argument("--speedup", type=int, default=0, help="prompts for the batch-1 speed part")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "draft_acceptance.json")

@@ -29,7 +29,10 @@ def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def _spec(
     kind: str, tiny_draft_folder: Path, eagle_folder: Path, k: int, adaptive: bool
 ) -> DraftSpec:
-    """``kind``: a ``DraftKind`` value, ``+lookup`` for n-gram lookup first."""
+    """``kind``: a ``DraftKind`` value, ``+lookup`` for n-gram lookup first, ``-tree`` for
+    draft trees 3 wide (greedy requests)."""
+    tree = kind.endswith("-tree")
+    kind = kind.removesuffix("-tree")
     base, lookup = kind.removesuffix("+lookup"), kind.endswith("+lookup")
     model = {
         "ngram": None,
@@ -42,6 +45,7 @@ def _spec(
         num_speculative_tokens=k,
         adaptive=adaptive,
         lookup_first=lookup,
+        tree_width=3 if tree else 1,
     )
 
 
@@ -66,7 +70,9 @@ def _run(
     return [out[r.request_id] for r in reqs], engine, reqs
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle", "eagle+lookup"])
+@pytest.mark.parametrize(
+    "kind", ["ngram", "draft_model", "eagle", "eagle+lookup", "eagle-tree", "eagle+lookup-tree"]
+)
 @pytest.mark.parametrize("disaggregated", [False, True])
 def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
     tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str, disaggregated: bool
@@ -134,6 +140,25 @@ def test_seeded_eagle_sampling_does_not_depend_on_the_batch(
     got = run_all(engine, [*crowd, again])
     assert got[again.request_id] == want
     assert again.stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle+lookup"])
+def test_trees_and_chains_share_a_batch(
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str
+) -> None:
+    """Greedy requests draft trees while seeded sampled ones beside them draft chains: both
+    give what they give with chains only (greedy: the target's output)."""
+    target = ModelSpec(str(tiny_folder))
+    sp = [
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=5, seeded=True),
+        SamplingParams(temperature=0.0, max_tokens=16),
+    ]
+    want, _, _ = _run(target, _spec(kind, tiny_draft_folder, eagle_folder, 3, False), sp, False)
+    tree_spec = _spec(f"{kind}-tree", tiny_draft_folder, eagle_folder, 3, False)
+    got, _, reqs = _run(target, tree_spec, sp, disaggregated=True)
+    assert got == want
+    assert all(r.stats.num_draft_tokens > 0 for r in reqs)
 
 
 def test_eagle_handoff_carries_the_last_feature(
