@@ -96,6 +96,7 @@ def choose_ks(
     token_budget: int | None = None,
     fixed_tokens: int = 0,
     per_draft_s: float | None = None,
+    costs: Sequence[int] | None = None,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -112,16 +113,20 @@ def choose_ks(
     ``T(n + fixed + drafts) - T(n + fixed)``. (Charging them the whole mixed step would make a
     long prompt chunk's step look slow and its drafts cheap beside it, while every token a
     draft wastes costs as much as in any other step.) ``per_draft_s``, when the replica has
-    measured it (``decode.draft_cost``), is a floor on what each draft token adds.
+    measured it (``decode.draft_cost``), is a floor on what each draft token adds. ``costs[i]``
+    is how many tokens each draft level of sequence ``i`` puts in the step (a draft tree's
+    width; 1 for a chain): drafts are then taken by gain per token.
     """
     n = len(alphas)
     ks = [0] * n
     caps = [k_max] * n if isinstance(k_max, int) else list(k_max)
     if n == 0 or max(caps) <= 0:
         return ks
-    room = sum(caps) if token_budget is None else min(sum(caps), token_budget - n)
+    cost = [1] * n if costs is None else list(costs)
+    full = sum(c * w for c, w in zip(caps, cost, strict=True))
+    room = full if token_budget is None else min(full, token_budget - n)
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
-    heap = [(-a, i) for i, a in enumerate(clamped) if caps[i] > 0]  # gains a^(k+1), max first
+    heap = [(-a / cost[i], i) for i, a in enumerate(clamped) if caps[i] > 0]  # gain per token
     heapq.heapify(heap)
     emitted = float(n)
     decodes = model.predict(n)
@@ -129,19 +134,23 @@ def choose_ks(
     best, best_extra = emitted / decodes, 0
     order: list[int] = []
     depth = [0] * n
-    while heap and len(order) < room:
-        neg_gain, i = heapq.heappop(heap)
+    tokens = 0  # draft tokens in the step so far
+    while heap:
+        _, i = heapq.heappop(heap)
+        if tokens + cost[i] > room:
+            continue  # its deeper levels cost as much: it is done
         order.append(i)
         depth[i] += 1
-        emitted -= neg_gain
-        added = model.predict(n + fixed_tokens + len(order)) - mixed
+        tokens += cost[i]
+        emitted += clamped[i] ** depth[i]
+        added = model.predict(n + fixed_tokens + tokens) - mixed
         if per_draft_s is not None:
-            added = max(added, per_draft_s * len(order))
+            added = max(added, per_draft_s * tokens)
         trial = emitted / (decodes + added)
         if trial > best:
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:
-            heapq.heappush(heap, (-(clamped[i] ** (depth[i] + 1)), i))
+            heapq.heappush(heap, (-(clamped[i] ** (depth[i] + 1)) / cost[i], i))
     for i in order[:best_extra]:
         ks[i] += 1
     return ks

@@ -35,9 +35,14 @@ class SpeculationPolicy:
     """
 
     def __init__(
-        self, k_max: int, step_time: StepTimeModel | None, step_dependent: bool = False
+        self,
+        k_max: int,
+        step_time: StepTimeModel | None,
+        step_dependent: bool = False,
+        tree_width: int = 1,
     ) -> None:
         self.k_max = k_max
+        self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
         self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
@@ -127,13 +132,14 @@ class SpeculationPolicy:
         """``choose`` over the requests not held (``seqs``: all that decode this step)."""
         if not reqs:
             return []
+        costs = [self.tree_width if r.sampling.greedy else 1 for r in reqs]
         if self.tracker is None:
             out, left = [], budget - len(reqs)
-            for c in caps:
-                k = max(0, min(c, left))
+            for c, w in zip(caps, costs, strict=True):
+                k = max(0, min(c, left // w))
                 out.append(k)
-                left -= k
+                left -= k * w
             return out
         alphas = [self.estimate(r) for r in reqs]
         per_draft = self.draft_cost.per_draft(seqs)
-        return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens, per_draft)
+        return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens, per_draft, costs)

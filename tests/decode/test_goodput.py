@@ -80,3 +80,23 @@ def test_a_seeded_request_is_held_at_its_cap_where_drafts_depend_on_the_step(
     assert ks[0] == ks[2] == 0  # the budget is spent, and drafts do not pay when saturated
     free = SpeculationPolicy(4, saturated if adaptive else None, step_dependent=False)
     assert sum(free.choose(reqs, [4, 4, 4, 2], 0, budget)) <= 3  # no drafter quirk: no hold
+
+
+def test_a_draft_tree_is_priced_by_its_width() -> None:
+    """A tree level costs its width in tokens: where tokens cost time, a greedy request on a
+    replica drafting trees 4 wide gets fewer levels than a chain would at the same acceptance,
+    and none where four tokens per level cannot pay; where tokens are nearly free, both go deep.
+    The token budget counts a tree's tokens too."""
+    steep = StepTimeModel.linear(0.010, 0.002)
+    flat = StepTimeModel.linear(0.010, 0.00001)
+    # 1 + .7 + .49 + .343 over 12 + 3 * 2 ms beats k=2 and k=4; a tree level costs 8 ms
+    assert choose_ks([0.7], steep, 4) == [3]
+    assert choose_ks([0.7], steep, 4, costs=[4]) == [1]
+    assert choose_ks([0.3], steep, 4, costs=[4]) == [0]
+    assert choose_ks([0.7], flat, 4, costs=[4]) == [4]
+    assert choose_ks([0.9], flat, 4, token_budget=9, costs=[4]) == [2]
+    greedy = make_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
+    sampled = make_request([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=50))
+    pinned = SpeculationPolicy(4, None, tree_width=4)
+    # pinned: a budget of 2 sequences + 10 tokens fits two tree levels, then the chain's four
+    assert pinned.choose([greedy, sampled], [4, 4], 0, 12) == [2, 2]
