@@ -41,6 +41,8 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"draft": {"kind": "draft_model"}}, "draft.source"),
         ({"draft": {"kind": "ngram", "source": "/x"}}, "only used with kind=draft_model"),
         ({"draft": {"kind": "ngram", "lookup_first": True}}, "lookup_first needs kind"),
+        ({"draft": {"kind": "ngram", "tree_width": 4}}, "tree_width > 1 needs kind=eagle"),
+        ({"draft": {"kind": "eagle", "source": "/x", "tree_width": 9}}, "tree_width"),
         ({"mode": "both"}, "mode"),
         ({"decode": {"tp": 0}}, "tp"),
         ({"kv": {"block_size": 0}}, "block_size"),
