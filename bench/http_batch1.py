@@ -4,7 +4,8 @@ Starts a local disaggregated cluster per configuration (same machine, same promp
 streams each prompt alone, and reports time to first token and decode tokens/s per prompt set,
 with each drafter's ratio to off. Drafters: ``ngram`` (prompt lookup), ``eagle`` (the shipped
 distilled head, ``models/drafts/smollm2-135m-eagle``) and ``eagle+lookup`` (the head where
-prompt lookup finds no match: ``draft.lookup_first``), k = 4 adaptive, as served.
+prompt lookup finds no match: ``draft.lookup_first``), k = 4 adaptive, as served; a ``+treeW``
+suffix (``eagle+tree4``, ``eagle+lookup+tree4``) drafts trees ``W`` wide (``draft.tree_width``).
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
         [--drafts ngram eagle eagle+lookup] [--out bench/results/http_batch1.json]
@@ -36,13 +37,16 @@ EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
 def _config(draft: str, port: int) -> TandemConfig:
-    kind = draft.removesuffix("+lookup")
+    """``draft``: a kind, then ``+lookup`` (lookup first) and ``+treeW`` (trees W wide)."""
+    kind, *extras = draft.split("+")
+    trees = [int(e.removeprefix("tree")) for e in extras if e.startswith("tree")]
     return TandemConfig.model_validate(
         {
             "mode": "disaggregated",
             "draft": {"kind": kind, "num_speculative_tokens": 4}
             | ({"source": EAGLE_HEAD} if kind == "eagle" else {})
-            | ({"lookup_first": True} if draft.endswith("+lookup") else {}),
+            | ({"lookup_first": True} if "lookup" in extras else {})
+            | ({"tree_width": trees[0]} if trees else {}),
             "prefill": {"num_blocks": 256, "num_threads": 2},
             "decode": {"num_blocks": 512, "num_threads": 2},
             "http": {"port": port},
