@@ -20,7 +20,7 @@ against speculation off (alternated per prompt, medians), checking the outputs a
 
     .venv/bin/python -m bench.draft_acceptance [--draft models/drafts/smollm2-135m-eagle]
         [--prompts 200] [--max-tokens 64] [--k 4] [--ngram] [--lookup-first] [--no-eagle]
-        [--tree-width 4] [--speedup 8]
+        [--tree-width 4 [--trees-only]] [--speedup 8]
 
 Writes bench/results/draft_acceptance.json (``--out``).
 """
@@ -180,6 +180,8 @@ def _drafts(head: ModelSpec, args: argparse.Namespace, adaptive: bool) -> dict[s
                 lookup_first=out[name].lookup_first,
                 tree_width=args.tree_width,
             )
+        if args.trees_only:
+            out = {name: spec for name, spec in out.items() if spec.tree_width > 1}
     return out
 
 
@@ -202,6 +204,7 @@ def main() -> None:
         default=1,
         help="also measure each head configuration drafting trees this wide (greedy only)",
     )
+    ap.add_argument("--trees-only", action="store_true", help="with --tree-width: trees alone")
     ap.add_argument("--speedup", type=int, default=0, help="prompts for the batch-1 speed part")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "draft_acceptance.json")
