@@ -110,16 +110,22 @@ def acceptance(
     keys = ("steps", "drafted", "accepted", "emitted", "decoded")
     temps = {name: _temperatures(name) for name in engines}
     totals = {name: {t: dict.fromkeys(keys, 0) for t in temps[name]} for name in engines}
+    identical = True  # every drafter's greedy output the same (each is the target's)
     for start in range(0, len(prompts), args.chunk):
         chunk = prompts[start : start + args.chunk]
+        greedy: dict[str, list[list[int]]] = {}
         for name, engine in engines.items():
             for temp in temps[name]:
                 reqs = [_request(p, temp, start + i, args.max_tokens) for i, p in enumerate(chunk)]
                 _run(engine, reqs)
                 for key, v in _totals(reqs).items():
                     totals[name][temp][key] += v
+                if temp == 0.0:
+                    greedy[name] = [r.output_token_ids for r in reqs]
+        identical &= all(out == next(iter(greedy.values())) for out in greedy.values())
         report["acceptance"] = {
             "prompts": start + len(chunk),
+            "greedy_outputs_identical_across_drafters": identical,
             **{
                 name: {f"temperature_{t}": _summary(totals[name][t]) for t in temps[name]}
                 for name in engines
