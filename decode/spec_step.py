@@ -34,7 +34,7 @@ class Emission:
     """What one step produced for one request."""
 
     tokens: tuple[int, ...]  # accepted drafts, then the recovered or bonus token; () mid-prompt
-    num_drafted: int  # draft tokens tested
+    num_drafted: int  # draft tokens tested (a tree: its depth, the positions it offered)
     num_accepted: int
     num_fed: int  # tokens the target computed for this request in this step
 

@@ -31,9 +31,8 @@ class EagleDrafter(Drafter):
 
     def __init__(self, runner: EagleRunner, tree_width: int = 1) -> None:
         self.runner = runner
-        self.tree_width = (
-            tree_width  # > 1: greedy requests draft trees (decode.drafters.eagle_tree)
-        )
+        # > 1: greedy requests draft trees this wide (decode.drafters.eagle_tree)
+        self.tree_width = tree_width
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
 
