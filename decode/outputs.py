@@ -10,7 +10,7 @@ class SpecUsage:
     """Speculation outcomes of one request so far (the ``usage.speculative`` object)."""
 
     num_steps: int  # steps that tested at least one draft token
-    draft_tokens: int
+    draft_tokens: int  # a draft tree counts its depth (positions offered), not its nodes
     accepted_tokens: int
     emitted_tokens: int  # tokens those steps produced
 
