@@ -97,7 +97,10 @@ def main() -> None:
     ap.add_argument("--sharegpt", type=int, default=8, help="ShareGPT prompts in the chat set")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument(
-        "--drafts", nargs="+", default=["ngram"], choices=["ngram", "eagle", "eagle+lookup"]
+        "--drafts",
+        nargs="+",
+        default=["ngram"],
+        help="ngram, eagle or eagle+lookup, an eagle one with +treeW (e.g. eagle+lookup+tree4)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "http_batch1.json")
     args = ap.parse_args()
