@@ -72,7 +72,6 @@ class DecodeEngine:
             cfg.max_num_batched_tokens,
             cfg.max_model_len,
             self.speculation,
-            cfg.draft.tree_width,
         )
         self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()

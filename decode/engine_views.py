@@ -51,4 +51,5 @@ def routing_view(e: DecodeEngine) -> RoutingStats:
         step_time=spec.step_time if spec else None,
         draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
         calibration=spec.calibration.cells() if spec else (),
+        widths=[spec.draft_width(r) for r in batch] if spec else None,
     )

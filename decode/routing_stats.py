@@ -6,7 +6,8 @@ A replica publishes this through Ray Serve's replica routing stats
 replica, over every request in the batch, so they stay exact when the per-request lists are
 cut to ``MAX_LISTED``:
 
-- ``step_tokens``: tokens the next step scores, ``sum(1 + k_i)``;
+- ``step_tokens``: tokens the next step scores, ``sum(1 + w_i * k_i)``, ``w_i`` the width of
+  request i's draft tree (``draft.tree_width`` for a greedy request, else 1: a chain);
 - ``tpot_weight``: ``sum(1 / E(alpha_i, k_i))`` with ``E`` from ``decode.goodput``. Request i's
   time per output token is ``step_time / E_i``, so when the step time grows by ``d`` seconds the
   running requests' TPOTs grow by ``d * tpot_weight`` in sum;
@@ -49,7 +50,7 @@ class RoutingStats:
     block_size: int
     max_batch_size: int
     k_max: int  # most draft tokens a request verifies per step (0: no speculation)
-    step_tokens: int  # tokens the next step scores: sum over the batch of 1 + k_i
+    step_tokens: int  # tokens the next step scores: sum over the batch of 1 + w_i * k_i
     tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
     step_emitted: float  # sum over the batch of E(alpha_i, k_i)
     adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
@@ -124,8 +125,11 @@ def collect_routing_stats(
     draft_token_s: float = 0.0,
     calibration: tuple[Cell, ...] = (),
     now: float | None = None,
+    widths: Sequence[int] | None = None,
 ) -> RoutingStats:
-    """Summarise a batch (one acceptance estimate and one k per request) for the router."""
+    """Summarise a batch (one acceptance estimate and one k per request) for the router;
+    ``widths``: each request's draft-tree width (None: chains)."""
+    w = [1] * len(ks) if widths is None else widths
     emitted = [expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)]
     return RoutingStats(
         time=time.time() if now is None else now,
@@ -136,7 +140,7 @@ def collect_routing_stats(
         block_size=block_size,
         max_batch_size=max_batch_size,
         k_max=k_max,
-        step_tokens=sum(1 + k for k in ks),
+        step_tokens=sum(1 + wi * k for wi, k in zip(w, ks, strict=True)),
         tpot_weight=sum(1.0 / e for e in emitted),
         step_emitted=sum(emitted),
         adaptive=adaptive,

@@ -3,9 +3,9 @@
 First come, first served within ``max_batch_size`` sequences and ``max_num_batched_tokens``
 tokens. A request brings its pending tokens — one when it is decoding, a chunk of its prompt
 when the prompt is computed here — and, when decoding, the drafts the speculation policy grants
-it. The plan's KV must fit: blocks are reserved for every position the step may write (a greedy
-request's draft tree too: ``k`` levels of ``tree_width`` nodes), and when the pool runs out the
-newest running request is preempted (by the engine's callback) until it fits.
+it. The plan's KV must fit: blocks are reserved for every position the step may write (a
+greedy request's draft tree too: ``k`` levels of ``draft.tree_width`` nodes), and when the pool
+runs out the newest running request is preempted (by the engine's callback) until it fits.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ class Scheduler:
         token_budget: int,
         max_model_len: int,
         speculation: SpeculationPolicy | None,
-        tree_width: int = 1,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -43,7 +42,6 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_model_len = max_model_len
         self.speculation = speculation
-        self.tree_width = tree_width  # greedy requests may verify trees of k levels this wide
 
     def plan(self, running: Sequence[Request], preempt: Callable[[Request], None]) -> list[Planned]:
         """This step's work, in arrival order. ``running`` is in arrival order too."""
@@ -63,9 +61,8 @@ class Scheduler:
         i = 0
         while i < len(chosen):
             r, new = chosen[i]
-            fed = ks[i] * (
-                self.tree_width if r.sampling.greedy else 1
-            )  # drafts the target computes
+            spec = self.speculation
+            fed = ks[i] * spec.draft_width(r) if spec else 0  # draft tokens the target computes
             need = math.ceil((r.num_computed + new + fed) / self.block_size) - len(r.block_table)
             while need > 0 and not self.allocator.can_allocate(need) and i < len(chosen):
                 victim = idle.pop() if idle else chosen.pop()[0]

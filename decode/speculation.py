@@ -75,6 +75,10 @@ class SpeculationPolicy:
         r.acceptance_estimate = (1 - EMA) * self.estimate(r) + EMA * rate
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * rate
 
+    def draft_width(self, r: Request) -> int:
+        """Tokens each draft level of ``r`` puts in a step: its tree's width when greedy."""
+        return self.tree_width if r.sampling.greedy else 1
+
     @property
     def adaptive(self) -> bool:
         return self.tracker is not None
@@ -132,7 +136,7 @@ class SpeculationPolicy:
         """``choose`` over the requests not held (``seqs``: all that decode this step)."""
         if not reqs:
             return []
-        costs = [self.tree_width if r.sampling.greedy else 1 for r in reqs]
+        costs = [self.draft_width(r) for r in reqs]
         if self.tracker is None:
             out, left = [], budget - len(reqs)
             for c, w in zip(caps, costs, strict=True):

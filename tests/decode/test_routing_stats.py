@@ -10,6 +10,7 @@ from decode.calibration import Cell, calibrated, calibration_key
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.goodput import expected_tokens
+from decode.routing_stats import collect_routing_stats
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from tests.decode.engine_utils import make_request, run_all
@@ -72,3 +73,19 @@ def test_finished_requests_calibrate_the_next_ones_of_their_cell(tiny_folder: Pa
         assert hot.acceptance_estimate == pytest.approx(prior)  # its cell has seen nothing
     finally:
         engine.close()
+
+
+def test_a_greedy_requests_draft_tree_counts_its_width_in_the_step() -> None:
+    kw = {
+        "queued": 0,
+        "free_blocks": 8,
+        "num_blocks": 8,
+        "block_size": 16,
+        "max_batch_size": 4,
+        "k_max": 4,
+        "adaptive": False,
+        "step_time": None,
+    }
+    chains = collect_routing_stats([0.5, 0.5], [4, 3], **kw)  # type: ignore[arg-type]
+    trees = collect_routing_stats([0.5, 0.5], [4, 3], widths=[4, 1], **kw)  # type: ignore[arg-type]
+    assert (chains.step_tokens, trees.step_tokens) == (9, 2 + 16 + 3)
