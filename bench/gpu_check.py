@@ -3,9 +3,10 @@
 1. Correctness on the device: the paged forward against transformers (fp32 logits, 1e-4 at a
    real scale of values; bf16 greedy agreement), and the decode path — prefill worker → NIXL
    (VRAM registered) → decode engine — greedy-identical to plain decoding, for n-gram and
-   draft-model speculation.
+   draft-model speculation, and EAGLE draft trees (tree masks, accepted-path KV moves).
 2. Step cost of a 1B-shaped random model in bf16: decode tokens/s at batch 1..64 and the cost
-   of verifying k + 1 tokens relative to one (the curve adaptive speculation uses).
+   of verifying k + 1 tokens relative to one (the curve adaptive speculation uses), up to
+   draft-tree sizes (k = 40: a tree 8 wide and 5 deep).
 3. KV transfer: NIXL READ of 1, 16 and 256 blocks (VRAM → VRAM, loopback) against a device
    memcpy of the same bytes.
 
@@ -107,6 +108,14 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
         ),
         "eagle": DraftSpec(DraftKind.EAGLE, model=ModelSpec(str(eagle)), num_speculative_tokens=3),
         "ngram_adaptive": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=6, adaptive=True),
+        "eagle_tree": DraftSpec(  # tree masks and accepted-path KV moves on the device
+            DraftKind.EAGLE,
+            model=ModelSpec(str(eagle)),
+            num_speculative_tokens=3,
+            adaptive=False,
+            lookup_first=True,
+            tree_width=3,
+        ),
     }
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 4000, (30 + 11 * i,), generator=g).tolist() for i in range(4)]
@@ -184,8 +193,9 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
 
         base = timed(0)
         out["decode_ms"][batch] = base
-        if batch in (1, 8, 32):
-            out["verify_ratio"][batch] = {k: timed(k) / base for k in range(0, 9)}
+        if batch in (1, 8, 32):  # chains up to k = 8, then draft-tree sizes (width x k)
+            ks = (*range(0, 9), 16, 20, 30, 40)
+            out["verify_ratio"][batch] = {k: timed(k) / base for k in ks}
     return out
 
 
