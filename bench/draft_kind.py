@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -38,18 +37,14 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
+from bench.draft_costs import HEAD, costs
 from cluster.distill_data import Corpus, load_corpus
 from cluster.distill_train import TrainConfig, batch_at
 from decode.goodput import expected_tokens
-from models.attention import kv_pool_shape
-from models.eagle import EagleRunner, load_eagle
 from models.eagle_train import teacher_forced_overlap
-from models.runner import SeqInput, run_step
-from models.spec import ModelSpec
 from models.weights import load_state_dict, resolve_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
-HEAD = Path(__file__).parent.parent / "models" / "drafts" / "smollm2-135m-eagle"
 TEMPERATURES = (0.0, 0.7)
 
 
@@ -164,49 +159,6 @@ def train(
             print(json.dumps(curve[-1]), flush=True)
             next_eval += eval_every
     return curve
-
-
-def _median_ms(fn: Any, repeats: int = 40) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
-@torch.no_grad()
-def costs(folder: Path, draft_folder: Path, context: int = 512) -> dict[str, float]:
-    """ms per drafted token at batch 1 with ``context`` tokens cached: target, draft LM, head."""
-    table = list(range(context // 16 + 2))
-    out: dict[str, float] = {}
-    for name, spec in (
-        ("target_step_ms", ModelSpec(str(folder))),
-        ("draft_lm_token_ms", ModelSpec(str(draft_folder))),
-    ):
-        model = spec.load()
-        c = model.cfg
-        pool = torch.zeros(kv_pool_shape(len(table), c.num_kv_heads, c.num_layers, 16, c.head_dim))
-        run_step(model, pool, 16, [SeqInput(table, 0, [5] * context, [])])
-        out[name] = _median_ms(
-            lambda m=model, p=pool: run_step(m, p, 16, [SeqInput(table, context, [7], [0])])
-        )
-        if name == "draft_lm_token_ms":
-            out["draft_lm_prompt_prefill_ms"] = _median_ms(
-                lambda m=model, p=pool: run_step(m, p, 16, [SeqInput(table, 0, [5] * context, [])]),
-                5,
-            )
-    head = load_eagle(HEAD, folder, torch.float32, "cpu")
-    c = head.cfg.layer
-    pool = torch.zeros(kv_pool_shape(len(table), c.num_kv_heads, 1, 16, c.head_dim))
-    runner = EagleRunner(head, pool, 16)
-    feats = torch.zeros(context, c.hidden_size)
-    runner.run([SeqInput(table, 0, [5] * context, [context - 1])], feats)
-    out["eagle_head_token_ms"] = _median_ms(
-        lambda: runner.run([SeqInput(table, context, [7], [0])], feats[:1])
-    )
-    return out
 
 
 def summary(report: dict[str, Any]) -> str:
