@@ -154,7 +154,12 @@ def train(
         if spent >= next_eval * 60 or spent >= minutes * 60:
             model.eval()
             curve.append(
-                {"step": step, "train_minutes": spent / 60, "loss": float(loss), **evaluate()}
+                {
+                    "step": step,
+                    "train_minutes": spent / 60,
+                    "loss": float(loss.detach()),
+                    **evaluate(),
+                }
             )
             print(json.dumps(curve[-1]), flush=True)
             next_eval += eval_every
