@@ -17,10 +17,10 @@ token, k + 1 verification tokens). :class:`AttentionMetadata` is built once per 
 by all layers: where each new token's K/V is written, which blocks each sequence attends to,
 the causal mask over them, and the rotary angles of the new tokens. A sequence may bring a token
 tree instead of a run (``models.tree``): its tokens then attend to their ancestors only, at
-their depth's position. Attention runs per group of
-sequences with similar new-token counts and context lengths (``AttentionGroup``), each padded
-to its own longest query and context, so one long prompt chunk does not make every decode in
-the step attend with its query length, nor one long context every short one with its length.
+their depth's position. Attention runs per group of sequences with similar new-token counts and
+context lengths (``AttentionGroup``), each padded to its own longest query and context, so one
+long prompt chunk does not make every decode in the step attend with its query length, nor one
+long context every short one with its length.
 """
 
 from __future__ import annotations
@@ -145,13 +145,12 @@ def _group(
     q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)  # [b, q]
     ctx_pos = torch.arange(c)  # [C]
     mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [b, q, C]
-    # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
     for row, s in enumerate(part):  # a tree's tokens see their ancestors only, inside it
         if s.tree is not None:
             t = s.tree
-            mask[row, : s.num_new, t.base : t.base + t.size] &= t.ancestors()[
-                s.num_cached - t.base :
-            ]
+            anc = t.ancestors()[s.num_cached - t.base :]  # [num_new, tree size]
+            mask[row, : s.num_new, t.base : t.base + t.size] &= anc
+    # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
     mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
     token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
     rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
