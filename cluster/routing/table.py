@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cluster.routing.score import StepTable
+from cluster.routing.step_models import StepModels
 from decode.goodput import StepTimeModel
 from decode.routing_stats import RoutingStats
 
@@ -45,13 +46,7 @@ class ReplicaTable:
         self._usable_is_alive: bool | None = None
         self._adaptive: BoolArray | None = None  # cached with _usable
         self._k_cap = 0
-        # Step-time models by id, each tabulated for scoring every row at once. Replicas refine
-        # their models while serving, so a model no row uses any more is dropped.
-        self.models: dict[int, StepTimeModel] = {}
-        self.steps: dict[int, StepTable] = {}
-        self._model_ids: dict[tuple[tuple[int, float], ...], int] = {}
-        self._model_refs: dict[int, int] = {}  # rows using each model
-        self._next_model = 0
+        self.step_models = StepModels()  # the rows' step-time models, by id (model_id)
         self._entries: list[deque[tuple[float, int, float, int, bool]]] = []  # (t, k, E, ...)
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
@@ -105,32 +100,26 @@ class ReplicaTable:
         self.size = n
         self._usable = None
 
+    @property
+    def models(self) -> dict[int, StepTimeModel]:
+        return self.step_models.models
+
+    @property
+    def steps(self) -> dict[int, StepTable]:
+        return self.step_models.steps
+
     def model_index(self, model: StepTimeModel | None) -> int:
         """The id of a step-time model in ``models`` (-1 for none); equal models share one."""
-        if model is None:
-            return -1
-        i = self._model_ids.get(model.points)
-        if i is None:
-            i = self._model_ids[model.points] = self._next_model
-            self._next_model += 1
-            self.models[i], self.steps[i] = model, StepTable.of(model)
-            self._model_refs[i] = 0
-        return i
+        return self.step_models.index(model)
 
     def _use_model(self, rows: int | npt.NDArray[np.int64], model: StepTimeModel | None) -> None:
         """Point ``rows`` at ``model``; a model left with no rows is dropped."""
-        new = self.model_index(model)
+        new = self.step_models.index(model)
         old, counts = np.unique(np.atleast_1d(self.model_id[rows]), return_counts=True)
         self.model_id[rows] = new
-        if new >= 0:
-            self._model_refs[new] += int(np.size(self.model_id[rows]))
+        self.step_models.acquire(new, int(np.size(self.model_id[rows])))
         for mid, n in zip(old.tolist(), counts.tolist(), strict=True):
-            if mid < 0:
-                continue
-            self._model_refs[mid] -= n
-            if self._model_refs[mid] == 0:
-                del self._model_ids[self.models.pop(mid).points]
-                del self.steps[mid], self._model_refs[mid]
+            self.step_models.release(mid, n)
 
     # ---- feeding ------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ class EagleDrafter(Drafter):
             for row, i in enumerate(live)
             if self.tree_width > 1 and reqs[i].sampling.greedy and widths[i] > 1
         ]
-        chain = [row for row in range(len(live)) if row not in set(tree)]
+        chain = sorted(set(range(len(live))) - set(tree))
         if tree:
             tokens, parents, fed = grow_trees(
                 self.runner,
