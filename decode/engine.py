@@ -146,11 +146,14 @@ class DecodeEngine:
             emissions = decode_step(
                 self.target, self.drafter, reqs, [p.new_tokens for p in plan], [p.k for p in plan]
             )
+            seconds = time.perf_counter() - t0
+            rounds = self.drafter.rounds if self.drafter is not None else None
+            in_rounds = rounds.take_spent() if rounds is not None else 0.0
             if self.speculation is not None and all(p.new_tokens == 1 for p in plan):
                 # decode steps only: the model prices drafts, and a prompt chunk's tokens cost
                 # less each than one token of each of many sequences
                 fed = sum(em.num_fed for em in emissions)
-                self.speculation.observe(len(plan), fed, time.perf_counter() - t0)
+                self.speculation.observe(len(plan), fed, seconds, in_rounds)
             self.steps += 1
             for r, em in zip(reqs, emissions, strict=True):
                 self.target_tokens_fed += em.num_fed

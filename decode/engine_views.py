@@ -31,8 +31,8 @@ def engine_stats(e: DecodeEngine) -> EngineStats:
 
 def routing_view(e: DecodeEngine) -> RoutingStats:
     """Load, each batched request's acceptance estimate and the k the speculation policy would
-    give it now, the measured step-time model and draft-token cost, and the acceptance
-    calibration learned from finished requests."""
+    give it now, the measured step-time model, draft-token and draft-round costs, and the
+    acceptance calibration learned from finished requests."""
     running = tuple(e.running.values())
     batch = running[: e.cfg.max_batch_size]
     spec = e.speculation
@@ -49,7 +49,9 @@ def routing_view(e: DecodeEngine) -> RoutingStats:
         k_max=spec.k_max if spec else 0,
         adaptive=spec.adaptive if spec else False,
         step_time=spec.step_time if spec else None,
-        draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
+        draft_round_s=e.drafter.rounds.round_s if e.drafter and e.drafter.rounds else 0.0,
+        draft_token_s=(spec.verify_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
         calibration=spec.calibration.cells() if spec else (),
         widths=[spec.draft_width(r) for r in batch] if spec else None,
+        tree_width=spec.tree_width if spec else 1,
     )

@@ -13,12 +13,18 @@ cut to ``MAX_LISTED``:
   running requests' TPOTs grow by ``d * tpot_weight`` in sum;
 - ``step_emitted``: ``sum(E(alpha_i, k_i))``, the tokens a step emits: with the step time it
   gives the batch's goodput, hence the gain below which adaptive speculation grants no draft;
-- ``step_max_k`` and ``draft_round_s``: a draft model proposes in ``max_i k_i`` sequential
-  rounds over the batch (``decode.drafters.draft_model``), each costing about ``draft_round_s``
-  whoever drafts in it, a per-step cost the tokens-only step-time model does not see;
-- ``draft_token_s``: what one more draft token costs a step at this batch size, as the replica
-  has learned it from its own steps (``decode.draft_cost``; 0 until it has). Adaptive
-  speculation charges drafts at least that, so the router must too to predict the k it grants;
+- ``step_max_k`` and ``draft_round_s``: a model drafter (an EAGLE head, a draft model)
+  proposes in ``max_i k_i`` sequential rounds over the batch, each costing about
+  ``draft_round_s`` whoever drafts in it, a per-step cost the tokens-only step-time model does
+  not see (the replica times its rounds, ``decode.draft_rounds``, and leaves them out of the
+  step-time model it learns; 0 for n-gram lookup);
+- ``draft_token_s``: what one more draft token adds to the target's step at this batch size,
+  rounds apart, as the replica has learned it from its own steps (``decode.draft_cost``; 0
+  until it has). Adaptive speculation charges drafts at least that, so the router must too to
+  predict the k it grants;
+- ``tree_width``: tokens per draft level a greedy request would put in a step here (the
+  width of its draft tree, ``draft.tree_width``; 1: chains), so the router prices a new greedy
+  request's drafts as the replica will run them;
 - ``calibration``: the replica's acceptance cells (``decode.calibration``): what its finished
   requests accepted per temperature and probe bin. Routers sum them over replicas to turn a new
   request's probe into the estimate its engine will start it from.
@@ -34,7 +40,7 @@ from typing import Any
 from decode.calibration import Cell, cells_from
 from decode.goodput import StepTimeModel, expected_tokens
 
-ROUTING_STATS_VERSION = 3
+ROUTING_STATS_VERSION = 4
 MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
 
 
@@ -55,12 +61,13 @@ class RoutingStats:
     step_emitted: float  # sum over the batch of E(alpha_i, k_i)
     adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
-    draft_round_s: float  # fixed cost of one draft round (0: drafting has no model forward)
+    draft_round_s: float  # measured cost of one draft round (0: drafting has no model forward)
     draft_token_s: float  # learned cost of one more draft token at this batch size (0: unknown)
     alphas: tuple[float, ...]  # acceptance estimates of (up to MAX_LISTED) batch requests
     ks: tuple[int, ...]  # their current speculation lengths
     step_time: tuple[tuple[int, float], ...]  # the replica's StepTimeModel points; () if none
     calibration: tuple[Cell, ...] = ()  # acceptance realised per (temperature, probe) cell
+    tree_width: int = 1  # tokens per draft level of a greedy request (draft.tree_width)
     version: int = ROUTING_STATS_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +108,7 @@ class RoutingStats:
                 ks=tuple(int(k) for k in d["ks"]),
                 step_time=tuple((int(n), float(t)) for n, t in d["step_time"]),
                 calibration=cells_from(d["calibration"]),
+                tree_width=int(d["tree_width"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed routing stats: {e!r}") from e
@@ -126,9 +134,11 @@ def collect_routing_stats(
     calibration: tuple[Cell, ...] = (),
     now: float | None = None,
     widths: Sequence[int] | None = None,
+    tree_width: int = 1,
 ) -> RoutingStats:
     """Summarise a batch (one acceptance estimate and one k per request) for the router;
-    ``widths``: each request's draft-tree width (None: chains)."""
+    ``widths``: each request's draft-tree width (None: chains); ``tree_width``: what a new
+    greedy request's would be."""
     w = [1] * len(ks) if widths is None else widths
     emitted = [expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)]
     return RoutingStats(
@@ -151,4 +161,5 @@ def collect_routing_stats(
         ks=tuple(ks[:MAX_LISTED]),
         step_time=step_time.points if step_time is not None else (),
         calibration=calibration,
+        tree_width=tree_width,
     )

@@ -46,7 +46,8 @@ class SpeculationPolicy:
         self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
-        self.draft_cost = DraftCost()
+        self.draft_cost = DraftCost()  # a draft token's share of whole steps, rounds and all
+        self.verify_cost = DraftCost()  # the same without the draft rounds (for the router)
         self.calibration = AcceptanceCalibration()
 
     def start(self, r: Request) -> None:
@@ -88,12 +89,18 @@ class SpeculationPolicy:
         """The step-time model now in use (start-up, refined by the steps run since)."""
         return self.tracker.model if self.tracker is not None else None
 
-    def observe(self, seqs: int, tokens: int, seconds: float) -> None:
-        """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds`` (adaptive mode
-        learns the step time and the cost of a draft token from it)."""
+    def observe(self, seqs: int, tokens: int, seconds: float, in_rounds_s: float = 0.0) -> None:
+        """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds``, of which
+        ``in_rounds_s`` went to draft rounds (``decode.draft_rounds``). Adaptive mode learns
+        from it the target's step time (rounds left out: the router prices them apart), what a
+        draft token costs a whole step (rounds spread over the draft tokens: what this
+        engine's k choice charges) and what it costs without the rounds (what the router adds
+        the rounds to)."""
         if self.tracker is not None:
-            self.tracker.observe(tokens, seconds)
+            target_s = seconds - in_rounds_s
+            self.tracker.observe(tokens, target_s)
             self.draft_cost.observe(seqs, tokens - seqs, seconds)
+            self.verify_cost.observe(seqs, tokens - seqs, target_s)
 
     def held(self, r: Request) -> bool:
         """Whether ``r`` speculates its full cap every step, whatever the batch: a client-seeded

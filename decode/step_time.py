@@ -113,7 +113,8 @@ def cached_step_time(path: Path | None, measure: Callable[[], StepTimeModel]) ->
 class StepTimeTracker:
     """The start-up model, refined by the wall time of the steps this replica actually runs.
 
-    ``observe`` after every step (its tokens scored, its seconds: draft, forward and sampling);
+    ``observe`` after every step (its tokens scored, its seconds: forward, sampling and
+    lookup, the draft rounds left out: ``decode.draft_rounds``);
     ``model`` is rebuilt every ``refit_every`` observations, and replaced only when some point
     moved by more than ``tolerance`` (relative): the model is published to the routers, which
     tabulate each distinct one, so it changes when the replica did, not with every jitter.

@@ -27,6 +27,7 @@ class RouteRequest:
 
     alpha: float  # acceptance estimate: prefill's probe, or a prior from the sampling params
     prompt_tokens: int
+    greedy: bool = False  # drafts a tree where the replica runs them (RoutingStats.tree_width)
 
 
 class RoutingPolicy(ABC):
@@ -52,6 +53,7 @@ class RoutingPolicy(ABC):
 def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
     """Add the request to the row's overlay with the k its engine is predicted to grant."""
     k = 0
+    width = int(max(table.tree_width[row], 1)) if req.greedy else 1
     mid = int(table.model_id[row])
     if mid >= 0 and table.has_stats[row]:
         k = placement(
@@ -65,10 +67,11 @@ def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) 
             float(table.draft_round_s[row]),
             table.steps[mid],
             float(table.draft_token_s[row]),
+            width,
         ).k
     blocks = math.ceil((req.prompt_tokens + 1) / max(int(table.block_size[row]), 1))
     joins = bool(table.eff_slots[row] > 0)
-    table.add_routed(row, k, expected_tokens(req.alpha, k), blocks, joins, now)
+    table.add_routed(row, k, expected_tokens(req.alpha, k), blocks, joins, now, width)
 
 
 class RoundRobin(RoutingPolicy):
@@ -154,11 +157,13 @@ class AcceptanceAware(RoutingPolicy):
     def costs(self, req: RouteRequest, table: ReplicaTable) -> np.ndarray:
         """The request's cost on every row (meaningful where the row has stats and a model)."""
         adaptive, k_max = table.adaptive_mask(), table.k_cap()
+        # tokens per draft level on each row: its tree width for a greedy request (None: 1)
+        width = np.maximum(table.tree_width, 1.0) if req.greedy else None
         if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
             cost = placement_costs(
                 req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
                 adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
-                table.draft_token_s,
+                table.draft_token_s, width,
             )  # fmt: skip
         else:
             cost = np.full(table.size, np.inf)
@@ -168,6 +173,7 @@ class AcceptanceAware(RoutingPolicy):
                     req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
                     table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
                     table.draft_round_s[s], steps, table.draft_token_s[s],
+                    None if width is None else width[s],
                 )  # fmt: skip
         admit = table.can_admit(req.prompt_tokens)
         if admit.all():

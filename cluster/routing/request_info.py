@@ -61,4 +61,4 @@ def route_request(
         temperature = 0.0 if req.sampling.greedy else req.sampling.temperature
         alpha = calibration.estimate(calibration_key(probe, temperature), alpha)
     tokens = handoff.num_tokens if handoff is not None else len(req.prompt_token_ids)
-    return RouteRequest(alpha=alpha, prompt_tokens=tokens)
+    return RouteRequest(alpha=alpha, prompt_tokens=tokens, greedy=req.sampling.greedy)

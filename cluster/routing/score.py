@@ -5,15 +5,17 @@ running requests have TPOT weight ``W = sum_i 1 / E(alpha_i, k_i)`` (``decode.ro
 A request of acceptance ``alpha`` placed there:
 
 - gets the speculation length the replica's engine would grant it. Adaptive speculation
-  (``choose_ks``) admits a draft while its expected gain ``alpha^m`` beats what the step's extra
-  token costs at the batch's goodput, ``theta = (G / T) * max(T(t + 1) - T(t), c)``, where
-  ``c`` is what a draft token costs there as the replica has measured it
-  (``decode.draft_cost``; 0 until it has); so ``k = #{m <= k_max : alpha^m > theta}``. A
-  pinned engine gives ``k_max``;
-- makes the step take ``T' = T(t + 1) + max(T(t + 1 + k) - T(t + 1), c * k) + r * max(m, k)``
+  (``choose_ks``) admits a draft level while its expected gain ``alpha^m`` beats what the
+  level's ``w`` tokens cost at the batch's goodput, ``w * theta`` with
+  ``theta = (G / T) * max(T(t + 1) - T(t), c)``, where ``c`` is what a draft token costs there
+  as the replica has measured it (``decode.draft_cost``; 0 until it has) and ``w`` the width of
+  the request's draft there: the replica's ``tree_width`` for a greedy request, else 1 (a
+  chain); so ``k = #{m <= k_max : alpha^m > w * theta}``. A pinned engine gives ``k_max``;
+- makes the step take
+  ``T' = T(t + 1) + max(T(t + 1 + w k) - T(t + 1), c * w k) + r * max(m, k)``
   (from ``T(t) + r * m``), where ``m`` is the longest speculation in the batch and ``r`` the
-  cost of one draft round: a draft model proposes in ``max k`` sequential rounds, paid by every
-  request in the step;
+  cost of one draft round: a model drafter proposes in ``max k`` sequential rounds (a tree in
+  one round per level), paid by every request in the step;
 - has time per output token ``T' / E(alpha, k)``;
 - raises the running requests' TPOTs by ``(T' - T) * W`` in sum (their ks held fixed);
 - **costs** ``T' / E + SLOWDOWN_WEIGHT * (T' - T) * W``. The slowdown lasts as long as the
@@ -78,16 +80,18 @@ def placement(
     draft_round_s: float,
     model: StepTimeModel | StepTable,
     draft_token_s: float = 0.0,
+    width: int = 1,
 ) -> Placement:
-    """The cost of placing a request of acceptance ``alpha`` on one replica (scalar form)."""
+    """The cost of placing a request of acceptance ``alpha`` on one replica (scalar form);
+    ``width``: tokens per draft level of the request there (its tree's width, else 1)."""
     target = model.predict(step_tokens)
     joined = model.predict(step_tokens + 1)
     k = k_max
     if adaptive:
-        theta = step_emitted / target * max(joined - target, draft_token_s)
+        theta = width * step_emitted / target * max(joined - target, draft_token_s)
         k = sum(1 for m in range(1, k_max + 1) if alpha**m > theta)  # alpha^m falls with m
     base = target + draft_round_s * step_max_k
-    drafts = max(model.predict(step_tokens + 1 + k) - joined, draft_token_s * k)
+    drafts = max(model.predict(step_tokens + 1 + width * k) - joined, draft_token_s * width * k)
     step = joined + drafts + draft_round_s * max(step_max_k, k)
     tpot = step / expected_tokens(alpha, k)
     slow = (step - base) * tpot_weight
@@ -129,16 +133,18 @@ def placement_costs(
     draft_round_s: FloatArray,
     steps: StepTable,
     draft_token_s: FloatArray | None = None,
+    width: FloatArray | None = None,
 ) -> FloatArray:
     """``placement(...).cost_s`` over many replicas sharing one step-time model, at once."""
     t = step_tokens.astype(np.int64)  # [D]
     target = steps.at(t)
     joined = steps.at(t + 1)
     c = np.zeros_like(target) if draft_token_s is None else draft_token_s  # [D]
-    theta = step_emitted / target * np.maximum(joined - target, c)
+    w = np.ones(t.shape, dtype=np.int64) if width is None else width.astype(np.int64)  # [D]
+    theta = w * step_emitted / target * np.maximum(joined - target, c)
     k = np.where(adaptive, granted_k(alpha, k_max, theta), k_max)
     base = target + draft_round_s * step_max_k
-    drafts = np.maximum(steps.at(t + 1 + k) - joined, c * k)
+    drafts = np.maximum(steps.at(t + 1 + w * k) - joined, c * w * k)
     step = joined + drafts + draft_round_s * np.maximum(step_max_k, k)
     slow = (step - base) * tpot_weight
     cost: FloatArray = step / expected_table(alpha, k_max)[k] + SLOWDOWN_WEIGHT * slow

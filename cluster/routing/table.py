@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -27,11 +28,22 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
 
+class _Entry(NamedTuple):
+    """A request this router sent a replica since its last snapshot."""
+
+    time: float  # when it was sent (router clock)
+    k: int  # draft levels it is predicted to verify per step
+    expected: float  # tokens it is predicted to emit per step
+    blocks: int  # KV blocks its prompt takes
+    joins: bool  # joins the batch (else the queue)
+    width: int  # tokens per draft level (its tree's width, else 1)
+
+
 class ReplicaTable:
     _STATS = (
         "running", "queued", "step_tokens", "tpot_weight", "step_emitted", "adaptive",
         "step_max_k", "draft_round_s", "draft_token_s", "free_blocks", "num_blocks",
-        "block_size", "max_batch", "k_max", "stats_time", "received_at",
+        "block_size", "max_batch", "k_max", "tree_width", "stats_time", "received_at",
     )  # fmt: skip
     _OVERLAY = (
         "o_running", "o_queued", "o_tokens", "o_weight", "o_emitted", "o_max_k", "o_blocks",
@@ -47,7 +59,7 @@ class ReplicaTable:
         self._adaptive: BoolArray | None = None  # cached with _usable
         self._k_cap = 0
         self.step_models = StepModels()  # the rows' step-time models, by id (model_id)
-        self._entries: list[deque[tuple[float, int, float, int, bool]]] = []  # (t, k, E, ...)
+        self._entries: list[deque[_Entry]] = []
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
         self.model_id = np.zeros(0, dtype=np.int64)
@@ -70,6 +82,7 @@ class ReplicaTable:
     block_size: FloatArray
     max_batch: FloatArray
     k_max: FloatArray
+    tree_width: FloatArray  # tokens per draft level of a greedy request (0 or 1: chains)
     stats_time: FloatArray
     received_at: FloatArray
     o_running: FloatArray
@@ -131,7 +144,7 @@ class ReplicaTable:
         values = (
             s.running, s.queued, s.step_tokens, s.tpot_weight, s.step_emitted, float(s.adaptive),
             s.step_max_k, s.draft_round_s, s.draft_token_s, s.free_blocks, s.num_blocks,
-            s.block_size, s.max_batch_size, s.k_max, s.time, received_at,
+            s.block_size, s.max_batch_size, s.k_max, s.tree_width, s.time, received_at,
         )  # fmt: skip
         for name, v in zip(self._STATS, values, strict=True):
             getattr(self, name)[row] = v
@@ -175,6 +188,7 @@ class ReplicaTable:
         k_max: int,
         adaptive: bool = True,
         draft_round_s: float = 0.0,
+        tree_width: int = 1,
     ) -> None:
         """Mark rows alive with the static part of their stats (no snapshot yet)."""
         idx = np.asarray(rows, dtype=np.int64)
@@ -184,6 +198,7 @@ class ReplicaTable:
         self.num_blocks[idx], self.block_size[idx] = num_blocks, block_size
         self.max_batch[idx], self.k_max[idx] = max_batch, k_max
         self.adaptive[idx], self.draft_round_s[idx] = float(adaptive), draft_round_s
+        self.tree_width[idx] = tree_width
         self._sync(idx)
         self._usable = None
 
@@ -194,13 +209,21 @@ class ReplicaTable:
         self._usable = None
 
     def add_routed(
-        self, row: int, k: int, expected: float, blocks: int, joins: bool, now: float
+        self,
+        row: int,
+        k: int,
+        expected: float,
+        blocks: int,
+        joins: bool,
+        now: float,
+        width: int = 1,
     ) -> None:
-        """This router sent the replica a request that will verify ``k`` drafts and emit
-        ``expected`` tokens per step: it joins the batch or, when ``joins`` is false, the
-        queue."""
-        self._entries[row].append((now, k, expected, blocks, joins))
-        self._apply(row, k, expected, blocks, joins, 1.0)
+        """This router sent the replica a request that will verify ``k`` draft levels of
+        ``width`` tokens each and emit ``expected`` tokens per step: it joins the batch or,
+        when ``joins`` is false, the queue."""
+        entry = _Entry(now, k, expected, blocks, joins, width)
+        self._entries[row].append(entry)
+        self._apply(row, entry, 1.0)
 
     def clear(self, row: int) -> None:
         """The replica is gone; its row may be reused."""
@@ -211,19 +234,17 @@ class ReplicaTable:
             getattr(self, name)[row] = 0.0
         self._usable = None
 
-    def _apply(
-        self, row: int, k: int, expected: float, blocks: int, joins: bool, sign: float
-    ) -> None:
-        if joins:
+    def _apply(self, row: int, e: _Entry, sign: float) -> None:
+        if e.joins:
             self.o_running[row] += sign
-            self.o_tokens[row] += sign * (1 + k)
-            self.o_weight[row] += sign / expected
-            self.o_emitted[row] += sign * expected
+            self.o_tokens[row] += sign * (1 + e.width * e.k)
+            self.o_weight[row] += sign / e.expected
+            self.o_emitted[row] += sign * e.expected
             if sign > 0:
-                self.o_max_k[row] = max(self.o_max_k[row], k)
+                self.o_max_k[row] = max(self.o_max_k[row], e.k)
         else:
             self.o_queued[row] += sign
-        self.o_blocks[row] += sign * blocks
+        self.o_blocks[row] += sign * e.blocks
         self._sync(row)
 
     def _sync(self, rows: int | npt.NDArray[np.int64]) -> None:
@@ -238,14 +259,13 @@ class ReplicaTable:
 
     def _prune(self, row: int, snapshot_time: float) -> None:
         entries = self._entries[row]
-        while entries and entries[0][0] <= snapshot_time:
-            _, k, expected, blocks, joins = entries.popleft()
-            self._apply(row, k, expected, blocks, joins, -1.0)
+        while entries and entries[0].time <= snapshot_time:
+            self._apply(row, entries.popleft(), -1.0)
         if not entries:  # no float drift left behind
             for name in self._OVERLAY:
                 getattr(self, name)[row] = 0.0
         else:
-            self.o_max_k[row] = max((e[1] for e in entries if e[4]), default=0)
+            self.o_max_k[row] = max((e.k for e in entries if e.joins), default=0)
 
     # ---- reading ------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from decode.draft_rounds import DraftRounds
 from models.request import Request
 
 
@@ -46,6 +47,9 @@ class Drafter(ABC):
     #: (an EAGLE head's later drafts read its own predicted features): then a seeded sampled
     #: request's tokens depend on its speculation lengths, which must not depend on the batch
     step_dependent: bool = False
+    #: a model drafter's timing of its sequential rounds (``decode.draft_rounds``); None for
+    #: drafters without a model forward
+    rounds: DraftRounds | None = None
 
     @abstractmethod
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from decode.draft_rounds import DraftRounds
 from decode.drafters.base import Drafter, DraftProposal
 from models.request import Request
 from models.runner import ModelRunner, SeqInput
@@ -22,10 +23,12 @@ class DraftModelDrafter(Drafter):
     """
 
     uses_kv = True
+    rounds: DraftRounds
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner  # the draft model over the pool's "draft" group
         self._fed = 0
+        self.rounds = DraftRounds()  # forwards after the first (which also catches up)
 
     @property
     def tokens_fed(self) -> int:
@@ -36,6 +39,8 @@ class DraftModelDrafter(Drafter):
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         kmax = max(widths, default=0)
         for j in range(kmax):
+            if j > 0:
+                self.rounds.start()
             live = [i for i, w in enumerate(widths) if w > j]
             batch = []
             for i in live:
@@ -51,6 +56,8 @@ class DraftModelDrafter(Drafter):
                 pos = len(r.output_token_ids) + j
                 tokens[i].append(sample_token(q[row], r.sampling, pos, Stream.DRAFT))
                 probs[i].append(q[row])
+            if j > 0:
+                self.rounds.stop()
         return [
             DraftProposal(tuple(t), torch.stack(p) if p else None) if t else DraftProposal((), None)
             for t, p in zip(tokens, probs, strict=True)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from decode.draft_rounds import DraftRounds
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle_tree import grow_trees
 from models.eagle import EagleRunner
@@ -28,6 +29,7 @@ class EagleDrafter(Drafter):
     uses_kv = True
     needs_features = True
     step_dependent = True
+    rounds: DraftRounds
 
     def __init__(self, runner: EagleRunner, tree_width: int = 1) -> None:
         self.runner = runner
@@ -35,6 +37,7 @@ class EagleDrafter(Drafter):
         self.tree_width = tree_width
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
+        self.rounds = DraftRounds()  # head forwards after the catch-up
 
     @property
     def tokens_fed(self) -> int:
@@ -68,6 +71,7 @@ class EagleDrafter(Drafter):
                 first.hidden[tree],
                 first.logits[tree],
                 self.tree_width,
+                self.rounds,
             )
             self._fed += fed
             for row, toks, par in zip(tree, tokens, parents, strict=True):
@@ -118,6 +122,7 @@ class EagleDrafter(Drafter):
         live = list(range(len(reqs)))
         for j in range(max(widths)):
             if j > 0:
+                self.rounds.start()
                 live = [b for b in live if widths[b] > j]
                 batch = [
                     SeqInput(
@@ -136,4 +141,6 @@ class EagleDrafter(Drafter):
                     sample_token(q[row], r.sampling, len(r.output_token_ids) + j, Stream.DRAFT)
                 )
                 probs[b].append(q[row])
+            if j > 0:
+                self.rounds.stop()
         return [DraftProposal(tuple(t), torch.stack(p)) for t, p in zip(tokens, probs, strict=True)]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode.draft_rounds import DraftRounds
 from models.eagle import EagleRunner
 from models.request import Request
 from models.runner import SeqInput
@@ -61,10 +62,12 @@ def grow_trees(
     root_hidden: torch.Tensor,
     root_logits: torch.Tensor,
     width: int,
+    rounds: DraftRounds | None = None,
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], int]:
     """Each request's tree of ``depths[i]`` levels of ``width`` nodes: (tokens, parents) per
     request and the tokens fed to the head. root_hidden [B, H] and root_logits [B, V] are the
-    head's output at each request's newest true-feature position (its catch-up)."""
+    head's output at each request's newest true-feature position (its catch-up). Each level
+    after the root is one round of head forwards, timed by ``rounds``."""
     trees = [_Tree(r, d) for r, d in zip(reqs, depths, strict=True)]
     for b, t in enumerate(trees):
         t.extend(torch.log_softmax(root_logits[b : b + 1], dim=-1), [-1], width)
@@ -74,6 +77,8 @@ def grow_trees(
         live = [t for t in trees if t.depth > level]
         if not live:
             break
+        if rounds is not None:
+            rounds.start()
         batch, feats = [], []
         for t in live:
             first = t.frontier[0]
@@ -93,4 +98,6 @@ def grow_trees(
             t.extend(logp[row : row + n], parents, width)
             t.features = [hidden[parents.index(t.parents[c])].unsqueeze(0) for c in t.frontier]
             row += n
+        if rounds is not None:
+            rounds.stop()
     return [tuple(t.tokens) for t in trees], [tuple(t.parents) for t in trees], fed

@@ -29,6 +29,7 @@ class LookupFirstDrafter(Drafter):
         self.uses_kv = model.uses_kv
         self.needs_features = model.needs_features
         self.step_dependent = model.step_dependent
+        self.rounds = model.rounds
         self._looked_up = 0  # proposals made by lookup
         self._modelled = 0  # proposals asked of the model drafter
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 
 from cluster.routing.policies import (
     AcceptanceAware,
@@ -16,6 +17,7 @@ from cluster.routing.policies import (
 )
 from cluster.routing.prefix import PrefixAffinity, PrefixIndex
 from cluster.routing.request_info import acceptance_prior, route_request
+from cluster.routing.score import placement
 from cluster.routing.table import ReplicaTable
 from decode.goodput import StepTimeModel
 from decode.routing_stats import RoutingStats, collect_routing_stats
@@ -165,3 +167,38 @@ def test_the_router_reads_the_probe_then_the_estimate_then_a_prior() -> None:
     assert route_request([req], {"handoff": handoff}) == RouteRequest(0.9, 40)
     assert route_request([], {}) is None
     assert np.isclose(acceptance_prior(0.5), 0.75 * acceptance_prior(0.0))
+
+
+def test_a_greedy_request_is_priced_as_the_tree_it_will_draft() -> None:
+    """Two replicas alike but for draft trees 4 wide on replica 1: a greedy request there puts
+    4 tokens per draft level in the step, a sampled one a chain, and the overlay counts what
+    each will score. (Pinned k, so that both place the same drafts.)"""
+
+    def snapshot(width: int) -> RoutingStats:
+        return collect_routing_stats(
+            [0.6] * 8, [2] * 8, queued=0, free_blocks=1000, num_blocks=1000, block_size=16,
+            max_batch_size=64, k_max=4, adaptive=False, step_time=MODEL, draft_round_s=0.002,
+            now=NOW, tree_width=width,
+        )  # fmt: skip
+
+    chains, trees = snapshot(1), snapshot(4)
+    assert trees.tree_width == 4 and trees.step_tokens == chains.step_tokens  # sampled batch
+    t = table(chains, trees)
+    p = AcceptanceAware(5.0, seed=0)
+    greedy, sampled = RouteRequest(0.8, 100, greedy=True), RouteRequest(0.8, 100)
+    g_costs, s_costs = p.costs(greedy, t), p.costs(sampled, t)
+    assert g_costs[0] == s_costs[0] == s_costs[1]  # chains wherever it runs them
+    want = placement(0.8, 4, 24, trees.tpot_weight, trees.step_emitted, False, 2, 0.002, MODEL,
+                     width=4)  # fmt: skip
+    assert g_costs[1] == pytest.approx(want.cost_s) and g_costs[1] > g_costs[0]
+    for req, tokens in ((sampled, 1 + 4), (greedy, 1 + 4 * 4)):
+        before = float(t.eff_tokens[1])
+        p.routed(req, t, 1, NOW + 0.01)
+        assert t.eff_tokens[1] - before == tokens
+
+
+def test_the_router_knows_a_greedy_request() -> None:
+    req = Request("r", list(range(40)), SamplingParams(temperature=0.0, max_tokens=8))
+    assert route_request([req], {}).greedy  # type: ignore[union-attr]
+    req = Request("s", list(range(40)), SamplingParams(temperature=0.7, max_tokens=8))
+    assert not route_request([req], {}).greedy  # type: ignore[union-attr]

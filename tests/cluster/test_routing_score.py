@@ -73,25 +73,39 @@ def test_vectorised_costs_equal_the_scalar_ones() -> None:
     max_k = rng.integers(0, 5, 50).astype(float)
     rounds = np.full(50, 0.0015)
     per_draft = np.where(rng.random(50) < 0.5, 0.0, rng.random(50) * 0.003)
+    width = rng.integers(1, 5, 50).astype(float)  # draft-tree widths, 1: chains
     for alpha in (0.1, 0.5, 0.95):
         got = placement_costs(
             alpha, 4, tokens, weight, emitted, adaptive, max_k, rounds, StepTable.of(MODEL),
-            per_draft,
+            per_draft, width,
         )  # fmt: skip
         want = [
-            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL, c).cost_s
-            for t, w, e, a, m, c in zip(
-                tokens, weight, emitted, adaptive, max_k, per_draft, strict=True
+            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL, c, int(d)).cost_s
+            for t, w, e, a, m, c, d in zip(
+                tokens, weight, emitted, adaptive, max_k, per_draft, width, strict=True
             )
         ]
         np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_a_tree_level_must_pay_for_its_width() -> None:
+    """On the same replica, a tree 4 wide is granted fewer levels than a chain, and a level
+    puts 4 tokens in the step."""
+    args = (0.8, 4, 60, 20.0, 10.0, True, 2, 0.0, MODEL, 0.0)  # theta: 0.125 a token
+    chain, tree = placement(*args), placement(*args, width=4)
+    assert (chain.k, tree.k) == (4, 3)  # 0.8^4 > 0.125; 0.8^3 > 4 * 0.125 > 0.8^4
+    pinned = (0.7, 4, 60, 20.0, 40.0, False, 2, 0.0, MODEL, 0.0)
+    step_chain = MODEL.predict(61 + 4)
+    step_tree = MODEL.predict(61 + 16)
+    assert placement(*pinned).tpot_s == pytest.approx(step_chain / expected_tokens(0.7, 4))
+    assert placement(*pinned, width=4).tpot_s == pytest.approx(step_tree / expected_tokens(0.7, 4))
 
 
 def test_routing_stats_survive_the_trip_through_a_dict() -> None:
     s = collect_routing_stats(
         [0.3, 0.9], [0, 3], queued=2, free_blocks=7, num_blocks=9, block_size=16,
         max_batch_size=8, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=0.001,
-        draft_token_s=0.0021, now=5.0,
+        draft_token_s=0.0021, now=5.0, tree_width=3,
     )  # fmt: skip
     assert (s.running, s.step_tokens, s.step_max_k) == (2, 5, 3)  # (1 + 0) + (1 + 3)
     assert s.tpot_weight == pytest.approx(1 + 1 / expected_tokens(0.9, 3))

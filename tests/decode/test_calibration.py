@@ -78,9 +78,9 @@ def test_the_router_calibrates_the_probe_by_temperature_and_probe_bin() -> None:
     pool.put(0, (Cell(0, 1, 4000.0, 3440.0), Cell(2, 1, 4000.0, 400.0)))
     g = route_request([greedy, handoff], {}, pool)
     h = route_request([hot, handoff], {}, pool)
-    assert g == RouteRequest(pytest.approx(calibrated(4000.0, 3440.0, 0.1)), 40)
+    assert g == RouteRequest(pytest.approx(calibrated(4000.0, 3440.0, 0.1)), 40, greedy=True)
     assert h == RouteRequest(pytest.approx(calibrated(4000.0, 400.0, 0.1)), 40)
-    assert route_request([greedy, handoff], {}) == RouteRequest(0.1, 40)  # no pool: the probe
+    assert route_request([greedy, handoff], {}) == RouteRequest(0.1, 40, greedy=True)  # the probe
 
 
 def test_cells_travel_in_the_routing_stats() -> None:

@@ -1,0 +1,99 @@
+"""Draft rounds: a model drafter times its sequential forwards, the replica publishes what a
+round costs, and the step-time model it learns leaves the rounds out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decode.config import DecodeEngineConfig
+from decode.draft_rounds import DraftRounds
+from decode.engine import DecodeEngine
+from decode.goodput import StepTimeModel
+from decode.speculation import SpeculationPolicy
+from models.eagle import save_random_eagle
+from models.sampling import SamplingParams
+from models.spec import DraftKind, DraftSpec, ModelSpec
+from tests.decode.engine_utils import make_request, run_all
+
+
+def test_rounds_average_what_they_took_and_hand_over_the_time_spent_once() -> None:
+    rounds = DraftRounds(ema=0.5)
+    assert rounds.round_s == 0.0 and rounds.take_spent() == 0.0
+    rounds.observe(0.004)
+    assert rounds.round_s == pytest.approx(0.004)  # the first round sets the average
+    rounds.observe(0.002)
+    assert rounds.round_s == pytest.approx(0.003)
+    assert rounds.take_spent() == pytest.approx(0.006)
+    assert rounds.take_spent() == 0.0  # handed over once
+    rounds.start()
+    rounds.stop()
+    assert rounds.rounds == 3 and rounds.take_spent() >= 0.0
+    with pytest.raises(RuntimeError, match="without start"):
+        rounds.stop()
+
+
+def test_the_step_model_learns_the_target_without_the_rounds() -> None:
+    """A step of 10 ms of target and 6 ms of rounds teaches the model 10 ms; the whole-step
+    draft cost still carries the rounds, the router's draft cost does not."""
+    policy = SpeculationPolicy(4, StepTimeModel.linear(0.010, 0.0))
+    for i in range(40):
+        drafts = i % 5
+        target = 0.010 + 0.0005 * drafts
+        policy.observe(4, 4 + drafts, target + 0.002 * drafts, 0.002 * drafts)
+    model = policy.step_time
+    assert model is not None
+    assert model.predict(6) == pytest.approx(0.011, rel=0.05)
+    whole, verify = policy.draft_cost.per_draft(4), policy.verify_cost.per_draft(4)
+    assert whole == pytest.approx(0.0025, rel=0.05)
+    assert verify == pytest.approx(0.0005, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_random_eagle(tiny_folder, tmp_path_factory.mktemp("eagle"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("lookup_first", "tree_width"), [(False, 1), (True, 1), (False, 3)])
+def test_an_eagle_replica_publishes_its_measured_round_cost(
+    tiny_folder: Path, eagle_folder: Path, lookup_first: bool, tree_width: int
+) -> None:
+    """Chains, lookup first, and trees (one round per level): the replica publishes what a
+    round took, and the width of the trees a greedy request would draft there."""
+    draft = DraftSpec(
+        DraftKind.EAGLE,
+        model=ModelSpec(str(eagle_folder)),
+        num_speculative_tokens=3,
+        adaptive=False,  # k pinned at 3: three rounds a step
+        lookup_first=lookup_first,
+        tree_width=tree_width,
+    )
+    cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft, num_blocks=64)
+    engine = DecodeEngine(cfg)
+    try:
+        assert engine.routing_stats().draft_round_s == 0.0  # nothing timed yet
+        sp = SamplingParams(temperature=0.0, max_tokens=12)
+        run_all(engine, [make_request([7, 300, 12, 9000 + i, 44], sp) for i in range(2)])
+        rounds = engine.drafter.rounds if engine.drafter is not None else None
+        assert rounds is not None and rounds.rounds > 0
+        published = engine.routing_stats()
+        assert published.draft_round_s == rounds.round_s > 0.0
+        assert published.tree_width == tree_width
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_an_ngram_replica_has_no_rounds(tiny_folder: Path) -> None:
+    draft = DraftSpec(DraftKind.NGRAM, num_speculative_tokens=3, adaptive=False)
+    cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft, num_blocks=64)
+    engine = DecodeEngine(cfg)
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=12)
+        run_all(engine, [make_request([5, 6, 7, 5, 6, 7, 5, 6], sp)])
+        assert engine.drafter is not None and engine.drafter.rounds is None
+        assert engine.routing_stats().draft_round_s == 0.0
+    finally:
+        engine.close()
