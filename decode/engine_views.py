@@ -50,7 +50,7 @@ def routing_view(e: DecodeEngine) -> RoutingStats:
         adaptive=spec.adaptive if spec else False,
         step_time=spec.step_time if spec else None,
         draft_round_s=e.drafter.rounds.round_s if e.drafter and e.drafter.rounds else 0.0,
-        draft_token_s=(spec.verify_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
+        draft_token_s=(spec.draft_cost.per_draft(len(batch) + 1) or 0.0) if spec else 0.0,
         calibration=spec.calibration.cells() if spec else (),
         widths=[spec.draft_width(r) for r in batch] if spec else None,
         tree_width=spec.tree_width if spec else 1,

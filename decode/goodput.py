@@ -97,6 +97,8 @@ def choose_ks(
     fixed_tokens: int = 0,
     per_draft_s: float | None = None,
     costs: Sequence[int] | None = None,
+    round_s: float = 0.0,
+    paid_rounds: int = 0,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -115,7 +117,10 @@ def choose_ks(
     draft wastes costs as much as in any other step.) ``per_draft_s``, when the replica has
     measured it (``decode.draft_cost``), is a floor on what each draft token adds. ``costs[i]``
     is how many tokens each draft level of sequence ``i`` puts in the step (a draft tree's
-    width; 1 for a chain): drafts are then taken by gain per token.
+    width; 1 for a chain): drafts are then taken by gain per token. ``round_s`` is what one
+    draft round costs (a model drafter's sequential forward over the batch,
+    ``decode.draft_rounds``): a step drafting ``m`` levels deep pays ``m`` of them whoever drafts
+    in them, beyond the ``paid_rounds`` other sequences in the step take anyway.
     """
     n = len(alphas)
     ks = [0] * n
@@ -134,6 +139,7 @@ def choose_ks(
     best, best_extra = emitted / decodes, 0
     order: list[int] = []
     depth = [0] * n
+    deepest = paid_rounds  # draft rounds the step runs so far
     tokens = 0  # draft tokens in the step so far
     while heap:
         _, i = heapq.heappop(heap)
@@ -143,9 +149,11 @@ def choose_ks(
         depth[i] += 1
         tokens += cost[i]
         emitted += clamped[i] ** depth[i]
+        deepest = max(deepest, depth[i])
         added = model.predict(n + fixed_tokens + tokens) - mixed
         if per_draft_s is not None:
             added = max(added, per_draft_s * tokens)
+        added += round_s * (deepest - paid_rounds)
         trial = emitted / (decodes + added)
         if trial > best:
             best, best_extra = trial, len(order)

@@ -20,8 +20,9 @@ cut to ``MAX_LISTED``:
   step-time model it learns; 0 for n-gram lookup);
 - ``draft_token_s``: what one more draft token adds to the target's step at this batch size,
   rounds apart, as the replica has learned it from its own steps (``decode.draft_cost``; 0
-  until it has). Adaptive speculation charges drafts at least that, so the router must too to
-  predict the k it grants;
+  until it has). Adaptive speculation charges drafts at least that plus their share of the
+  rounds; the router charges that and adds the rounds per step, so where rounds are dear it
+  may predict a k above what the engine grants;
 - ``tree_width``: tokens per draft level a greedy request would put in a step here (the
   width of its draft tree, ``draft.tree_width``; 1: chains), so the router prices a new greedy
   request's drafts as the replica will run them;

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from decode.calibration import AcceptanceCalibration, calibration_key
 from decode.draft_cost import DraftCost
+from decode.draft_rounds import DraftRounds
 from decode.goodput import StepTimeModel, choose_ks
 from decode.step_time import StepTimeTracker
 from models.request import Request
@@ -40,14 +41,15 @@ class SpeculationPolicy:
         step_time: StepTimeModel | None,
         step_dependent: bool = False,
         tree_width: int = 1,
+        rounds: DraftRounds | None = None,
     ) -> None:
         self.k_max = k_max
         self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
         self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
-        self.draft_cost = DraftCost()  # a draft token's share of whole steps, rounds and all
-        self.verify_cost = DraftCost()  # the same without the draft rounds (for the router)
+        self.draft_cost = DraftCost()  # what a draft token adds to the target's step
+        self.rounds = rounds  # the drafter's timing of its rounds (model drafters; else None)
         self.calibration = AcceptanceCalibration()
 
     def start(self, r: Request) -> None:
@@ -92,15 +94,12 @@ class SpeculationPolicy:
     def observe(self, seqs: int, tokens: int, seconds: float, in_rounds_s: float = 0.0) -> None:
         """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds``, of which
         ``in_rounds_s`` went to draft rounds (``decode.draft_rounds``). Adaptive mode learns
-        from it the target's step time (rounds left out: the router prices them apart), what a
-        draft token costs a whole step (rounds spread over the draft tokens: what this
-        engine's k choice charges) and what it costs without the rounds (what the router adds
-        the rounds to)."""
+        from the rest the target's step time and what a draft token adds to it; the rounds are
+        priced per step apart (``choose_ks``'s ``round_s``)."""
         if self.tracker is not None:
             target_s = seconds - in_rounds_s
             self.tracker.observe(tokens, target_s)
-            self.draft_cost.observe(seqs, tokens - seqs, seconds)
-            self.verify_cost.observe(seqs, tokens - seqs, target_s)
+            self.draft_cost.observe(seqs, tokens - seqs, target_s)
 
     def held(self, r: Request) -> bool:
         """Whether ``r`` speculates its full cap every step, whatever the batch: a client-seeded
@@ -117,7 +116,7 @@ class SpeculationPolicy:
         caps = [min(c, self.k_max) for c in caps]
         held = [self.held(r) for r in reqs]
         if not any(held):
-            return self._choose(reqs, caps, fixed_tokens, budget, len(reqs))
+            return self._choose(reqs, caps, fixed_tokens, budget, len(reqs), 0)
         free = [i for i, h in enumerate(held) if not h]
         taken = sum(1 + caps[i] for i, h in enumerate(held) if h)  # tokens the held ones score
         got = self._choose(
@@ -126,6 +125,7 @@ class SpeculationPolicy:
             fixed_tokens + taken,
             budget - taken,
             len(reqs),
+            max(c for c, h in zip(caps, held, strict=True) if h),  # rounds they draft anyway
         )
         out = list(caps)
         for i, k in zip(free, got, strict=True):
@@ -139,8 +139,10 @@ class SpeculationPolicy:
         fixed_tokens: int,
         budget: int,
         seqs: int,
+        paid_rounds: int,
     ) -> list[int]:
-        """``choose`` over the requests not held (``seqs``: all that decode this step)."""
+        """``choose`` over the requests not held (``seqs``: all that decode this step;
+        ``paid_rounds``: draft rounds the held ones run anyway)."""
         if not reqs:
             return []
         costs = [self.draft_width(r) for r in reqs]
@@ -153,4 +155,15 @@ class SpeculationPolicy:
             return out
         alphas = [self.estimate(r) for r in reqs]
         per_draft = self.draft_cost.per_draft(seqs)
-        return choose_ks(alphas, self.tracker.model, caps, budget, fixed_tokens, per_draft, costs)
+        round_s = self.rounds.round_s if self.rounds is not None else 0.0
+        return choose_ks(
+            alphas,
+            self.tracker.model,
+            caps,
+            budget,
+            fixed_tokens,
+            per_draft,
+            costs,
+            round_s,
+            paid_rounds,
+        )

@@ -33,7 +33,7 @@ def saturation_rps(p: Profile, mix: tuple[RequestClass, ...], replicas: int) -> 
     for _ in range(6):
         n = np.maximum(np.round(batch * occupancy / occupancy.sum()).astype(int), 0)
         alphas = [c.alpha for c, m in zip(mix, n, strict=True) for _ in range(m)]
-        ks = choose_ks(alphas, p.step_time, p.k_max, p.max_batched_tokens)
+        ks = choose_ks(alphas, p.step_time, p.k_max, p.max_batched_tokens, round_s=p.draft_round_s)
         start = 0
         for i, (c, m) in enumerate(zip(mix, n, strict=True)):
             part = ks[start : start + m]

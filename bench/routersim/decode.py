@@ -5,7 +5,8 @@ accepted drafts, drawn from the truncated geometric law of its class's acceptanc
 recovered or bonus token; finished requests leave and free their KV; queued requests whose KV
 has arrived join (up to ``max_batch`` sequences; KV for prompt plus output is reserved on
 joining, so nothing is preempted); then the next step's speculation lengths come from
-``decode.goodput.choose_ks`` over the batch's acceptance rates, and the step takes
+``decode.goodput.choose_ks`` over the batch's acceptance rates (charging the draft rounds, as
+the engine does), and the step takes
 ``StepTimeModel.predict(sum(1 + k_i))`` seconds plus ``max k_i`` draft rounds of
 ``draft_round_s`` each (a draft model proposes in sequential rounds). A replica with nothing to
 do sleeps until its first queued request's KV arrives.
@@ -195,7 +196,13 @@ class DecodePool:
     def _mean_ks(self, q: IntArray) -> FloatArray:
         alphas = [float(a) for a, n in zip(self.alphas, q.tolist(), strict=True) for _ in range(n)]
         ks = np.asarray(
-            choose_ks(alphas, self.p.step_time, self.p.k_max, self.p.max_batched_tokens)
+            choose_ks(
+                alphas,
+                self.p.step_time,
+                self.p.k_max,
+                self.p.max_batched_tokens,
+                round_s=self.p.draft_round_s,
+            )
         )
         starts = np.concatenate([[0], np.cumsum(q)])
         return np.array([ks[a:b].mean() if b > a else 0.0 for a, b in itertools.pairwise(starts)])

@@ -10,7 +10,10 @@ A request of acceptance ``alpha`` placed there:
   ``theta = (G / T) * max(T(t + 1) - T(t), c)``, where ``c`` is what a draft token costs there
   as the replica has measured it (``decode.draft_cost``; 0 until it has) and ``w`` the width of
   the request's draft there: the replica's ``tree_width`` for a greedy request, else 1 (a
-  chain); so ``k = #{m <= k_max : alpha^m > w * theta}``. A pinned engine gives ``k_max``;
+  chain); a level deeper than the batch's longest speculation ``m`` also costs a draft round
+  ``r`` (below), ``(G / T) * r`` more; so
+  ``k = #{j <= k_max : alpha^j > w * theta + [j > m] * (G / T) * r}``. A pinned engine gives
+  ``k_max``;
 - makes the step take
   ``T' = T(t + 1) + max(T(t + 1 + w k) - T(t + 1), c * w k) + r * max(m, k)``
   (from ``T(t) + r * m``), where ``m`` is the longest speculation in the batch and ``r`` the
@@ -89,7 +92,10 @@ def placement(
     k = k_max
     if adaptive:
         theta = width * step_emitted / target * max(joined - target, draft_token_s)
-        k = sum(1 for m in range(1, k_max + 1) if alpha**m > theta)  # alpha^m falls with m
+        deeper = step_emitted / target * draft_round_s  # a level beyond step_max_k: a round
+        k = sum(  # alpha^m falls with m, the threshold rises: a prefix of the levels
+            1 for m in range(1, k_max + 1) if alpha**m > theta + (deeper if m > step_max_k else 0)
+        )
     base = target + draft_round_s * step_max_k
     drafts = max(model.predict(step_tokens + 1 + width * k) - joined, draft_token_s * width * k)
     step = joined + drafts + draft_round_s * max(step_max_k, k)
@@ -142,7 +148,10 @@ def placement_costs(
     c = np.zeros_like(target) if draft_token_s is None else draft_token_s  # [D]
     w = np.ones(t.shape, dtype=np.int64) if width is None else width.astype(np.int64)  # [D]
     theta = w * step_emitted / target * np.maximum(joined - target, c)
-    k = np.where(adaptive, granted_k(alpha, k_max, theta), k_max)
+    shallow = granted_k(alpha, k_max, theta)  # levels that need no round of their own
+    m = step_max_k.astype(np.int64)
+    deep = granted_k(alpha, k_max, theta + step_emitted / target * draft_round_s)
+    k = np.where(adaptive, np.where(shallow <= m, shallow, np.maximum(m, deep)), k_max)
     base = target + draft_round_s * step_max_k
     drafts = np.maximum(steps.at(t + 1 + w * k) - joined, c * w * k)
     step = joined + drafts + draft_round_s * np.maximum(step_max_k, k)

@@ -188,7 +188,6 @@ class ReplicaTable:
         k_max: int,
         adaptive: bool = True,
         draft_round_s: float = 0.0,
-        tree_width: int = 1,
     ) -> None:
         """Mark rows alive with the static part of their stats (no snapshot yet)."""
         idx = np.asarray(rows, dtype=np.int64)
@@ -198,7 +197,6 @@ class ReplicaTable:
         self.num_blocks[idx], self.block_size[idx] = num_blocks, block_size
         self.max_batch[idx], self.k_max[idx] = max_batch, k_max
         self.adaptive[idx], self.draft_round_s[idx] = float(adaptive), draft_round_s
-        self.tree_width[idx] = tree_width
         self._sync(idx)
         self._usable = None
 

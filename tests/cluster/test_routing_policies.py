@@ -31,11 +31,17 @@ NOW = 100.0
 
 
 def stats(
-    alphas: Sequence[float], ks: Sequence[int], free: int = 1000, queued: int = 0, at: float = NOW
+    alphas: Sequence[float],
+    ks: Sequence[int],
+    free: int = 1000,
+    queued: int = 0,
+    at: float = NOW,
+    round_s: float = 0.002,
 ) -> RoutingStats:
     return collect_routing_stats(
         alphas, ks, queued=queued, free_blocks=free, num_blocks=1000, block_size=16,
-        max_batch_size=64, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=0.002, now=at,
+        max_batch_size=64, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=round_s,
+        now=at,
     )  # fmt: skip
 
 
@@ -54,11 +60,31 @@ def first(ranks: list[list[int]]) -> int:
 def test_acceptance_aware_keeps_like_acceptance_together() -> None:
     """Equal loads; one replica runs creative requests (nobody drafts), the other copy-heavy
     ones drafting 4 tokens. A creative request goes where no draft rounds stall it; a copy
-    request where its drafts do not slow 16 requests that cannot use them."""
-    t = table(stats([0.3] * 16, [0] * 16), stats([0.85] * 16, [4] * 16))
+    request, where rounds are cheap enough that the creative replica's engine would draft for
+    it, goes where its drafts do not slow 16 requests that cannot use them."""
     p = AcceptanceAware(max_staleness_s=5.0, seed=0)
-    assert first(p.rank(RouteRequest(0.3, 100), t, NOW + 0.5)) == 0
-    assert first(p.rank(RouteRequest(0.85, 100), t, NOW + 0.5)) == 1
+    for round_s in (0.0005, 0.002):
+        t = table(
+            stats([0.3] * 16, [0] * 16, round_s=round_s),
+            stats([0.85] * 16, [4] * 16, round_s=round_s),
+        )
+        assert first(p.rank(RouteRequest(0.3, 100), t, NOW + 0.5)) == 0
+    cheap = table(
+        stats([0.3] * 16, [0] * 16, round_s=0.0005), stats([0.85] * 16, [4] * 16, round_s=0.0005)
+    )
+    assert first(p.rank(RouteRequest(0.85, 100), cheap, NOW + 0.5)) == 1
+
+
+def test_a_request_that_would_not_draft_beside_others_costs_them_no_rounds() -> None:
+    """Where a round costs 2 ms on an 18 ms step, the creative replica's engine would give a
+    copy request no drafts (its rounds would cost the batch more than they yield), so there it
+    slows nobody by rounds, and the router predicts just that."""
+    dear = table(stats([0.3] * 16, [0] * 16), stats([0.85] * 16, [4] * 16))
+    p = AcceptanceAware(max_staleness_s=5.0, seed=0)
+    copy = RouteRequest(0.85, 100)
+    assert first(p.rank(copy, dear, NOW + 0.5)) == 0
+    p.routed(copy, dear, 0, NOW + 0.5)
+    assert dear.eff_max_k[0] == 0 and dear.eff_tokens[0] == 17  # no drafts predicted there
 
 
 def test_acceptance_aware_prefers_the_shorter_step_for_like_requests() -> None:

@@ -10,7 +10,7 @@ import pytest
 from decode.config import DecodeEngineConfig
 from decode.draft_rounds import DraftRounds
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel
+from decode.goodput import StepTimeModel, choose_ks
 from decode.speculation import SpeculationPolicy
 from models.eagle import save_random_eagle
 from models.sampling import SamplingParams
@@ -35,8 +35,8 @@ def test_rounds_average_what_they_took_and_hand_over_the_time_spent_once() -> No
 
 
 def test_the_step_model_learns_the_target_without_the_rounds() -> None:
-    """A step of 10 ms of target and 6 ms of rounds teaches the model 10 ms; the whole-step
-    draft cost still carries the rounds, the router's draft cost does not."""
+    """Steps of 10 ms of target plus 0.5 ms per draft token, and 2 ms of rounds per draft
+    token: the step-time model and the draft-token cost learn the target's share only."""
     policy = SpeculationPolicy(4, StepTimeModel.linear(0.010, 0.0))
     for i in range(40):
         drafts = i % 5
@@ -45,9 +45,19 @@ def test_the_step_model_learns_the_target_without_the_rounds() -> None:
     model = policy.step_time
     assert model is not None
     assert model.predict(6) == pytest.approx(0.011, rel=0.05)
-    whole, verify = policy.draft_cost.per_draft(4), policy.verify_cost.per_draft(4)
-    assert whole == pytest.approx(0.0025, rel=0.05)
-    assert verify == pytest.approx(0.0005, rel=0.05)
+    assert policy.draft_cost.per_draft(4) == pytest.approx(0.0005, rel=0.05)
+
+
+def test_adaptive_speculation_pays_each_round_once_per_step() -> None:
+    """One request, alpha 0.8, a flat 10 ms step: free drafts go to the cap; at 5 ms a round
+    goodput peaks at 2 levels (2.44 tokens in 20 ms); rounds that held requests run anyway are
+    free again."""
+    flat = StepTimeModel.linear(0.010, 0.0)
+    assert choose_ks([0.8], flat, 4) == [4]
+    assert choose_ks([0.8], flat, 4, round_s=0.005) == [2]
+    assert choose_ks([0.8], flat, 4, round_s=0.005, paid_rounds=4) == [4]
+    # two requests: the second's levels ride on the first's rounds
+    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005) == [2, 2]
 
 
 @pytest.fixture(scope="module")
