@@ -99,6 +99,7 @@ def choose_ks(
     costs: Sequence[int] | None = None,
     round_s: float = 0.0,
     paid_rounds: int = 0,
+    pays_rounds: Sequence[bool] | None = None,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -120,26 +121,80 @@ def choose_ks(
     width; 1 for a chain): drafts are then taken by gain per token. ``round_s`` is what one
     draft round costs (a model drafter's sequential forward over the batch,
     ``decode.draft_rounds``): a step drafting ``m`` levels deep pays ``m`` of them whoever drafts
-    in them, beyond the ``paid_rounds`` other sequences in the step take anyway.
+    in them, beyond the ``paid_rounds`` other sequences in the step take anyway; only
+    sequences with ``pays_rounds[i]`` (default: all) are drafted by the model and add rounds
+    (prompt lookup in front of a model drafts the others for free). With rounds, every depth
+    the payers may reach is tried (at most ``k_max + 1`` passes) and the best kept.
     """
     n = len(alphas)
-    ks = [0] * n
     caps = [k_max] * n if isinstance(k_max, int) else list(k_max)
     if n == 0 or max(caps) <= 0:
-        return ks
+        return [0] * n
     cost = [1] * n if costs is None else list(costs)
     full = sum(c * w for c, w in zip(caps, cost, strict=True))
     room = full if token_budget is None else min(full, token_budget - n)
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
-    heap = [(-a / cost[i], i) for i, a in enumerate(clamped) if caps[i] > 0]  # gain per token
+    steps = _Steps.of(model, n, fixed_tokens, per_draft_s)
+    if round_s <= 0:
+        return _by_gain(clamped, caps, cost, room, steps, 0.0)[0]
+    # Rounds are paid per step, by the deepest drafting payer: for each depth D the payers may
+    # reach, the best drafts cost tokens only (plus D rounds); the best D wins.
+    payer = [True] * n if pays_rounds is None else list(pays_rounds)
+    top = max((c for c, p in zip(caps, payer, strict=True) if p), default=0)
+    best_ks, best = [0] * n, -1.0
+    for depth in range(min(paid_rounds, top), top + 1):
+        capped = [min(c, depth) if p else c for c, p in zip(caps, payer, strict=True)]
+        rounds_s = round_s * max(depth - paid_rounds, 0)
+        ks, g = _by_gain(clamped, capped, cost, room, steps, rounds_s)
+        if g > best:
+            best_ks, best = ks, g
+    return best_ks
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """What a step costs ``choose_ks``: the decodes alone, and what drafts add to them."""
+
+    model: StepTimeModel
+    n: int  # sequences decoding
+    fixed_tokens: int  # other tokens in the forward (prompt chunks)
+    per_draft_s: float | None  # the measured floor on a draft token's cost
+    decodes_s: float  # T(n)
+    mixed_s: float  # T(n + fixed_tokens)
+
+    @classmethod
+    def of(
+        cls, model: StepTimeModel, n: int, fixed_tokens: int, per_draft_s: float | None
+    ) -> _Steps:
+        return cls(
+            model, n, fixed_tokens, per_draft_s, model.predict(n), model.predict(n + fixed_tokens)
+        )
+
+    def added(self, drafts: int) -> float:
+        """What ``drafts`` draft tokens add to the decodes' step."""
+        added = self.model.predict(self.n + self.fixed_tokens + drafts) - self.mixed_s
+        return added if self.per_draft_s is None else max(added, self.per_draft_s * drafts)
+
+
+def _by_gain(
+    alphas: Sequence[float],
+    caps: Sequence[int],
+    cost: Sequence[int],
+    room: int,
+    steps: _Steps,
+    rounds_s: float,
+) -> tuple[list[int], float]:
+    """The drafts ``choose_ks`` takes by gain per token, and the goodput they give, with
+    ``rounds_s`` of draft rounds charged to any step that drafts."""
+    n = len(alphas)
+    ks = [0] * n
+    heap = [(-a / cost[i], i) for i, a in enumerate(alphas) if caps[i] > 0]  # gain per token
     heapq.heapify(heap)
     emitted = float(n)
-    decodes = model.predict(n)
-    mixed = model.predict(n + fixed_tokens)
+    decodes = steps.decodes_s
     best, best_extra = emitted / decodes, 0
     order: list[int] = []
     depth = [0] * n
-    deepest = paid_rounds  # draft rounds the step runs so far
     tokens = 0  # draft tokens in the step so far
     while heap:
         _, i = heapq.heappop(heap)
@@ -148,17 +203,12 @@ def choose_ks(
         order.append(i)
         depth[i] += 1
         tokens += cost[i]
-        emitted += clamped[i] ** depth[i]
-        deepest = max(deepest, depth[i])
-        added = model.predict(n + fixed_tokens + tokens) - mixed
-        if per_draft_s is not None:
-            added = max(added, per_draft_s * tokens)
-        added += round_s * (deepest - paid_rounds)
-        trial = emitted / (decodes + added)
+        emitted += alphas[i] ** depth[i]
+        trial = emitted / (decodes + steps.added(tokens) + rounds_s)
         if trial > best:
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:
-            heapq.heappush(heap, (-(clamped[i] ** (depth[i] + 1)) / cost[i], i))
+            heapq.heappush(heap, (-(alphas[i] ** (depth[i] + 1)) / cost[i], i))
     for i in order[:best_extra]:
         ks[i] += 1
-    return ks
+    return ks, best

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from decode.calibration import AcceptanceCalibration, calibration_key
 from decode.draft_cost import DraftCost
-from decode.draft_rounds import DraftRounds
+from decode.drafters.base import Drafter
 from decode.goodput import StepTimeModel, choose_ks
 from decode.step_time import StepTimeTracker
 from models.request import Request
@@ -41,7 +41,7 @@ class SpeculationPolicy:
         step_time: StepTimeModel | None,
         step_dependent: bool = False,
         tree_width: int = 1,
-        rounds: DraftRounds | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.k_max = k_max
         self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
@@ -49,7 +49,7 @@ class SpeculationPolicy:
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
         self.draft_cost = DraftCost()  # what a draft token adds to the target's step
-        self.rounds = rounds  # the drafter's timing of its rounds (model drafters; else None)
+        self.drafter = drafter  # whose rounds (decode.draft_rounds) a step pays, if any
         self.calibration = AcceptanceCalibration()
 
     def start(self, r: Request) -> None:
@@ -155,7 +155,10 @@ class SpeculationPolicy:
             return out
         alphas = [self.estimate(r) for r in reqs]
         per_draft = self.draft_cost.per_draft(seqs)
-        round_s = self.rounds.round_s if self.rounds is not None else 0.0
+        d = self.drafter
+        rounds = d.rounds if d is not None else None
+        round_s = rounds.round_s if rounds is not None else 0.0
+        payers = [d.pays_rounds(r) for r in reqs] if d is not None and round_s > 0 else None
         return choose_ks(
             alphas,
             self.tracker.model,
@@ -166,4 +169,5 @@ class SpeculationPolicy:
             costs,
             round_s,
             paid_rounds,
+            payers,
         )

@@ -27,7 +27,7 @@ def build_speculation(
     d = cfg.draft
     held = drafter.step_dependent
     if not d.adaptive:
-        return SpeculationPolicy(d.num_speculative_tokens, None, held, d.tree_width, drafter.rounds)
+        return SpeculationPolicy(d.num_speculative_tokens, None, held, d.tree_width, drafter)
     shapes = calibration_points(
         min(cfg.max_batch_size, 32),
         d.num_speculative_tokens + 1,
@@ -44,4 +44,4 @@ def build_speculation(
     model = cached_step_time(
         path, lambda: measure_step_time(target, allocator, cfg.block_size, shapes)
     )
-    return SpeculationPolicy(d.num_speculative_tokens, model, held, d.tree_width, drafter.rounds)
+    return SpeculationPolicy(d.num_speculative_tokens, model, held, d.tree_width, drafter)

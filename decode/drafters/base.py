@@ -51,6 +51,10 @@ class Drafter(ABC):
     #: drafters without a model forward
     rounds: DraftRounds | None = None
 
+    def pays_rounds(self, req: Request) -> bool:
+        """Whether drafting for ``req`` runs the model's sequential rounds (``rounds``)."""
+        return self.rounds is not None
+
     @abstractmethod
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         """One proposal per request, ``len(proposal.tokens) <= width``."""

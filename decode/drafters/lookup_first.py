@@ -32,6 +32,7 @@ class LookupFirstDrafter(Drafter):
         self.rounds = model.rounds
         self._looked_up = 0  # proposals made by lookup
         self._modelled = 0  # proposals asked of the model drafter
+        self._by_lookup: dict[str, bool] = {}  # request id -> lookup answered its last proposal
 
     @property
     def tokens_fed(self) -> int:
@@ -43,8 +44,16 @@ class LookupFirstDrafter(Drafter):
         n = self._looked_up + self._modelled
         return self._looked_up / n if n else None
 
+    def pays_rounds(self, req: Request) -> bool:
+        """Whether the model drafts for ``req``: as last time (lookup found a match for it then,
+        or not), so a copying request is not charged rounds it does not run."""
+        return self.rounds is not None and not self._by_lookup.get(req.request_id, False)
+
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         looked = self.lookup.propose(reqs, widths)
+        for r, p, w in zip(reqs, looked, widths, strict=True):
+            if w:
+                self._by_lookup[r.request_id] = bool(p.tokens)
         rest = [0 if p.tokens else w for p, w in zip(looked, widths, strict=True)]
         self._looked_up += sum(1 for p, w in zip(looked, widths, strict=True) if w and p.tokens)
         self._modelled += sum(1 for w in rest if w)
@@ -57,4 +66,5 @@ class LookupFirstDrafter(Drafter):
         self.model.observe(req, features)
 
     def forget(self, request_id: str) -> None:
+        self._by_lookup.pop(request_id, None)
         self.model.forget(request_id)

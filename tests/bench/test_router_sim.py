@@ -35,7 +35,7 @@ def test_acceptance_aware_beats_round_robin_on_a_bimodal_mix() -> None:
     """Half copy-heavy (acceptance 0.85), half creative (0.3), an 8B draft's rounds in every
     step that drafts: keeping creative requests out of batches that draft long pays. Engines
     charge the rounds too (``choose_ks``'s ``round_s``), so every policy meets a 20 ms TPOT
-    here; the gain shows at 15 ms and in the TPOT itself."""
+    here; the gain shows at 15 ms and in the mean TPOT (its p99 is no better: BENCHMARKS)."""
     p = h200_profile()
     mix = mix_with({"code_copy": 0.5, "creative": 0.5})
     w = generate(6000, 0.8 * saturation_rps(p, mix, 16), mix, seed=1)
@@ -46,7 +46,7 @@ def test_acceptance_aware_beats_round_robin_on_a_bimodal_mix() -> None:
         got[policy] = measure(w, mix, pre.first_token_s, out.finish_s, p.ttft_slo_s, p.tpot_slo_s)
     rr, aa = got["round_robin"], got["acceptance_aware"]
     assert aa.goodput_by_tpot_slo["15"] > 1.1 * rr.goodput_by_tpot_slo["15"]
-    assert aa.tpot_mean_s < 0.95 * rr.tpot_mean_s and aa.tpot_p99_s < rr.tpot_p99_s
+    assert aa.tpot_mean_s < 0.95 * rr.tpot_mean_s
 
 
 def test_cpu_profile_is_the_measured_curve() -> None:

@@ -107,3 +107,41 @@ def test_an_ngram_replica_has_no_rounds(tiny_folder: Path) -> None:
         assert engine.routing_stats().draft_round_s == 0.0
     finally:
         engine.close()
+
+
+def test_requests_drafted_by_lookup_pay_no_rounds() -> None:
+    """Request 1 is drafted by prompt lookup (no rounds); request 0 by the model. At 5 ms a
+    round on a flat 10 ms step the model's drafts do not pay, lookup's all do."""
+    flat = StepTimeModel.linear(0.010, 0.0)
+    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005, pays_rounds=[True, False]) == [0, 4]
+    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005) == [2, 2]
+
+
+@pytest.mark.timeout(300)
+def test_lookup_first_knows_which_requests_the_model_drafts(
+    tiny_folder: Path, eagle_folder: Path
+) -> None:
+    draft = DraftSpec(
+        DraftKind.EAGLE,
+        model=ModelSpec(str(eagle_folder)),
+        num_speculative_tokens=3,
+        adaptive=False,
+        lookup_first=True,
+    )
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft, num_blocks=64)
+    )
+    try:
+        drafter = engine.drafter
+        assert drafter is not None
+        sp = SamplingParams(temperature=0.0, max_tokens=30)
+        copy = make_request([5, 6, 7, 8] * 6, sp)
+        copy.output_token_ids.append(5)  # its text goes on repeating the prompt
+        assert drafter.pays_rounds(copy)  # nothing proposed yet: the model would draft
+        (proposal,) = drafter.propose([copy], [4])
+        assert proposal.tokens == (6, 7, 8, 5)  # lookup, which runs no model
+        assert not drafter.pays_rounds(copy)
+        drafter.forget(copy.request_id)
+        assert drafter.pays_rounds(copy)
+    finally:
+        engine.close()
