@@ -12,31 +12,19 @@ Rows are assigned by the caller (the Ray Serve router or the simulator) and reus
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from cluster.routing.score import StepTable
+from cluster.routing.sent import Sent, SentLog
 from cluster.routing.step_models import StepModels
 from decode.goodput import StepTimeModel
 from decode.routing_stats import RoutingStats
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
-
-
-class _Entry(NamedTuple):
-    """A request this router sent a replica since its last snapshot."""
-
-    time: float  # when it was sent (router clock)
-    k: int  # draft levels it is predicted to verify per step
-    expected: float  # tokens it is predicted to emit per step
-    blocks: int  # KV blocks its prompt takes
-    joins: bool  # joins the batch (else the queue)
-    width: int  # tokens per draft level (its tree's width, else 1)
 
 
 class ReplicaTable:
@@ -59,7 +47,7 @@ class ReplicaTable:
         self._adaptive: BoolArray | None = None  # cached with _usable
         self._k_cap = 0
         self.step_models = StepModels()  # the rows' step-time models, by id (model_id)
-        self._entries: list[deque[_Entry]] = []
+        self._sent = SentLog()  # requests sent since each row's snapshot (the overlay)
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
         self.model_id = np.zeros(0, dtype=np.int64)
@@ -109,7 +97,7 @@ class ReplicaTable:
         self.model_id = np.concatenate([self.model_id, np.full(grow, -1, dtype=np.int64)])
         for name in self._STATS + self._OVERLAY + self._EFFECTIVE:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
-        self._entries.extend(deque() for _ in range(grow))
+        self._sent.grow(grow)
         self.size = n
         self._usable = None
 
@@ -173,7 +161,7 @@ class ReplicaTable:
         self.stats_time[rows] = self.received_at[rows] = now
         self.has_stats[rows] = True
         for row in rows.tolist():
-            if self._entries[row]:
+            if row in self._sent:
                 self._prune(row, now)
         self._sync(rows)
         self._usable = None
@@ -219,20 +207,20 @@ class ReplicaTable:
         """This router sent the replica a request that will verify ``k`` draft levels of
         ``width`` tokens each and emit ``expected`` tokens per step: it joins the batch or,
         when ``joins`` is false, the queue."""
-        entry = _Entry(now, k, expected, blocks, joins, width)
-        self._entries[row].append(entry)
-        self._apply(row, entry, 1.0)
+        sent = Sent(now, k, expected, blocks, joins, width)
+        self._sent.add(row, sent)
+        self._apply(row, sent, 1.0)
 
     def clear(self, row: int) -> None:
         """The replica is gone; its row may be reused."""
         self.alive[row] = self.has_stats[row] = False
         self._use_model(row, None)
-        self._entries[row].clear()
+        self._sent.clear(row)
         for name in self._OVERLAY:
             getattr(self, name)[row] = 0.0
         self._usable = None
 
-    def _apply(self, row: int, e: _Entry, sign: float) -> None:
+    def _apply(self, row: int, e: Sent, sign: float) -> None:
         if e.joins:
             self.o_running[row] += sign
             self.o_tokens[row] += sign * (1 + e.width * e.k)
@@ -256,14 +244,13 @@ class ReplicaTable:
         self.eff_free[rows] = self.free_blocks[rows] - self.o_blocks[rows]
 
     def _prune(self, row: int, snapshot_time: float) -> None:
-        entries = self._entries[row]
-        while entries and entries[0].time <= snapshot_time:
-            self._apply(row, entries.popleft(), -1.0)
-        if not entries:  # no float drift left behind
+        for sent in self._sent.drop_until(row, snapshot_time):
+            self._apply(row, sent, -1.0)
+        if row not in self._sent:  # no float drift left behind
             for name in self._OVERLAY:
                 getattr(self, name)[row] = 0.0
         else:
-            self.o_max_k[row] = max((e.k for e in entries if e.joins), default=0)
+            self.o_max_k[row] = self._sent.max_joined_k(row)
 
     # ---- reading ------------------------------------------------------------------------
 
