@@ -33,6 +33,7 @@ import numpy as np
 
 from bench.routersim.capacity import saturation_rps
 from bench.routersim.metrics import measure
+from bench.routersim.oracle import PREFIX
 from bench.routersim.prefill import prefill_replicas_for, simulate_prefill
 from bench.routersim.profiles import PROFILES
 from bench.routersim.report import plot, ratios
@@ -54,6 +55,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--requests", type=int, default=200_000)
     add("--loads", type=float, nargs="+", default=[0.7, 0.8, 0.9], help="fractions of capacity")
     add("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    add(
+        "--split-shares",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also run the class-split oracle (bench/routersim/oracle.py) at these plain shares",
+    )
     add("--stats-period", type=float, default=0.5, help="seconds between routing-stats pushes")
     add("--max-staleness", type=float, default=2.0, help="older stats: power of two instead")
     add("--ttft-slo", type=float, help="seconds; default: the profile's")
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         pre = simulate_prefill(w, p, n_prefill, seed=args.seed)
         prefill_wall = time.perf_counter() - t0
-        for policy in args.policies:
+        for policy in [*args.policies, *(f"{PREFIX}{s:g}" for s in args.split_shares)]:
             cfg = SimConfig(p, d, policy, args.stats_period, args.max_staleness, seed=args.seed)
             out = simulate_decode(w, pre, cfg)
             m = measure(w, DEFAULT_MIX, pre.first_token_s, out.finish_s, ttft_slo, tpot_slo)
@@ -110,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"load {load:.2f} {policy:>16}: goodput {m.goodput_rps:9.1f} req/s "
                 f"({m.slo_attainment:.1%}), TPOT mean {m.tpot_mean_s * 1e3:5.1f} ms "
                 f"p99 {m.tpot_p99_s * 1e3:5.1f} ms, TTFT p99 {m.ttft_p99_s:.2f} s, "
-                f"decision {row['decision_us_mean']:6.1f} us, wall {row['wall_s']:6.1f} s",
+                f"decision {row['decision_us_mean']:6.1f} us, wall {row['wall_s']:6.1f} s, "
+                f"TPOT drift {m.tpot_drift:+.1%}",
                 flush=True,
             )
     return {
@@ -131,6 +140,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_rps": capacity,
         "runs": runs,
         "ratios": ratios(runs),
+        "split_ratios": {
+            f"{PREFIX}{s:g}": ratios(runs, f"{PREFIX}{s:g}") for s in args.split_shares
+        },
     }
 
 

@@ -4,6 +4,10 @@
 - TPOT: (last token - first token) / (output tokens - 1): KV transfer, decode queueing and
   every decode step included, as ``bench/load_metrics.py`` defines it for live runs.
 - Goodput: requests meeting both the TTFT and the TPOT SLO, per second of arrivals.
+- Drift: mean TPOT of the counted requests arriving in the second half of the counted span over
+  the first half's, minus one. Near 0 at a steady state; a run whose drift is large ended while
+  the pool was still filling (long requests take a while to reach their steady share) and
+  understates what that load costs: run more requests.
 
 Requests arriving in the first ``warmup`` and the last ``cooldown`` share of the arrival span
 are left out: the cluster starts empty (a long request takes seconds to finish, so batches
@@ -37,6 +41,7 @@ class Metrics:
     ttft_p99_s: float
     per_class: dict[str, dict[str, float]]
     goodput_by_tpot_slo: dict[str, float]  # goodput at other TPOT SLOs (ms -> rps)
+    tpot_drift: float  # second half's mean TPOT over the first half's, minus one
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -72,6 +77,8 @@ def measure(
                 "slo_attainment": float(met[cls == i].mean()),
             }
     ok_ttft = done & (ttft <= ttft_slo_s)
+    late = w.arrival_s[keep] > w.arrival_s[keep][0] + span / 2
+    drift = float(tpot[done & late].mean() / tpot[done & ~late].mean() - 1)
     return Metrics(
         requests=int(keep.sum()),
         finished=int(done.sum()),
@@ -87,4 +94,5 @@ def measure(
         goodput_by_tpot_slo={
             f"{ms:g}": float((ok_ttft & (tpot <= ms / 1000)).sum()) / span for ms in sweep_ms
         },
+        tpot_drift=drift,
     )

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.routersim.decode import DecodePool
+from bench.routersim.oracle import split_policy
 from bench.routersim.prefill import PrefillResult
 from bench.routersim.profiles import Profile
 from bench.routersim.workload import Workload
@@ -76,7 +77,9 @@ def simulate_decode(w: Workload, pre: PrefillResult, cfg: SimConfig) -> DecodeOu
     table.configure(
         range(d), p.step_time, p.kv_tokens // 16, 16, p.max_batch, p.k_max, True, p.draft_round_s
     )
-    policy = make_policy(cfg.policy, cfg.max_staleness_s, cfg.seed)
+    policy = split_policy(cfg.policy, cfg.seed) or make_policy(
+        cfg.policy, cfg.max_staleness_s, cfg.seed
+    )
     max_ongoing = cfg.max_ongoing or 2 * p.max_batch
     order = np.argsort(route_at, kind="stable")
     times, alphas, prompts = route_at[order].tolist(), w.alpha_probe.tolist(), w.prompt.tolist()

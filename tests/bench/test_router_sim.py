@@ -13,10 +13,13 @@ import pytest
 from bench import router_sim
 from bench.routersim.capacity import saturation_rps
 from bench.routersim.metrics import measure
+from bench.routersim.oracle import ClassSplit
 from bench.routersim.prefill import prefill_replicas_for, simulate_prefill
 from bench.routersim.profiles import cpu_profile, h200_profile
 from bench.routersim.sim import SimConfig, simulate_decode
-from bench.routersim.workload import generate, mix_with
+from bench.routersim.workload import DEFAULT_MIX, generate, mix_with
+from cluster.routing.policies import RouteRequest
+from cluster.routing.table import ReplicaTable
 
 
 def test_every_request_is_routed_once_and_finishes_once() -> None:
@@ -49,6 +52,35 @@ def test_acceptance_aware_beats_round_robin_on_a_bimodal_mix() -> None:
     assert aa.tpot_mean_s < 0.95 * rr.tpot_mean_s
 
 
+def test_class_split_sends_each_side_of_the_cut_to_its_own_replicas() -> None:
+    table = ReplicaTable(8)
+    for row in range(8):
+        table.mark_alive(row)
+    split = ClassSplit(0.25, cut=0.45, seed=0)
+    low = {
+        r for _ in range(50) for rank in split.rank(RouteRequest(0.3, 100), table, 0) for r in rank
+    }
+    high = {
+        r for _ in range(50) for rank in split.rank(RouteRequest(0.6, 100), table, 0) for r in rank
+    }
+    assert low == {0, 1} and high == set(range(2, 8))
+    with pytest.raises(ValueError, match="share"):
+        ClassSplit(1.0)
+
+
+def test_drift_reads_a_pool_still_filling() -> None:
+    p = h200_profile()
+    w = generate(4000, 1000.0, DEFAULT_MIX, seed=2)
+    first = w.arrival_s + 0.1
+    t0, t1 = w.arrival_s[0], w.arrival_s[-1]
+    mid = t0 + (0.3 + 0.95) / 2 * (t1 - t0)  # halfway through the counted span
+    tpot = np.where(w.arrival_s > mid, 0.02, 0.01)  # TPOT doubles there
+    m = measure(w, DEFAULT_MIX, first, first + tpot * (w.output - 1), p.ttft_slo_s, p.tpot_slo_s)
+    assert 0.9 < m.tpot_drift < 1.1
+    flat = measure(w, DEFAULT_MIX, first, first + 0.01 * (w.output - 1), 2.0, 0.02)
+    assert abs(flat.tpot_drift) < 1e-9
+
+
 def test_cpu_profile_is_the_measured_curve() -> None:
     pts = cpu_profile().step_time.points
     assert pts[0][0] == 1 and 0.03 < pts[0][1] < 0.08  # one token: ~45 ms on this machine
@@ -60,9 +92,15 @@ def test_cpu_profile_is_the_measured_curve() -> None:
 def test_command_line_writes_json_and_png(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     args = ["--decode-replicas", "6", "--requests", "1500", "--loads", "0.8", "--out", str(out)]
-    assert router_sim.main([*args, "--policies", "power_of_two", "acceptance_aware"]) == out
+    policies = ["--policies", "power_of_two", "acceptance_aware", "--split-shares", "0.5"]
+    assert router_sim.main([*args, *policies]) == out
     doc = json.loads(out.read_text())
-    assert {r["policy"] for r in doc["runs"]} == {"power_of_two", "acceptance_aware"}
+    assert {r["policy"] for r in doc["runs"]} == {
+        "power_of_two",
+        "acceptance_aware",
+        "class_split@0.5",
+    }
+    assert doc["split_ratios"]["class_split@0.5"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert doc["ratios"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert all(r["decision_us_mean"] > 0 and r["finished"] == r["requests"] for r in doc["runs"])
     assert out.with_suffix(".png").stat().st_size > 10_000
