@@ -14,6 +14,8 @@ prefill.
         --requests 200000 --loads 0.7 0.8 0.9
     .venv/bin/python -m bench.router_sim --decode-replicas 1000 --requests 1000000 \\
         --loads 0.8 --policies acceptance_aware --label scale
+    .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 300000 \\
+        --policies power_of_two --split-shares 0.4 0.45 0.5 --label ceiling  # the oracle
 
 Writes ``bench/results/router_sim-<label>.json`` and ``.png``.
 """

@@ -22,6 +22,9 @@ PREFIX = "class_split@"
 
 
 class ClassSplit(RoutingPolicy):
+    """Estimates below ``cut`` to the first ``share`` of the live replicas, the rest to the
+    others; two at random within the part."""
+
     name = "class_split"
 
     def __init__(self, share: float, cut: float = 0.45, seed: int | None = None) -> None:
