@@ -43,7 +43,7 @@ from bench.routersim.sim import SimConfig, simulate_decode
 from bench.routersim.workload import DEFAULT_MIX, generate
 
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware")
+POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pre = simulate_prefill(w, p, n_prefill, seed=args.seed)
         prefill_wall = time.perf_counter() - t0
         for policy in [*args.policies, *(f"{PREFIX}{s:g}" for s in args.split_shares)]:
-            cfg = SimConfig(p, d, policy, args.stats_period, args.max_staleness, seed=args.seed)
+            cfg = SimConfig(
+                p, d, policy, args.stats_period, args.max_staleness, seed=args.seed,
+                tpot_slo_s=tpot_slo,
+            )  # fmt: skip
             out = simulate_decode(w, pre, cfg)
             m = measure(w, DEFAULT_MIX, pre.first_token_s, out.finish_s, ttft_slo, tpot_slo)
             row = {
@@ -142,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "capacity_rps": capacity,
         "runs": runs,
         "ratios": ratios(runs),
+        "slo_aware_ratios": ratios(runs, "slo_aware"),
         "split_ratios": {
             f"{PREFIX}{s:g}": ratios(runs, f"{PREFIX}{s:g}") for s in args.split_shares
         },

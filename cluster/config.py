@@ -123,6 +123,9 @@ class PrefillConfig(PoolConfig):
     )
 
 
+DecodeRouting = Literal["round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware"]
+
+
 class DecodeConfig(PoolConfig):
     resource: str = Field("decode_pool", description="Ray custom resource of decode nodes.")
     num_blocks: int = Field(1024, ge=1, description="KV blocks per replica.")
@@ -138,14 +141,24 @@ class DecodeConfig(PoolConfig):
         description="Scale decode replicas on ongoing streams (see cluster/autoscaling.py) "
         "instead of a fixed `replicas` count.",
     )
-    routing: Literal["round_robin", "power_of_two", "least_kv", "acceptance_aware"] = Field(
+    routing: DecodeRouting = Field(
         "acceptance_aware",
         description="How the ingress picks a decode replica: in turn; Ray Serve's power of two "
-        "choices; most free KV blocks; or where the request's expected acceptance adds least to "
-        "the replicas' time per output token (cluster/routing/score.py). acceptance_aware and "
-        "least_kv use the replicas' routing stats and fall back to power of two choices while "
-        "those are missing or stale; acceptance_aware also needs adaptive speculation's "
-        "measured step time (draft.adaptive).",
+        "choices; most free KV blocks; where the request's expected acceptance adds least to "
+        "the replicas' time per output token (cluster/routing/score.py); or slo_aware: the "
+        "same, after keeping the request and the ones running beside it within "
+        "routing_tpot_slo_s. All but round_robin and power_of_two use the replicas' routing "
+        "stats and fall back to power of two choices while those are missing or stale; "
+        "acceptance_aware and slo_aware also need adaptive speculation's measured step time "
+        "(draft.adaptive).",
+    )
+    routing_tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="slo_aware routing: the time per output token (seconds) each request should "
+        "stay within; the router places a request where its predicted TPOT and that of the "
+        "slowest request already there stay below it, where it can.",
     )
     routing_stats_period_s: float = Field(
         1.0,
@@ -159,6 +172,15 @@ class DecodeConfig(PoolConfig):
         description="Routing stats older than this are not used: the router treats the replica "
         "as unknown (power of two choices).",
     )
+
+    @model_validator(mode="after")
+    def _slo_routing_has_an_slo(self) -> DecodeConfig:
+        if self.routing == "slo_aware" and self.routing_tpot_slo_s is None:
+            raise ValueError(
+                "decode.routing is slo_aware but decode.routing_tpot_slo_s is not set: give the "
+                "TPOT SLO in seconds (e.g. 0.05), or choose routing: acceptance_aware"
+            )
+        return self
 
     @model_validator(mode="after")
     def _staleness_covers_period(self) -> DecodeConfig:

@@ -11,6 +11,9 @@ cut to ``MAX_LISTED``:
 - ``tpot_weight``: ``sum(1 / E(alpha_i, k_i))`` with ``E`` from ``decode.goodput``. Request i's
   time per output token is ``step_time / E_i``, so when the step time grows by ``d`` seconds the
   running requests' TPOTs grow by ``d * tpot_weight`` in sum;
+- ``slowest_weight``: ``max(1 / E(alpha_i, k_i))``, so the slowest running request's TPOT is
+  ``step_time * slowest_weight``: what a router that keeps requests within a TPOT SLO must not
+  push over it (0 for an empty batch);
 - ``step_emitted``: ``sum(E(alpha_i, k_i))``, the tokens a step emits: with the step time it
   gives the batch's goodput, hence the gain below which adaptive speculation grants no draft;
 - ``step_max_k`` and ``draft_round_s``: a model drafter (an EAGLE head, a draft model)
@@ -41,7 +44,7 @@ from typing import Any
 from decode.calibration import Cell, cells_from
 from decode.goodput import StepTimeModel, expected_tokens
 
-ROUTING_STATS_VERSION = 4
+ROUTING_STATS_VERSION = 5
 MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
 
 
@@ -59,6 +62,7 @@ class RoutingStats:
     k_max: int  # most draft tokens a request verifies per step (0: no speculation)
     step_tokens: int  # tokens the next step scores: sum over the batch of 1 + w_i * k_i
     tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
+    slowest_weight: float  # max over the batch of 1 / E(alpha_i, k_i) (0: empty)
     step_emitted: float  # sum over the batch of E(alpha_i, k_i)
     adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
@@ -100,6 +104,7 @@ class RoutingStats:
                 k_max=int(d["k_max"]),
                 step_tokens=int(d["step_tokens"]),
                 tpot_weight=float(d["tpot_weight"]),
+                slowest_weight=float(d["slowest_weight"]),
                 step_emitted=float(d["step_emitted"]),
                 adaptive=bool(d["adaptive"]),
                 step_max_k=int(d["step_max_k"]),
@@ -153,6 +158,7 @@ def collect_routing_stats(
         k_max=k_max,
         step_tokens=sum(1 + wi * k for wi, k in zip(w, ks, strict=True)),
         tpot_weight=sum(1.0 / e for e in emitted),
+        slowest_weight=max((1.0 / e for e in emitted), default=0.0),
         step_emitted=sum(emitted),
         adaptive=adaptive,
         step_max_k=max(ks, default=0),

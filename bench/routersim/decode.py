@@ -214,6 +214,7 @@ class DecodePool:
         act = self.req >= 0
         inv_e = self.inv_e[self.cls, self.k]
         weight = (inv_e * act).sum(axis=1)
+        slowest = (inv_e * act).max(axis=1)
         emitted = (act / inv_e).sum(axis=1)
         max_k = (self.k * act).max(axis=1)
         tokens = np.where(self.n_active > 0, self.tokens, 0)
@@ -224,6 +225,7 @@ class DecodePool:
             self.qlen.astype(np.float64),
             tokens.astype(np.float64),
             weight,
+            slowest,
             emitted,
             max_k.astype(np.float64),
             free_blocks.astype(np.float64),

@@ -35,6 +35,7 @@ class SimConfig:
     stats_period_s: float = 0.5
     max_staleness_s: float = 2.0
     max_ongoing: int = 0  # 0: twice max_batch
+    tpot_slo_s: float | None = None  # what slo_aware keeps requests within
     seed: int = 0
 
 
@@ -78,7 +79,7 @@ def simulate_decode(w: Workload, pre: PrefillResult, cfg: SimConfig) -> DecodeOu
         range(d), p.step_time, p.kv_tokens // 16, 16, p.max_batch, p.k_max, True, p.draft_round_s
     )
     policy = split_policy(cfg.policy, cfg.seed) or make_policy(
-        cfg.policy, cfg.max_staleness_s, cfg.seed
+        cfg.policy, cfg.max_staleness_s, cfg.seed, cfg.tpot_slo_s
     )
     max_ongoing = cfg.max_ongoing or 2 * p.max_batch
     order = np.argsort(route_at, kind="stable")

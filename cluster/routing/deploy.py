@@ -13,12 +13,14 @@ from cluster.routing.ray_routers import (
     LeastKVRouter,
     PrefixAffinityRouter,
     RoundRobinRouter,
+    SloAwareRouter,
 )
 
 DECODE_ROUTERS: dict[str, type[RequestRouter]] = {
     "acceptance_aware": AcceptanceAwareRouter,
     "least_kv": LeastKVRouter,
     "round_robin": RoundRobinRouter,
+    "slo_aware": SloAwareRouter,
 }  # power_of_two: Ray Serve's default router
 
 
@@ -28,7 +30,10 @@ def decode_router_options(d: DecodeConfig) -> dict[str, Any]:
     fields: dict[str, Any] = {"request_routing_stats_period_s": d.routing_stats_period_s}
     if router is not None:
         fields["request_router_class"] = router
-        fields["request_router_kwargs"] = {"max_staleness_s": d.routing_max_staleness_s}
+        kwargs: dict[str, Any] = {"max_staleness_s": d.routing_max_staleness_s}
+        if d.routing == "slo_aware":
+            kwargs["tpot_slo_s"] = d.routing_tpot_slo_s
+        fields["request_router_kwargs"] = kwargs
     return {"request_router_config": RequestRouterConfig(**fields)}
 
 

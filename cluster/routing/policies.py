@@ -1,6 +1,7 @@
 """Decode routing policies over a ``ReplicaTable``: round-robin, power of two choices, least KV
-load, and acceptance-aware. The Ray Serve routers (``cluster.routing.ray_routers``) and the
-simulator (``bench/router_sim.py``) run these same objects.
+load, acceptance-aware, and acceptance-aware within a TPOT SLO. The Ray Serve routers
+(``cluster.routing.ray_routers``) and the simulator (``bench/router_sim.py``) run these same
+objects.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
-from cluster.routing.score import placement, placement_costs
+from cluster.routing.score import Outlook, placement, placement_outlook
 from cluster.routing.table import ReplicaTable
 from decode.goodput import expected_tokens
 
+FloatArray = npt.NDArray[np.float64]
 Ranks = list[list[int]]
 WAIT_PENALTY_S = 1e3  # added to the cost of a replica that would queue the request: last resort
+SLO_MISS_S = 1.0  # added per request a placement predicts above the TPOT SLO (slo_aware)
 
 
 @dataclass(frozen=True)
@@ -154,32 +158,74 @@ class AcceptanceAware(RoutingPolicy):
         cost = np.where(fresh, self.costs(req, table), np.inf)
         return _best(cost, self.top) + _stale_rank(table, fresh, self.fallback)
 
-    def costs(self, req: RouteRequest, table: ReplicaTable) -> np.ndarray:
-        """The request's cost on every row (meaningful where the row has stats and a model)."""
-        adaptive, k_max = table.adaptive_mask(), table.k_cap()
-        # tokens per draft level on each row: its tree width for a greedy request (None: 1)
-        width = np.maximum(table.tree_width, 1.0) if req.greedy else None
-        if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
-            cost = placement_costs(
-                req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
-                adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
-                table.draft_token_s, width,
-            )  # fmt: skip
-        else:
-            cost = np.full(table.size, np.inf)
-            for mid, steps in table.steps.items():
-                s = table.model_id == mid
-                cost[s] = placement_costs(
-                    req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
-                    table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
-                    table.draft_round_s[s], steps, table.draft_token_s[s],
-                    None if width is None else width[s],
-                )  # fmt: skip
+    def costs(self, req: RouteRequest, table: ReplicaTable) -> FloatArray:
+        """The request's cost on every row (meaningful where the row has stats and a model);
+        rows that would queue it cost ``WAIT_PENALTY_S`` more."""
+        cost = self.score(self.outlook(req, table), table)
         admit = table.can_admit(req.prompt_tokens)
         if admit.all():
             return cost
         backlog = (1 - table.eff_slots) / np.maximum(table.max_batch, 1)
-        return np.where(admit, cost, WAIT_PENALTY_S * (1 + backlog))
+        out: FloatArray = np.where(admit, cost, WAIT_PENALTY_S * (1 + backlog))
+        return out
+
+    def score(self, o: Outlook, table: ReplicaTable) -> FloatArray:
+        """The cost of each row from the request's outlook there."""
+        return o.cost_s
+
+    def outlook(self, req: RouteRequest, table: ReplicaTable) -> Outlook:
+        """The request's predicted fate on every row."""
+        adaptive, k_max = table.adaptive_mask(), table.k_cap()
+        # tokens per draft level on each row: its tree width for a greedy request (None: 1)
+        width = np.maximum(table.tree_width, 1.0) if req.greedy else None
+        if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
+            return placement_outlook(
+                req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
+                adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
+                table.draft_token_s, width,
+            )  # fmt: skip
+        n = table.size
+        inf = np.full(n, np.inf)
+        out = Outlook(np.zeros(n, np.int64), inf.copy(), inf.copy(), np.ones(n), inf.copy())
+        for mid, steps in table.steps.items():
+            s = table.model_id == mid
+            part = placement_outlook(
+                req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
+                table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
+                table.draft_round_s[s], steps, table.draft_token_s[s],
+                None if width is None else width[s],
+            )  # fmt: skip
+            for name in ("k", "step_s", "base_s", "expected", "cost_s"):
+                getattr(out, name)[s] = getattr(part, name)
+        return out
+
+
+class SloAware(AcceptanceAware):
+    """Acceptance-aware placement that first keeps requests within a TPOT SLO.
+
+    A row costs ``SLO_MISS_S`` more for each of: the request's own predicted TPOT there above
+    ``tpot_slo_s``; the slowest running request there (``eff_slowest``) pushed above it by the
+    longer step. Among rows that miss alike, the acceptance-aware cost decides, so a request
+    that fits nowhere goes where it slows the others least. Low-acceptance requests (TPOT near
+    the step time) thus keep to replicas with short steps, and high-acceptance ones, which
+    emit several tokens per step, take the long steps of deep speculation elsewhere.
+    """
+
+    name = "slo_aware"
+
+    def __init__(
+        self, tpot_slo_s: float, max_staleness_s: float, seed: int | None = None, top: int = 3
+    ) -> None:
+        if not tpot_slo_s > 0:
+            raise ValueError(f"slo_aware routing needs a TPOT SLO above 0 s, got {tpot_slo_s!r}")
+        super().__init__(max_staleness_s, seed, top)
+        self.tpot_slo_s = tpot_slo_s
+
+    def score(self, o: Outlook, table: ReplicaTable) -> FloatArray:
+        slo, slowest = self.tpot_slo_s, table.eff_slowest
+        pushed = (o.step_s * slowest > slo) & (o.base_s * slowest <= slo)
+        misses = (o.tpot_s > slo).astype(np.float64) + pushed
+        return o.cost_s + SLO_MISS_S * misses
 
 
 def _best(key: np.ndarray, top: int) -> Ranks:
@@ -200,8 +246,10 @@ def _stale_rank(table: ReplicaTable, fresh: np.ndarray, fallback: PowerOfTwo) ->
     return two_choices(stale, fallback.rng) if stale.size else []
 
 
-def make_policy(name: str, max_staleness_s: float, seed: int | None = None) -> RoutingPolicy:
-    """A decode routing policy by its config name."""
+def make_policy(
+    name: str, max_staleness_s: float, seed: int | None = None, tpot_slo_s: float | None = None
+) -> RoutingPolicy:
+    """A decode routing policy by its config name (``slo_aware`` needs ``tpot_slo_s``)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "power_of_two":
@@ -210,4 +258,8 @@ def make_policy(name: str, max_staleness_s: float, seed: int | None = None) -> R
         return LeastKV(max_staleness_s, seed)
     if name == "acceptance_aware":
         return AcceptanceAware(max_staleness_s, seed)
+    if name == "slo_aware":
+        if tpot_slo_s is None:
+            raise ValueError("slo_aware routing needs a TPOT SLO (decode.routing_tpot_slo_s)")
+        return SloAware(tpot_slo_s, max_staleness_s, seed)
     raise ValueError(f"unknown decode routing policy {name!r}")

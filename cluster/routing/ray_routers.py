@@ -1,6 +1,7 @@
 """Ray Serve request routers running the policies of ``cluster.routing``.
 
-Decode routers (``AcceptanceAwareRouter``, ``LeastKVRouter``, ``RoundRobinRouter``) keep a
+Decode routers (``AcceptanceAwareRouter``, ``SloAwareRouter``, ``LeastKVRouter``,
+``RoundRobinRouter``) keep a
 ``ReplicaTable`` in step with the deployment's replicas: Ray Serve hands them each replica's
 ``routing_stats`` (what ``DecodeServer.record_routing_stats`` returned, refreshed every
 ``request_routing_stats_period_s``) through ``update_replicas``; a snapshot is parsed once, when
@@ -79,14 +80,16 @@ class _DecodeRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """``request_router_kwargs``: ``max_staleness_s`` (stats older than this are not used;
-        default 5), ``seed``."""
+        default 5), ``seed``, ``tpot_slo_s`` (slo_aware: the TPOT SLO)."""
         self._setup(**kwargs)
 
-    def _setup(self, max_staleness_s: float = 5.0, seed: int | None = None) -> None:
+    def _setup(
+        self, max_staleness_s: float = 5.0, seed: int | None = None, tpot_slo_s: float | None = None
+    ) -> None:
         self._table = ReplicaTable()
         self._calibration = CalibrationPool()
         self._rows = _Rows()
-        self._policy: RoutingPolicy = make_policy(self.policy, max_staleness_s, seed)
+        self._policy: RoutingPolicy = make_policy(self.policy, max_staleness_s, seed, tpot_slo_s)
         self._seen: dict[int, float] = {}  # row -> time of the snapshot last applied
         self._decided: OrderedDict[str, RouteRequest] = OrderedDict()
         self._rng = random.Random(seed)
@@ -158,6 +161,13 @@ class AcceptanceAwareRouter(_DecodeRouter):
     """Places each request where its expected acceptance buys the most (``score``)."""
 
     policy = "acceptance_aware"
+
+
+class SloAwareRouter(_DecodeRouter):
+    """Places each request where it and the requests beside it stay within the TPOT SLO, then
+    where its expected acceptance buys the most (``policies.SloAware``)."""
+
+    policy = "slo_aware"
 
 
 class LeastKVRouter(_DecodeRouter):

@@ -128,7 +128,24 @@ class StepTable:
         return self.model.predict(tokens)
 
 
-def placement_costs(
+@dataclass(frozen=True)
+class Outlook:
+    """A request's predicted fate on many replicas at once (one entry per replica)."""
+
+    k: IntArray  # [D] the speculation length each replica's engine would grant it
+    step_s: FloatArray  # [D] the replica's step time with it
+    base_s: FloatArray  # [D] the replica's step time without it
+    expected: FloatArray  # [D] tokens it emits per step there, E(alpha, k)
+    cost_s: FloatArray  # [D] its TPOT there plus SLOWDOWN_WEIGHT times the others' rise
+
+    @property
+    def tpot_s(self) -> FloatArray:
+        """[D] the request's own time per output token there."""
+        out: FloatArray = self.step_s / self.expected
+        return out
+
+
+def placement_outlook(
     alpha: float,
     k_max: int,
     step_tokens: FloatArray,
@@ -140,8 +157,8 @@ def placement_costs(
     steps: StepTable,
     draft_token_s: FloatArray | None = None,
     width: FloatArray | None = None,
-) -> FloatArray:
-    """``placement(...).cost_s`` over many replicas sharing one step-time model, at once."""
+) -> Outlook:
+    """``placement(...)`` over many replicas sharing one step-time model, at once."""
     t = step_tokens.astype(np.int64)  # [D]
     target = steps.at(t)
     joined = steps.at(t + 1)
@@ -156,5 +173,5 @@ def placement_costs(
     drafts = np.maximum(steps.at(t + 1 + w * k) - joined, c * w * k)
     step = joined + drafts + draft_round_s * np.maximum(step_max_k, k)
     slow = (step - base) * tpot_weight
-    cost: FloatArray = step / expected_table(alpha, k_max)[k] + SLOWDOWN_WEIGHT * slow
-    return cost
+    e = expected_table(alpha, k_max)[k]
+    return Outlook(k, step, base, e, step / e + SLOWDOWN_WEIGHT * slow)

@@ -49,6 +49,9 @@ class SentLog:
         while log and log[0].time <= snapshot_time:
             yield log.popleft()
 
-    def max_joined_k(self, row: int) -> int:
-        """The largest k among the requests still logged that joined the batch."""
-        return max((s.k for s in self._rows[row] if s.joins), default=0)
+    def joined_peaks(self, row: int) -> tuple[int, float]:
+        """Among the requests still logged that joined the batch: the largest k and the largest
+        ``1 / expected`` (the slowest one's TPOT per second of step time)."""
+        joined = [s for s in self._rows[row] if s.joins]
+        k = max((s.k for s in joined), default=0)
+        return k, max((1 / s.expected for s in joined), default=0.0)

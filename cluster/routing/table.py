@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from cluster.routing.columns import EFFECTIVE, OVERLAY, STATS, Columns
 from cluster.routing.score import StepTable
 from cluster.routing.sent import Sent, SentLog
 from cluster.routing.step_models import StepModels
@@ -27,18 +28,7 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-class ReplicaTable:
-    _STATS = (
-        "running", "queued", "step_tokens", "tpot_weight", "step_emitted", "adaptive",
-        "step_max_k", "draft_round_s", "draft_token_s", "free_blocks", "num_blocks",
-        "block_size", "max_batch", "k_max", "tree_width", "stats_time", "received_at",
-    )  # fmt: skip
-    _OVERLAY = (
-        "o_running", "o_queued", "o_tokens", "o_weight", "o_emitted", "o_max_k", "o_blocks",
-    )  # fmt: skip
-
-    _EFFECTIVE = ("eff_tokens", "eff_weight", "eff_emitted", "eff_max_k", "eff_slots", "eff_free")
-
+class ReplicaTable(Columns):
     def __init__(self, rows: int = 0) -> None:
         self.size = 0
         self._usable: BoolArray | None = None  # alive, with stats and a model (cached)
@@ -51,41 +41,9 @@ class ReplicaTable:
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
         self.model_id = np.zeros(0, dtype=np.int64)
-        for name in self._STATS + self._OVERLAY + self._EFFECTIVE:
+        for name in STATS + OVERLAY + EFFECTIVE:
             setattr(self, name, np.zeros(0, dtype=np.float64))
         self.ensure_rows(rows)
-
-    # typed views of the columns set in __init__ (mypy cannot see setattr)
-    running: FloatArray
-    queued: FloatArray
-    step_tokens: FloatArray
-    tpot_weight: FloatArray
-    step_emitted: FloatArray
-    adaptive: FloatArray  # 1.0 where the replica chooses k per request, 0.0 where pinned
-    step_max_k: FloatArray
-    draft_round_s: FloatArray
-    draft_token_s: FloatArray  # the replica's learned cost of a draft token (0: not yet)
-    free_blocks: FloatArray
-    num_blocks: FloatArray
-    block_size: FloatArray
-    max_batch: FloatArray
-    k_max: FloatArray
-    tree_width: FloatArray  # tokens per draft level of a greedy request (0 or 1: chains)
-    stats_time: FloatArray
-    received_at: FloatArray
-    o_running: FloatArray
-    o_queued: FloatArray
-    o_tokens: FloatArray
-    o_weight: FloatArray
-    o_emitted: FloatArray
-    o_max_k: FloatArray  # the largest k among overlay entries that joined the batch
-    o_blocks: FloatArray
-    eff_tokens: FloatArray  # tokens the next step scores
-    eff_weight: FloatArray  # TPOT weight of the batch
-    eff_emitted: FloatArray  # tokens a step emits
-    eff_max_k: FloatArray  # draft rounds per step
-    eff_slots: FloatArray  # batch slots left after the queue
-    eff_free: FloatArray  # free KV blocks
 
     def ensure_rows(self, n: int) -> None:
         """Grow the columns to hold at least ``n`` rows (new rows are not alive)."""
@@ -95,7 +53,7 @@ class ReplicaTable:
         self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=bool)])
         self.has_stats = np.concatenate([self.has_stats, np.zeros(grow, dtype=bool)])
         self.model_id = np.concatenate([self.model_id, np.full(grow, -1, dtype=np.int64)])
-        for name in self._STATS + self._OVERLAY + self._EFFECTIVE:
+        for name in STATS + OVERLAY + EFFECTIVE:
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
         self._sent.grow(grow)
         self.size = n
@@ -130,11 +88,12 @@ class ReplicaTable:
         self.alive[row] = self.has_stats[row] = True
         self._use_model(row, s.step_time_model())
         values = (
-            s.running, s.queued, s.step_tokens, s.tpot_weight, s.step_emitted, float(s.adaptive),
-            s.step_max_k, s.draft_round_s, s.draft_token_s, s.free_blocks, s.num_blocks,
-            s.block_size, s.max_batch_size, s.k_max, s.tree_width, s.time, received_at,
+            s.running, s.queued, s.step_tokens, s.tpot_weight, s.slowest_weight, s.step_emitted,
+            float(s.adaptive), s.step_max_k, s.draft_round_s, s.draft_token_s, s.free_blocks,
+            s.num_blocks, s.block_size, s.max_batch_size, s.k_max, s.tree_width, s.time,
+            received_at,
         )  # fmt: skip
-        for name, v in zip(self._STATS, values, strict=True):
+        for name, v in zip(STATS, values, strict=True):
             getattr(self, name)[row] = v
         self._prune(row, s.time)
         self._sync(row)
@@ -147,6 +106,7 @@ class ReplicaTable:
         queued: FloatArray,
         step_tokens: FloatArray,
         tpot_weight: FloatArray,
+        slowest_weight: FloatArray,
         step_emitted: FloatArray,
         step_max_k: FloatArray,
         free_blocks: FloatArray,
@@ -157,7 +117,7 @@ class ReplicaTable:
         self.running[rows], self.queued[rows] = running, queued
         self.step_tokens[rows], self.tpot_weight[rows] = step_tokens, tpot_weight
         self.step_emitted[rows], self.step_max_k[rows] = step_emitted, step_max_k
-        self.free_blocks[rows] = free_blocks
+        self.slowest_weight[rows], self.free_blocks[rows] = slowest_weight, free_blocks
         self.stats_time[rows] = self.received_at[rows] = now
         self.has_stats[rows] = True
         for row in rows.tolist():
@@ -216,7 +176,7 @@ class ReplicaTable:
         self.alive[row] = self.has_stats[row] = False
         self._use_model(row, None)
         self._sent.clear(row)
-        for name in self._OVERLAY:
+        for name in OVERLAY:
             getattr(self, name)[row] = 0.0
         self._usable = None
 
@@ -228,6 +188,7 @@ class ReplicaTable:
             self.o_emitted[row] += sign * e.expected
             if sign > 0:
                 self.o_max_k[row] = max(self.o_max_k[row], e.k)
+                self.o_slowest[row] = max(self.o_slowest[row], 1 / e.expected)
         else:
             self.o_queued[row] += sign
         self.o_blocks[row] += sign * e.blocks
@@ -237,6 +198,7 @@ class ReplicaTable:
         """Recompute the effective columns of ``rows`` from snapshot and overlay."""
         self.eff_tokens[rows] = self.step_tokens[rows] + self.o_tokens[rows]
         self.eff_weight[rows] = self.tpot_weight[rows] + self.o_weight[rows]
+        self.eff_slowest[rows] = np.maximum(self.slowest_weight[rows], self.o_slowest[rows])
         self.eff_emitted[rows] = self.step_emitted[rows] + self.o_emitted[rows]
         self.eff_max_k[rows] = np.maximum(self.step_max_k[rows], self.o_max_k[rows])
         busy = self.running[rows] + self.o_running[rows] + self.queued[rows] + self.o_queued[rows]
@@ -247,10 +209,10 @@ class ReplicaTable:
         for sent in self._sent.drop_until(row, snapshot_time):
             self._apply(row, sent, -1.0)
         if row not in self._sent:  # no float drift left behind
-            for name in self._OVERLAY:
+            for name in OVERLAY:
                 getattr(self, name)[row] = 0.0
         else:
-            self.o_max_k[row] = self._sent.max_joined_k(row)
+            self.o_max_k[row], self.o_slowest[row] = self._sent.joined_peaks(row)
 
     # ---- reading ------------------------------------------------------------------------
 

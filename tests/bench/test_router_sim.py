@@ -92,14 +92,16 @@ def test_cpu_profile_is_the_measured_curve() -> None:
 def test_command_line_writes_json_and_png(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     args = ["--decode-replicas", "6", "--requests", "1500", "--loads", "0.8", "--out", str(out)]
-    policies = ["--policies", "power_of_two", "acceptance_aware", "--split-shares", "0.5"]
-    assert router_sim.main([*args, *policies]) == out
+    policies = ["--policies", "power_of_two", "acceptance_aware", "slo_aware"]
+    assert router_sim.main([*args, *policies, "--split-shares", "0.5"]) == out
     doc = json.loads(out.read_text())
     assert {r["policy"] for r in doc["runs"]} == {
         "power_of_two",
         "acceptance_aware",
+        "slo_aware",
         "class_split@0.5",
     }
+    assert doc["slo_aware_ratios"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert doc["split_ratios"]["class_split@0.5"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert doc["ratios"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert all(r["decision_us_mean"] > 0 and r["finished"] == r["requests"] for r in doc["runs"])

@@ -47,6 +47,8 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"decode": {"tp": 0}}, "tp"),
         ({"kv": {"block_size": 0}}, "block_size"),
         ({"decode": {"num_blockz": 3}}, "num_blockz"),
+        ({"decode": {"routing": "slo_aware"}}, "routing_tpot_slo_s is not set"),
+        ({"decode": {"routing": "slo_aware", "routing_tpot_slo_s": 0}}, "routing_tpot_slo_s"),
     ],
 )
 def test_bad_config_names_the_field(data: dict[str, object], needle: str) -> None:

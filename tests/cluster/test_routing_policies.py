@@ -14,12 +14,14 @@ from cluster.routing.policies import (
     PowerOfTwo,
     RoundRobin,
     RouteRequest,
+    SloAware,
+    make_policy,
 )
 from cluster.routing.prefix import PrefixAffinity, PrefixIndex
 from cluster.routing.request_info import acceptance_prior, route_request
 from cluster.routing.score import placement
 from cluster.routing.table import ReplicaTable
-from decode.goodput import StepTimeModel
+from decode.goodput import StepTimeModel, expected_tokens
 from decode.routing_stats import RoutingStats, collect_routing_stats
 from kvtransfer.allocator import block_hashes
 from kvtransfer.handoff import KVCompat, KVHandoff
@@ -114,6 +116,58 @@ def test_refined_step_time_models_replace_each_other_and_mixed_pools_score() -> 
     assert len(t.models) == 1
     t.clear(0)
     assert not t.models and not t.steps
+
+
+def test_slo_aware_places_a_request_where_its_tpot_fits() -> None:
+    """Six creative requests on a short step, one copy request drafting 4 deep (two rounds'
+    worth of step more): acceptance-aware sends a new creative request beside the lone copy one,
+    where it slows fewer requests, but its own TPOT there (16.5 ms) misses a 15 ms SLO; beside
+    the creative ones it gets 13.5 ms and keeps theirs within it."""
+    t = table(stats([0.3] * 6, [0] * 6), stats([0.9], [4]))
+    req = RouteRequest(0.3, 100)
+    assert first(AcceptanceAware(5.0, seed=0).rank(req, t, NOW)) == 1
+    slo = SloAware(0.015, 5.0, seed=0)
+    o = slo.outlook(req, t)
+    assert o.tpot_s[1] > 0.015 >= o.tpot_s[0] and o.step_s[0] * t.eff_slowest[0] <= 0.015
+    assert first(slo.rank(req, t, NOW)) == 0
+
+
+def test_slo_aware_does_not_push_running_requests_over_the_slo() -> None:
+    """Eight creative requests at exactly a 14 ms step: one more pushes them all over a 14 ms
+    SLO. The new request misses it anywhere, so it goes beside the copy requests, whose TPOT
+    (the step over the tokens each emits) stays far below it."""
+    t = table(stats([0.3] * 8, [0] * 8), stats([0.9] * 3, [4] * 3))
+    req = RouteRequest(0.3, 100)
+    assert first(AcceptanceAware(5.0, seed=0).rank(req, t, NOW)) == 0
+    slo = SloAware(0.014, 5.0, seed=0)
+    o = slo.outlook(req, t)
+    assert (o.tpot_s > 0.014).all()
+    assert o.base_s[0] * t.eff_slowest[0] <= 0.014 < o.step_s[0] * t.eff_slowest[0]
+    assert o.step_s[1] * t.eff_slowest[1] < 0.014
+    assert first(slo.rank(req, t, NOW)) == 1
+
+
+def test_the_slowest_request_counts_what_was_sent_since_the_snapshot() -> None:
+    t = table(stats([0.9] * 2, [4] * 2), stats([], []))
+    assert t.eff_slowest[1] == 0.0
+    p = SloAware(0.05, 5.0, seed=0)
+    req = RouteRequest(0.3, 100)
+    p.routed(req, t, 1, NOW + 0.01)
+    k = int(t.eff_max_k[1])
+    assert t.eff_slowest[1] == pytest.approx(1 / expected_tokens(0.3, k))
+    assert t.eff_slowest[0] == pytest.approx(1 / expected_tokens(0.9, 4))
+    p.routed(RouteRequest(0.9, 100), t, 0, NOW + 0.01)
+    assert t.eff_slowest[0] == pytest.approx(1 / expected_tokens(0.9, 4))  # not the slowest
+    t.set_stats(1, stats([], [], at=NOW + 0.1), NOW + 0.1)  # it finished: the overlay is gone
+    assert t.eff_slowest[1] == 0.0
+
+
+def test_slo_aware_routing_needs_an_slo() -> None:
+    with pytest.raises(ValueError, match="TPOT SLO"):
+        make_policy("slo_aware", 5.0)
+    with pytest.raises(ValueError, match="above 0"):
+        make_policy("slo_aware", 5.0, tpot_slo_s=0.0)
+    assert isinstance(make_policy("slo_aware", 5.0, tpot_slo_s=0.05), SloAware)
 
 
 def test_a_replica_that_would_queue_the_request_comes_last() -> None:

@@ -15,7 +15,7 @@ from ray import serve
 
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
-from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter
+from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter, SloAwareRouter
 from decode.calibration import calibration_key
 from decode.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
@@ -47,6 +47,13 @@ def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
     assert rc.request_router_class == path  # Serve imports it in the ingress replica
     assert rc.request_routing_stats_period_s == 0.5
     assert rc.request_router_kwargs == {"max_staleness_s": 5.0}
+    slo_cfg = {"routing": "slo_aware", "routing_tpot_slo_s": 0.05}
+    slo = decode_router_options(cfg.decode.model_validate(cfg.decode.model_dump() | slo_cfg))
+    assert slo["request_router_config"].request_router_class.endswith(SloAwareRouter.__qualname__)
+    assert slo["request_router_config"].request_router_kwargs == {
+        "max_staleness_s": 5.0,
+        "tpot_slo_s": 0.05,
+    }
     pow2 = decode_router_options(cfg.decode.model_copy(update={"routing": "power_of_two"}))
     assert pow2["request_router_config"].request_router_class.endswith(
         "PowerOfTwoChoicesRequestRouter"

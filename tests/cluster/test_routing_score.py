@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.routing.score import StepTable, granted_k, placement, placement_costs
+from cluster.routing.score import StepTable, granted_k, placement, placement_outlook
 from decode.goodput import StepTimeModel, choose_ks, expected_tokens
 from decode.routing_stats import RoutingStats, collect_routing_stats
 
@@ -75,17 +75,19 @@ def test_vectorised_costs_equal_the_scalar_ones() -> None:
     per_draft = np.where(rng.random(50) < 0.5, 0.0, rng.random(50) * 0.003)
     width = rng.integers(1, 5, 50).astype(float)  # draft-tree widths, 1: chains
     for alpha in (0.1, 0.5, 0.95):
-        got = placement_costs(
+        got = placement_outlook(
             alpha, 4, tokens, weight, emitted, adaptive, max_k, rounds, StepTable.of(MODEL),
             per_draft, width,
         )  # fmt: skip
         want = [
-            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL, c, int(d)).cost_s
+            placement(alpha, 4, int(t), w, e, bool(a), int(m), 0.0015, MODEL, c, int(d))
             for t, w, e, a, m, c, d in zip(
                 tokens, weight, emitted, adaptive, max_k, per_draft, width, strict=True
             )
         ]
-        np.testing.assert_allclose(got, want, rtol=1e-9)
+        np.testing.assert_allclose(got.cost_s, [p.cost_s for p in want], rtol=1e-9)
+        np.testing.assert_allclose(got.tpot_s, [p.tpot_s for p in want], rtol=1e-9)
+        assert got.k.tolist() == [p.k for p in want]
 
 
 def test_a_tree_level_must_pay_for_its_width() -> None:

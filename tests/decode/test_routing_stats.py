@@ -40,9 +40,9 @@ def test_routing_stats_describe_the_running_batch(tiny_folder: Path) -> None:
         assert len(s.alphas) == len(s.ks) == 2 and s.alphas[0] == 0.9
         assert all(0 <= k <= 3 for k in s.ks) and s.step_max_k == max(s.ks)
         assert s.step_tokens == sum(1 + k for k in s.ks)
-        assert s.tpot_weight == pytest.approx(
-            sum(1 / expected_tokens(a, k) for a, k in zip(s.alphas, s.ks, strict=True))
-        )
+        weights = [1 / expected_tokens(a, k) for a, k in zip(s.alphas, s.ks, strict=True)]
+        assert s.tpot_weight == pytest.approx(sum(weights))
+        assert s.slowest_weight == pytest.approx(max(weights)) and empty.slowest_weight == 0
     finally:
         engine.close()
 
