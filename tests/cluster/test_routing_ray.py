@@ -15,6 +15,7 @@ from ray import serve
 
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
+from cluster.routing.policies import SloAware
 from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter, SloAwareRouter
 from decode.calibration import calibration_key
 from decode.routing_stats import RoutingStats
@@ -61,6 +62,16 @@ def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
     prc = prefill_router_options(cfg.prefill, 16)["request_router_config"]
     assert prc.request_router_class.endswith(PrefixAffinityRouter.__qualname__)
     assert prc.request_router_kwargs == {"block_size": 16, "imbalance": 4.0}
+
+
+def test_the_slo_aware_router_takes_its_slo_from_the_router_kwargs() -> None:
+    """What Serve does with ``request_router_kwargs``: ``initialize_state(**kwargs)``."""
+    router = SloAwareRouter.__new__(SloAwareRouter)  # Serve's constructor needs a deployment
+    router.initialize_state(max_staleness_s=5.0, tpot_slo_s=0.05)
+    policy = router._policy
+    assert isinstance(policy, SloAware) and policy.tpot_slo_s == 0.05
+    with pytest.raises(ValueError, match="TPOT SLO"):
+        SloAwareRouter.__new__(SloAwareRouter).initialize_state(max_staleness_s=5.0)
 
 
 @pytest.fixture(scope="module")
