@@ -125,7 +125,9 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     while time.monotonic() < deadline and router._table.has_stats.sum() < 2:
         time.sleep(0.2)
     table = router._table
-    assert table.size == 2 and table.has_stats.all() and len(table.models) == 1
+    # a replica that refined its step-time model from its own steps (decode.step_time) publishes
+    # its own; replicas publishing equal models share one entry
+    assert table.size == 2 and table.has_stats.all() and 1 <= len(table.models) <= 2
     assert table.fresh(time.time(), 5.0).all()  # scored by acceptance, not the fallback
     # The replicas' acceptance cells reach the router too: every request here finished, and
     # those that drafted calibrate the next ones of their (temperature, probe) cell.
