@@ -16,7 +16,7 @@ prefill.
         --loads 0.8 --policies acceptance_aware --label scale
     .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 300000 \\
         --policies power_of_two --split-shares 0.4 0.45 0.5 --label ceiling  # the oracle
-    .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 300000 \
+    .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 300000 \\
         --tpot-slo 0.016 --policies power_of_two slo_aware  # slo_aware routes for --tpot-slo
 
 Writes ``bench/results/router_sim-<label>.json`` and ``.png``.
