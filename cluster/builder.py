@@ -140,6 +140,17 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
     return opts
 
 
+def ingress_drain_options(cfg: TandemConfig) -> dict[str, Any]:
+    """Client streams pass through the ingress, so a redeploy that replaces it (its settings
+    change with the pools') must let it drain as long as the slowest pool behind it; Serve's
+    default of 20 s would cut a stream the decode replica is still allowed to finish."""
+    pools = [cfg.decode] + ([cfg.prefill] if cfg.mode == "disaggregated" else [])
+    return {
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": max(p.drain_timeout_s for p in pools),
+    }
+
+
 def check_tp(folder: Path, tp: int, pool: str) -> None:
     """Heads must split evenly over the TP ranks (SmolLM2-135M: 9 query, 3 KV heads → 1 or 3)."""
     c = LlamaConfig.from_folder(folder)
@@ -216,6 +227,7 @@ def build_app(cfg: TandemConfig) -> Application:
         num_replicas=1,
         max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": 0},
+        **ingress_drain_options(cfg),
     )(OpenAIIngress)
     app: Application = ingress.bind(settings, prefill, decode)
     return app

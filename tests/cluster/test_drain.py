@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 from ray import serve
+from ray.serve._private.build_app import build_app as serve_build_app
 
 from cluster.builder import build_app
 from cluster.config import TandemConfig
@@ -38,6 +39,19 @@ def app(tiny_folder: Path) -> Iterator[tuple[str, TandemConfig]]:
     cfg = TandemConfig.model_validate(_config(tiny_folder))
     with running_app(cfg) as url:
         yield url, cfg
+
+
+def test_ingress_drains_as_long_as_the_slowest_pool_behind_it(tiny_folder: Path) -> None:
+    # A redeploy replaces the ingress too; with Serve's default 20 s it would cut client streams
+    # that the decode replica is still allowed to finish.
+    data = {
+        "model": {"source": str(tiny_folder)},
+        "prefill": {"drain_timeout_s": 90},
+        "decode": {"drain_timeout_s": 45},
+    }
+    built = serve_build_app(build_app(TandemConfig.model_validate(data)), name="tandem")
+    timeouts = {d.name: d._deployment_config.graceful_shutdown_timeout_s for d in built.deployments}
+    assert timeouts == {"ingress": 90, "prefill": 90, "decode": 45}
 
 
 def test_redeploy_lets_in_flight_streams_finish(app: tuple[str, TandemConfig]) -> None:
