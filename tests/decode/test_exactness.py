@@ -55,14 +55,17 @@ def _generate(
             d, dp = drafts[pos], None
         u = torch.rand(b * w, generator=g)
         ver = rejection_sample(tp, [w] * b, d.reshape(-1), [w] * b, dp, u)
-        final = torch.multinomial(ver.final_dist, 1, generator=g).squeeze(1)
-        for row, i in enumerate(live.tolist()):
-            n_acc = int(ver.num_accepted[row])
-            toks = d[row, :n_acc].tolist() + ([int(final[row])] if bool(ver.has_final[row]) else [])
-            for t in toks:
-                if filled[i] < POSITIONS:
-                    out[i, filled[i]] = t
-                    filled[i] += 1
+        final = torch.multinomial(ver.final_dist, 1, generator=g).squeeze(1)  # [b]
+        # Row r emits its accepted drafts, then the final token if it has one.
+        n_acc, has = ver.num_accepted.long(), ver.has_final.bool()  # [b], [b]
+        emitted = torch.cat([d, torch.zeros(b, 1, dtype=torch.long)], 1)  # [b, w + 1]
+        rows = torch.arange(b)
+        emitted[rows[has], n_acc[has]] = final[has]
+        count, start = n_acc + has.long(), filled[live]  # [b], [b]
+        for j in range(w + 1):
+            keep = (j < count) & (start + j < POSITIONS)  # [b]
+            out[live[keep], start[keep] + j] = emitted[keep, j]
+        filled[live] = torch.clamp(start + count, max=POSITIONS)
     return out
 
 
