@@ -207,6 +207,13 @@ class DecodePool:
         starts = np.concatenate([[0], np.cumsum(q)])
         return np.array([ks[a:b].mean() if b > a else 0.0 for a, b in itertools.pairwise(starts)])
 
+    def planned_step_s(self) -> FloatArray:
+        """[D] how long each replica's current step takes (0 where idle)."""
+        act = self.req >= 0
+        rounds = self.p.draft_round_s * (self.k * act).max(axis=1)
+        out: FloatArray = np.where(self.n_active > 0, self.steps.at(self.tokens) + rounds, 0.0)
+        return out
+
     # ---- what the router is told ---------------------------------------------------------
 
     def publish(self, table: ReplicaTable, now: float) -> None:

@@ -11,6 +11,7 @@ is timed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,13 @@ def choose(ranks: list[list[int]], pool: DecodePool, max_ongoing: int) -> int:
     return min(ranks[0], key=pool.ongoing)
 
 
-def simulate_decode(w: Workload, pre: PrefillResult, cfg: SimConfig) -> DecodeOutcome:
+def simulate_decode(
+    w: Workload,
+    pre: PrefillResult,
+    cfg: SimConfig,
+    observe: Callable[[DecodePool, float], None] | None = None,
+) -> DecodeOutcome:
+    """Route and decode ``w``; ``observe(pool, now)`` sees the pool at every stats push."""
     p, d = cfg.profile, cfg.decode_replicas
     t_start = time.perf_counter()
     route_at = pre.first_token_s
@@ -93,6 +100,8 @@ def simulate_decode(w: Workload, pre: PrefillResult, cfg: SimConfig) -> DecodeOu
         t_end = t + p.tick_s
         if t >= next_publish:
             pool.publish(table, t)
+            if observe is not None:
+                observe(pool, t)
             next_publish = t + cfg.stats_period_s
         while idx < n and times[idx] < t_end:
             i, now = int(order[idx]), times[idx]
