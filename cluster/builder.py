@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +139,12 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
     return opts
 
 
+def checkpoint_time(folder: Path) -> int:
+    """The model's ``created`` time in ``/v1/models``: when its checkpoint was written. Not the
+    build's clock, so re-applying an unchanged config leaves the ingress replica alone."""
+    return int((folder / "config.json").stat().st_mtime)
+
+
 def ingress_drain_options(cfg: TandemConfig) -> dict[str, Any]:
     """Client streams pass through the ingress, so a redeploy that replaces it (its settings
     change with the pools') must let it drain as long as the slowest pool behind it; Serve's
@@ -213,7 +218,7 @@ def build_app(cfg: TandemConfig) -> Application:
         max_stop_sequences=cfg.limits.max_stop_sequences,
         eos_token_ids=m.target.config().eos_token_ids,
         draft_kind=cfg.draft.kind,
-        created=int(time.time()),
+        created=checkpoint_time(Path(m.target.folder)),
         guard=GuardPolicy(
             keys=load_keys(cfg.auth),
             max_body_bytes=cfg.limits.max_body_bytes,

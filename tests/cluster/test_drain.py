@@ -54,6 +54,24 @@ def test_ingress_drains_as_long_as_the_slowest_pool_behind_it(tiny_folder: Path)
     assert timeouts == {"ingress": 90, "prefill": 90, "decode": 45}
 
 
+def test_rebuilding_an_unchanged_config_gives_the_ingress_the_same_settings(
+    tiny_folder: Path,
+) -> None:
+    # Serve replaces a replica whose init args change; a re-apply of the same config must not.
+    cfg = TandemConfig.model_validate(_config(tiny_folder))
+    first, second = (
+        next(
+            d
+            for d in serve_build_app(build_app(cfg), name="tandem").deployments
+            if d.name == "ingress"
+        )
+        for _ in range(2)
+    )
+    settings = first.init_args[0]
+    assert settings == second.init_args[0]
+    assert settings.created == int((tiny_folder / "config.json").stat().st_mtime)
+
+
 def test_redeploy_lets_in_flight_streams_finish(app: tuple[str, TandemConfig]) -> None:
     url, cfg = app
     body = {"model": "tiny", "prompt": [7, 8, 9, 10] * 4, "max_tokens": 1900, "stream": True}
