@@ -51,7 +51,8 @@ class PoolConfig(_Frozen):
         60.0,
         gt=0,
         description="When a replica is stopped (scale-down, redeploy), how long its in-flight "
-        "requests may run on before it is killed.",
+        "requests may run on before it is killed. The HTTP ingress, which every client stream "
+        "passes through, drains for the longest of the pools' timeouts.",
     )
 
     @model_validator(mode="after")
