@@ -79,7 +79,7 @@ def sample_run(
         if t_lo <= now <= t_hi:
             busy = pool.n_active > 0
             max_k = (pool.k * (pool.req >= 0)).max(axis=1)
-            samples.append((pool.counts[busy], pool.planned_step_s()[busy], max_k[busy]))
+            samples.append((pool.counts[busy], pool.step_s[busy], max_k[busy]))
 
     simulate_decode(w, pre, cfg, observe)
     counts, steps, ks = (np.concatenate(part) for part in zip(*samples, strict=True))

@@ -59,6 +59,7 @@ class DecodePool:
         self.counts = np.zeros((d, alphas.size), dtype=np.int64)
         self.kv_used = np.zeros(d, dtype=np.int64)
         self.step_end = np.full(d, np.inf)
+        self.step_s = np.zeros(d)  # how long each replica's current step takes (0: idle)
         self.tokens = np.zeros(d, dtype=np.int64)
         self.queues: list[deque[int]] = [deque() for _ in range(d)]
         self.qlen = np.zeros(d, dtype=np.int64)
@@ -159,6 +160,7 @@ class DecodePool:
             q = self.queues[row]
             self.step_end[row] = self.ready[q[0]] if q else np.inf
         self.tokens[idle_rows] = 0
+        self.step_s[idle_rows] = 0.0
         self.hi[idle_rows] = 0
         rows, te = rows[busy], te[busy]
         if rows.size == 0:
@@ -175,7 +177,8 @@ class DecodePool:
         tokens = (act + k).sum(axis=1)
         self.tokens[rows] = tokens
         rounds = self.p.draft_round_s * k.max(axis=1)
-        self.step_end[rows] = te + self.steps.at(tokens) + rounds
+        self.step_s[rows] = self.steps.at(tokens) + rounds
+        self.step_end[rows] = te + self.step_s[rows]
         self.step_count += rows.size
 
     def _ks_by_class(self, counts: IntArray) -> tuple[IntArray, FloatArray]:
@@ -206,13 +209,6 @@ class DecodePool:
         )
         starts = np.concatenate([[0], np.cumsum(q)])
         return np.array([ks[a:b].mean() if b > a else 0.0 for a, b in itertools.pairwise(starts)])
-
-    def planned_step_s(self) -> FloatArray:
-        """[D] how long each replica's current step takes (0 where idle)."""
-        act = self.req >= 0
-        rounds = self.p.draft_round_s * (self.k * act).max(axis=1)
-        out: FloatArray = np.where(self.n_active > 0, self.steps.at(self.tokens) + rounds, 0.0)
-        return out
 
     # ---- what the router is told ---------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The composition report of the router simulator: its samples account for every running
-request, and a class-split placement shows up as replicas of one kind."""
+"""The composition report of the router simulator: it samples busy replicas only, its bins
+cover every sampled replica and creative request, and a class-split placement shows up as
+replicas of one kind."""
 
 from __future__ import annotations
 
