@@ -70,6 +70,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--max-staleness", type=float, default=2.0, help="older stats: power of two instead")
     add("--ttft-slo", type=float, help="seconds; default: the profile's")
     add("--tpot-slo", type=float, help="seconds; default: the profile's")
+    add(
+        "--engine-slo",
+        action="store_true",
+        help="the replicas' adaptive speculation keeps drafts from pushing a request past "
+        "--tpot-slo (decode.speculation_tpot_slo_s)",
+    )
     add("--probe-noise", type=float, default=0.08, help="std. dev. of the acceptance probe")
     add("--burstiness", type=float, default=1.0, help="coefficient of variation of arrival gaps")
     add("--seed", type=int, default=0)
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for policy in [*args.policies, *(f"{PREFIX}{s:g}" for s in args.split_shares)]:
             cfg = SimConfig(
                 p, d, policy, args.stats_period, args.max_staleness, seed=args.seed,
-                tpot_slo_s=tpot_slo,
+                tpot_slo_s=tpot_slo, engine_tpot_slo_s=tpot_slo if args.engine_slo else None,
             )  # fmt: skip
             out = simulate_decode(w, pre, cfg)
             m = measure(w, DEFAULT_MIX, pre.first_token_s, out.finish_s, ttft_slo, tpot_slo)
@@ -137,6 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "step_time_points": [list(pt) for pt in p.step_time.points],
         },
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
+        "engine_tpot_slo_s": tpot_slo if args.engine_slo else None,
         "decode_replicas": d,
         "requests": args.requests,
         "stats_period_s": args.stats_period,

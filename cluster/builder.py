@@ -184,6 +184,7 @@ def build_app(cfg: TandemConfig) -> Application:
         pull_timeout_s=cfg.kv.pull_timeout_s,
         kv_failure_policy=cfg.kv.failure_policy,
         num_threads=cfg.decode.num_threads,
+        speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
     )
     decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)

@@ -161,6 +161,17 @@ class DecodeConfig(PoolConfig):
         "stay within; the router places a request where its predicted TPOT and that of the "
         "slowest request already there stay below it, where it can.",
     )
+    speculation_tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="Adaptive speculation (draft.adaptive) keeps drafts from pushing any "
+        "running request's time per output token (seconds) past this: a step drafts only where "
+        "every request in it stays within the SLO, or within the step without drafts where "
+        "that is longer already. Drafts that would raise the batch's throughput by making "
+        "low-acceptance requests beside them miss it are not taken. Usually the same value as "
+        "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
+    )
     routing_stats_period_s: float = Field(
         1.0,
         gt=0,
@@ -237,6 +248,19 @@ class TandemConfig(_Frozen):
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
+
+    @model_validator(mode="after")
+    def _slo_speculation_is_adaptive(self) -> TandemConfig:
+        if self.decode.speculation_tpot_slo_s is not None and not (
+            self.draft.adaptive and self.draft.kind != "none"
+        ):
+            raise ValueError(
+                "decode.speculation_tpot_slo_s is set but speculation is not adaptive "
+                f"(draft.kind={self.draft.kind}, draft.adaptive={self.draft.adaptive}): only "
+                "adaptive speculation chooses its drafts per step; set draft.adaptive: true with "
+                "a drafter, or unset decode.speculation_tpot_slo_s"
+            )
+        return self
 
     @model_validator(mode="after")
     def _decode_always_up(self) -> TandemConfig:

@@ -26,3 +26,4 @@ class DecodeEngineConfig:
     pull_margin_s: float = 1.0  # refuse to start a pull whose lease ends sooner than this
     pull_timeout_s: float = 10.0  # a pull still running after this has failed
     kv_failure_policy: str = "recompute"  # on a failed pull: "recompute" the prompt, or "fail"
+    speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it

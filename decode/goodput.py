@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ def choose_ks(
     round_s: float = 0.0,
     paid_rounds: int = 0,
     pays_rounds: Sequence[bool] | None = None,
+    tpot_slo_s: float | None = None,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -125,6 +127,12 @@ def choose_ks(
     sequences with ``pays_rounds[i]`` (default: all) are drafted by the model and add rounds
     (prompt lookup in front of a model drafts the others for free). With rounds, every depth
     the payers may reach is tried (at most ``k_max + 1`` passes) and the best kept.
+
+    ``tpot_slo_s`` (an operator's TPOT SLO) keeps drafts from pushing anyone past it: a step
+    may draft only if every sequence's time per output token in it, the step's time over the
+    tokens it expects to emit, stays within the SLO, or within the step without drafts where
+    that is longer already. A sequence that gains little from drafts (low acceptance) would
+    otherwise pay every draft round and token its neighbours add, at every step.
     """
     n = len(alphas)
     caps = [k_max] * n if isinstance(k_max, int) else list(k_max)
@@ -134,7 +142,7 @@ def choose_ks(
     full = sum(c * w for c, w in zip(caps, cost, strict=True))
     room = full if token_budget is None else min(full, token_budget - n)
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
-    steps = _Steps.of(model, n, fixed_tokens, per_draft_s)
+    steps = _Steps.of(model, n, fixed_tokens, per_draft_s, tpot_slo_s)
     if round_s <= 0:
         return _by_gain(clamped, caps, cost, room, steps, 0.0)[0]
     # Rounds are paid per step, by the deepest drafting payer: for each depth D the payers may
@@ -161,14 +169,20 @@ class _Steps:
     per_draft_s: float | None  # the measured floor on a draft token's cost
     decodes_s: float  # T(n)
     mixed_s: float  # T(n + fixed_tokens)
+    tpot_limit_s: float  # what a drafting step's slowest TPOT may reach (inf: no SLO)
 
     @classmethod
     def of(
-        cls, model: StepTimeModel, n: int, fixed_tokens: int, per_draft_s: float | None
+        cls,
+        model: StepTimeModel,
+        n: int,
+        fixed_tokens: int,
+        per_draft_s: float | None,
+        tpot_slo_s: float | None = None,
     ) -> _Steps:
-        return cls(
-            model, n, fixed_tokens, per_draft_s, model.predict(n), model.predict(n + fixed_tokens)
-        )
+        mixed = model.predict(n + fixed_tokens)
+        limit = math.inf if tpot_slo_s is None else max(tpot_slo_s, mixed)
+        return cls(model, n, fixed_tokens, per_draft_s, model.predict(n), mixed, limit)
 
     def added(self, drafts: int) -> float:
         """What ``drafts`` draft tokens add to the decodes' step."""
@@ -195,6 +209,7 @@ def _by_gain(
     best, best_extra = emitted / decodes, 0
     order: list[int] = []
     depth = [0] * n
+    slowest = _Slowest(n, math.isfinite(steps.tpot_limit_s))
     tokens = 0  # draft tokens in the step so far
     while heap:
         _, i = heapq.heappop(heap)
@@ -203,12 +218,46 @@ def _by_gain(
         order.append(i)
         depth[i] += 1
         tokens += cost[i]
-        emitted += alphas[i] ** depth[i]
-        trial = emitted / (decodes + steps.added(tokens) + rounds_s)
-        if trial > best:
+        gain = alphas[i] ** depth[i]
+        emitted += gain
+        slowest.drafted(i, gain, depth[i] == 1)
+        step_s = decodes + steps.added(tokens) + rounds_s
+        trial = emitted / step_s
+        if trial > best and slowest.within(steps.mixed_s - decodes + step_s, steps.tpot_limit_s):
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:
             heapq.heappush(heap, (-(alphas[i] ** (depth[i] + 1)) / cost[i], i))
     for i in order[:best_extra]:
         ks[i] += 1
     return ks, best
+
+
+class _Slowest:
+    """The fewest tokens any sequence expects to emit in the step, as drafts are added one
+    level at a time (a lazy min-heap; nothing is tracked when ``active`` is false)."""
+
+    def __init__(self, n: int, active: bool) -> None:
+        self.active = active
+        self.undrafted = n  # sequences with no draft yet: each expects one token
+        self.expected = [1.0] * n if active else []
+        self.heap: list[tuple[float, int]] = []
+
+    def drafted(self, i: int, gain: float, first: bool) -> None:
+        """Sequence ``i`` took one more draft level (its ``first``), expecting ``gain`` more
+        tokens."""
+        if not self.active:
+            return
+        self.undrafted -= first
+        self.expected[i] += gain
+        heapq.heappush(self.heap, (self.expected[i], i))
+
+    def within(self, step_s: float, limit_s: float) -> bool:
+        """Whether every sequence's time per output token in a step of ``step_s`` is at most
+        ``limit_s``."""
+        if not self.active:
+            return True
+        if self.undrafted:
+            return step_s <= limit_s
+        while self.heap[0][0] != self.expected[self.heap[0][1]]:
+            heapq.heappop(self.heap)  # an older level of a sequence drafted deeper since
+        return step_s / self.heap[0][0] <= limit_s

@@ -33,6 +33,10 @@ class SpeculationPolicy:
     has accepted, so a request is not judged by its first verified step alone (one lucky draft
     would read as certain acceptance). Either is then calibrated by what finished requests of
     the same temperature and probe bins accepted here (``decode.calibration``).
+
+    With ``tpot_slo_s`` (adaptive mode), drafts push no request's time per output token past
+    the SLO (``choose_ks``): a replica serving an SLO gives up the throughput of drafts that
+    would make the requests beside them miss it.
     """
 
     def __init__(
@@ -42,8 +46,10 @@ class SpeculationPolicy:
         step_dependent: bool = False,
         tree_width: int = 1,
         drafter: Drafter | None = None,
+        tpot_slo_s: float | None = None,
     ) -> None:
         self.k_max = k_max
+        self.tpot_slo_s = tpot_slo_s  # adaptive drafts push no request's TPOT past it
         self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
         self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
@@ -170,4 +176,5 @@ class SpeculationPolicy:
             round_s,
             paid_rounds,
             payers,
+            self.tpot_slo_s,
         )

@@ -44,4 +44,6 @@ def build_speculation(
     model = cached_step_time(
         path, lambda: measure_step_time(target, allocator, cfg.block_size, shapes)
     )
-    return SpeculationPolicy(d.num_speculative_tokens, model, held, d.tree_width, drafter)
+    return SpeculationPolicy(
+        d.num_speculative_tokens, model, held, d.tree_width, drafter, cfg.speculation_tpot_slo_s
+    )

@@ -46,6 +46,7 @@ class DecodePool:
         first_left: IntArray,  # tokens each request still has to emit on decode
         ready: FloatArray,  # when each request's KV is on its decode replica
         seed: int,
+        engine_tpot_slo_s: float | None = None,  # the TPOT SLO adaptive speculation keeps to
     ) -> None:
         d, b = replicas, p.max_batch
         self.p, self.d, self.b = p, d, b
@@ -70,6 +71,7 @@ class DecodePool:
         )
         self.steps = StepTable.of(p.step_time, p.max_batched_tokens + p.max_batch * (p.k_max + 1))
         self.memo: dict[int, FloatArray] = {}  # composition key -> mean k per class
+        self.engine_tpot_slo_s = engine_tpot_slo_s
         self.req_cls, self.reserve, self.first_left, self.ready = cls, reserve, first_left, ready
         self.finish = np.full(cls.size, np.nan)
         self.emitted = 0
@@ -205,6 +207,7 @@ class DecodePool:
                 self.p.k_max,
                 self.p.max_batched_tokens,
                 round_s=self.p.draft_round_s,
+                tpot_slo_s=self.engine_tpot_slo_s,
             )
         )
         starts = np.concatenate([[0], np.cumsum(q)])

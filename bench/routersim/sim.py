@@ -37,6 +37,7 @@ class SimConfig:
     max_staleness_s: float = 2.0
     max_ongoing: int = 0  # 0: twice max_batch
     tpot_slo_s: float | None = None  # what slo_aware keeps requests within
+    engine_tpot_slo_s: float | None = None  # what the replicas' adaptive speculation keeps to
     seed: int = 0
 
 
@@ -80,6 +81,7 @@ def simulate_decode(
         w.output - 1,
         ready,
         cfg.seed,
+        cfg.engine_tpot_slo_s,
     )
     table = ReplicaTable(d)
     table.configure(

@@ -52,6 +52,23 @@ def test_acceptance_aware_beats_round_robin_on_a_bimodal_mix() -> None:
     assert aa.tpot_mean_s < 0.95 * rr.tpot_mean_s
 
 
+def test_engines_that_keep_to_the_slo_meet_it() -> None:
+    """Replicas whose adaptive speculation keeps to a 16 ms TPOT SLO (``choose_ks``'s
+    ``tpot_slo_s``) stop drafting where the drafts and their rounds would push the creative
+    requests beside them past it: under power of two at 0.8 load nearly every request then
+    meets it, and the p99 TPOT falls below it."""
+    p = h200_profile()
+    w = generate(6000, 0.8 * saturation_rps(p, DEFAULT_MIX, 16), DEFAULT_MIX, seed=1)
+    pre = simulate_prefill(w, p, prefill_replicas_for(w, p))
+    got = {}
+    for guard in (None, 0.016):
+        out = simulate_decode(w, pre, SimConfig(p, 16, "power_of_two", engine_tpot_slo_s=guard))
+        got[guard] = measure(w, DEFAULT_MIX, pre.first_token_s, out.finish_s, p.ttft_slo_s, 0.016)
+    free, kept = got[None], got[0.016]
+    assert kept.slo_attainment > 0.99 and kept.slo_attainment > free.slo_attainment + 0.03
+    assert kept.tpot_p99_s < 0.016 < free.tpot_p99_s
+
+
 def test_class_split_sends_each_side_of_the_cut_to_its_own_replicas() -> None:
     table = ReplicaTable(8)
     for row in range(8):
@@ -106,3 +123,8 @@ def test_command_line_writes_json_and_png(tmp_path: Path) -> None:
     assert doc["ratios"]["0.8"]["power_of_two"]["goodput_ratio"] > 0
     assert all(r["decision_us_mean"] > 0 and r["finished"] == r["requests"] for r in doc["runs"])
     assert out.with_suffix(".png").stat().st_size > 10_000
+    assert doc["engine_tpot_slo_s"] is None
+    guarded = tmp_path / "guarded.json"
+    args = [*args[:-1], str(guarded), "--tpot-slo", "0.016", "--engine-slo"]
+    router_sim.main([*args, "--policies", "power_of_two"])
+    assert json.loads(guarded.read_text())["engine_tpot_slo_s"] == 0.016

@@ -49,6 +49,15 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"decode": {"num_blockz": 3}}, "num_blockz"),
         ({"decode": {"routing": "slo_aware"}}, "routing_tpot_slo_s is not set"),
         ({"decode": {"routing": "slo_aware", "routing_tpot_slo_s": 0}}, "routing_tpot_slo_s"),
+        ({"decode": {"speculation_tpot_slo_s": -1}}, "speculation_tpot_slo_s"),
+        (
+            {"draft": {"adaptive": False}, "decode": {"speculation_tpot_slo_s": 0.05}},
+            "speculation_tpot_slo_s is set but speculation is not adaptive",
+        ),
+        (
+            {"draft": {"kind": "none"}, "decode": {"speculation_tpot_slo_s": 0.05}},
+            "draft.kind=none",
+        ),
     ],
 )
 def test_bad_config_names_the_field(data: dict[str, object], needle: str) -> None:

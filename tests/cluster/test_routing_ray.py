@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from ray import serve
+from ray.serve._private.build_app import build_app as serve_build_app
 
+from cluster.builder import build_app
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.routing.policies import SloAware
@@ -62,6 +65,17 @@ def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
     prc = prefill_router_options(cfg.prefill, 16)["request_router_config"]
     assert prc.request_router_class.endswith(PrefixAffinityRouter.__qualname__)
     assert prc.request_router_kwargs == {"block_size": 16, "imbalance": 4.0}
+
+
+def test_the_decode_engine_gets_the_speculation_slo(tiny_folder: Path) -> None:
+    cfg = config(tiny_folder).with_overrides(**{"decode.speculation_tpot_slo_s": 0.05})
+    built = serve_build_app(build_app(cfg), name="tandem")
+    decode = next(d for d in built.deployments if d.name == "decode")
+    assert decode.init_args[0].speculation_tpot_slo_s == 0.05
+    plain = serve_build_app(build_app(config(tiny_folder)), name="tandem")
+    unguarded = next(d for d in plain.deployments if d.name == "decode").init_args[0]
+    assert unguarded.speculation_tpot_slo_s is None  # unset: throughput alone decides
+    assert replace(unguarded, speculation_tpot_slo_s=0.05) == decode.init_args[0]
 
 
 def test_the_slo_aware_router_takes_its_slo_from_the_router_kwargs() -> None:

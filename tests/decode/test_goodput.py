@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
@@ -100,3 +101,60 @@ def test_a_draft_tree_is_priced_by_its_width() -> None:
     pinned = SpeculationPolicy(4, None, tree_width=4)
     # pinned: a budget of 2 sequences + 10 tokens fits two tree levels, then the chain's four
     assert pinned.choose([greedy, sampled], [4, 4], 0, 12) == [2, 2]
+
+
+def _slowest_tpot(
+    alphas: list[float], ks: list[int], model: StepTimeModel, round_s: float
+) -> float:
+    step = model.predict(sum(1 + k for k in ks)) + round_s * max(ks, default=0)
+    return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
+    """With an SLO, every sequence's time per output token in the chosen step stays within it,
+    or within the step without drafts where that is longer already; drafts that fit are still
+    taken, and where throughput alone already keeps everyone within it nothing changes."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    alphas = [rng.choice([rng.uniform(0.05, 0.4), rng.uniform(0.7, 0.95)]) for _ in range(n)]
+    model = StepTimeModel.linear(0.010, rng.uniform(2e-5, 2e-4))
+    round_s = rng.choice([0.0, 0.0015])
+    slo = model.predict(n) * rng.uniform(0.9, 1.6)
+    free = choose_ks(alphas, model, 4, round_s=round_s)
+    held = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo)
+    limit = max(slo, model.predict(n))
+    assert _slowest_tpot(alphas, held, model, round_s) <= limit * (1 + 1e-12)
+    if _slowest_tpot(alphas, free, model, round_s) <= limit:
+        assert held == free
+    assert goodput(alphas, held, model) >= goodput(alphas, [0] * n, model) * (1 - 1e-12)
+
+
+def test_an_slo_stops_drafts_that_would_make_a_creative_request_miss_it() -> None:
+    """The H200 case behind the guard: copy requests (0.85) beside creative ones (0.3) on a
+    step of ~16 ms with 1.45 ms draft rounds. Throughput alone drafts the copy requests and
+    pushes the creative ones to the longer step; a 16 ms SLO keeps the step drafting only as far
+    as the creative requests stay within it, and a generous SLO changes nothing."""
+    model = StepTimeModel.linear(0.010, 0.035e-3)
+    alphas = [0.85] * 60 + [0.3] * 120
+    free = choose_ks(alphas, model, 4, round_s=0.00145)
+    assert max(free) >= 1 and _slowest_tpot(alphas, free, model, 0.00145) > 0.0175
+    held = choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=0.0175)
+    assert _slowest_tpot(alphas, held, model, 0.00145) <= 0.0175
+    assert choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=1.0) == free
+
+
+def test_the_speculation_policy_keeps_to_its_tpot_slo() -> None:
+    """``SpeculationPolicy(tpot_slo_s=...)`` hands the SLO to ``choose_ks``."""
+    model = StepTimeModel.linear(0.010, 0.0005)
+    reqs = [
+        make_request([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=50)) for _ in range(4)
+    ]
+    for r, a in zip(reqs, (0.95, 0.95, 0.95, 0.05), strict=True):
+        r.acceptance_estimate = a
+    free = SpeculationPolicy(4, model).choose(reqs, [4] * 4, 0, 4096)
+    held = SpeculationPolicy(4, model, tpot_slo_s=0.013).choose(reqs, [4] * 4, 0, 4096)
+    assert sum(free) > 0 and _slowest_tpot([0.95] * 3 + [0.05], free, model, 0.0) > 0.013
+    assert _slowest_tpot([0.95] * 3 + [0.05], held, model, 0.0) <= 0.013
+    assert sum(held) > 0  # drafts that fit (12 ms without, 0.5 ms a token) are taken
+    assert held != free

@@ -11,7 +11,7 @@ import pytest
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel
+from decode.goodput import StepTimeModel, choose_ks, expected_tokens
 from decode.speculation import DEFAULT_ACCEPTANCE, EMA, SpeculationPolicy
 from decode.step_time import StepTimeTracker, isotonic
 from models.sampling import SamplingParams
@@ -111,3 +111,48 @@ def test_a_request_without_a_probe_starts_from_the_replica_prior() -> None:
     probed.acceptance_estimate = 0.8  # prefill's probe
     policy.learn(probed, drafted=4, accepted=4)
     assert probed.acceptance_estimate == pytest.approx((1 - EMA) * 0.8 + EMA)
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_with_a_tpot_slo_drafts_no_one_past_it(tiny_folder: Path) -> None:
+    """``speculation_tpot_slo_s`` reaches the engine's adaptive speculation: at every step, the
+    speculation lengths it would run keep every request's time per output token within the
+    step without drafts (the SLO here is below any step), although throughput alone would have
+    the likely request draft beside the unlikely one."""
+    draft = DraftSpec(kind=DraftKind.NGRAM, num_speculative_tokens=3)
+    cfg = DecodeEngineConfig(
+        "tiny",
+        ModelSpec(str(tiny_folder)),
+        draft,
+        num_blocks=64,
+        max_batch_size=4,
+        speculation_tpot_slo_s=1e-4,  # below any step: drafts may not lengthen anyone's TPOT
+    )
+    engine = DecodeEngine(cfg)
+    try:
+        spec = engine.speculation
+        assert spec is not None and spec.tpot_slo_s == 1e-4
+        model = StepTimeModel.linear(0.010, 0.002)
+        spec.tracker = StepTimeTracker(model, refit_every=10**9)
+        sp = SamplingParams(temperature=0.0, max_tokens=24)
+        likely, unlikely = (make_request([5, 6, 7, 5, 6, 7, 5, 6] * 3, sp) for _ in range(2))
+        likely.acceptance_estimate, unlikely.acceptance_estimate = 0.95, 0.01
+        for r in (likely, unlikely):
+            engine.add(r, None)
+        guarded = 0
+        while engine.has_work:
+            engine.step()
+            s = engine.routing_stats()
+            if s.running < 2:
+                continue
+            alphas, base = list(s.alphas), model.predict(s.running)
+            assert _slowest_tpot(alphas, list(s.ks), model) <= base * (1 + 1e-12)
+            guarded += _slowest_tpot(alphas, choose_ks(alphas, model, 3), model) > base
+        assert guarded > 0  # throughput alone would have pushed the unlikely request
+    finally:
+        engine.close()
+
+
+def _slowest_tpot(alphas: list[float], ks: list[int], model: StepTimeModel) -> float:
+    step = model.predict(sum(1 + k for k in ks))
+    return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
