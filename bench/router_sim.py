@@ -18,6 +18,8 @@ prefill.
         --policies power_of_two --split-shares 0.4 0.45 0.5 --label ceiling  # the oracle
     .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 300000 \\
         --tpot-slo 0.016 --policies power_of_two slo_aware  # slo_aware routes for --tpot-slo
+    .venv/bin/python -m bench.router_sim --decode-replicas 100 --requests 100000 \\
+        --tpot-slo 0.016 --engine-slo --policies power_of_two  # engines keep drafts within it
 
 Writes ``bench/results/router_sim-<label>.json`` and ``.png``.
 """

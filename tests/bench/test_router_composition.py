@@ -57,9 +57,12 @@ def test_command_line_writes_the_report(tmp_path: Path, monkeypatch: pytest.Monk
             "power_of_two",
             "--label",
             "t",
+            "--engine-slo",
         ]
     )
     report = json.loads(path.read_text())
-    assert set(report["policies"]) == {"power_of_two"}
+    assert set(report["policies"]) == {"power_of_two"} and report["args"]["engine_slo"]
     for r in report["policies"].values():
         assert set(r["step_ms_seen_by_class"]) == {c.name for c in DEFAULT_MIX}
+        b = r["batch_percentiles"]
+        assert 0 < b["p1"] <= b["p50"] <= b["p99"]

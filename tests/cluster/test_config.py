@@ -20,6 +20,15 @@ def test_local_yaml_loads() -> None:
     assert cfg.local_resources() == {"decode_pool": 1.0, "prefill_pool": 1.0}
 
 
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "bench" / "configs").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_bench_configs_load(path: Path) -> None:
+    cfg = TandemConfig.from_yaml(path)
+    if path.name == "routing-live-slo-guard.yaml":
+        assert cfg.decode.speculation_tpot_slo_s == cfg.decode.routing_tpot_slo_s == 0.15
+
+
 def test_cli_draft_override_drops_the_configs_head() -> None:
     """README's `tandem serve --config deploy/local.yaml --mode colocated --draft none`."""
     args = argparse.Namespace(
