@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from bench.load_client import Arrivals, LoadResult, Target, fetch_model_id, run_load, send_streamed
 from bench.load_metrics import Outcome, RequestRecord, Summary, stats, summarize
@@ -67,6 +68,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--decode-replicas", type=int, help="with --launch: decode.replicas")
     add("--routing", help="with --launch: decode.routing (e.g. acceptance_aware, power_of_two)")
     add("--config", type=Path, help="with --launch: base TandemConfig YAML")
+    add(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --launch: a config field by dotted path, value as YAML "
+        "(e.g. decode.speculation_tpot_slo_s=0.09); repeatable",
+    )
     args = ap.parse_args(argv)
     if args.request_rate is None and args.concurrency is None:
         args.concurrency = 1
@@ -106,6 +115,17 @@ def workload(args: argparse.Namespace) -> list[WorkItem]:
     )
 
 
+def parse_sets(items: Sequence[str]) -> dict[str, object]:
+    """``--set KEY=VALUE`` pairs as config overrides (each value parsed as YAML)."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set takes KEY=VALUE (a dotted config path), got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +158,7 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
         overrides["decode.replicas"] = args.decode_replicas
     if args.routing is not None:
         overrides["decode.routing"] = args.routing
+    overrides |= parse_sets(args.set)
     cfg = base.with_overrides(**overrides)
     start_ray(cfg, num_cpus=cpus)
     try:

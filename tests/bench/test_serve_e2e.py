@@ -6,6 +6,8 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import serve as bench_serve
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
@@ -50,3 +52,21 @@ def test_serve_benchmark_writes_a_report_of_real_requests(
     assert s["total_output_tokens"] == sum(r["output_tokens"] for r in reqs)
     assert s["acceptance_rate"] is None or 0.0 <= s["acceptance_rate"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_set_overrides_parse_as_yaml_and_reject_a_bare_key() -> None:
+    sets = [
+        "decode.speculation_tpot_slo_s=0.09",
+        "decode.routing=slo_aware",
+        "draft.adaptive=false",
+    ]
+    got = bench_serve.parse_sets(sets)
+    assert got == {
+        "decode.speculation_tpot_slo_s": 0.09,
+        "decode.routing": "slo_aware",
+        "draft.adaptive": False,
+    }
+    cfg = CFG.with_overrides(**bench_serve.parse_sets(sets[:1]))
+    assert cfg.decode.speculation_tpot_slo_s == 0.09
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_serve.parse_sets(["decode.routing"])

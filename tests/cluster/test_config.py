@@ -25,8 +25,7 @@ def test_local_yaml_loads() -> None:
 )
 def test_bench_configs_load(path: Path) -> None:
     cfg = TandemConfig.from_yaml(path)
-    if path.name == "routing-live-slo-guard.yaml":
-        assert cfg.decode.speculation_tpot_slo_s == cfg.decode.routing_tpot_slo_s == 0.15
+    assert cfg.decode.routing != "slo_aware" or cfg.decode.routing_tpot_slo_s is not None
 
 
 def test_cli_draft_override_drops_the_configs_head() -> None:
