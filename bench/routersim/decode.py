@@ -13,7 +13,9 @@ do sleeps until its first queued request's KV arrives.
 
 ``choose_ks`` is memoised by batch composition (requests per class). For the key, counts above
 16 are rounded onto a 6% geometric grid; each class gets the mean k that ``choose_ks`` gave its
-members, rounded stochastically per request and step.
+members, rounded stochastically per request and step. With ``engine_tpot_slo_s``, ``choose_ks``
+keeps its drafts within that TPOT SLO (``decode.speculation_tpot_slo_s``); the per-class rounding
+keeps it on average over steps, not in every step.
 """
 
 from __future__ import annotations
