@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 
 from decode.engine import DecodeEngine
+from decode.goodput import StepTimeModel, expected_tokens
 from kvtransfer.handoff import KVHandoff
 from models.request import Request
 from models.sampling import SamplingParams
@@ -53,3 +54,12 @@ def run_all(
     if prefill is not None:
         prefill.reap()
     return out
+
+
+def slowest_tpot(
+    alphas: Sequence[float], ks: Sequence[int], model: StepTimeModel, round_s: float = 0.0
+) -> float:
+    """The largest time per output token a step with speculation lengths ``ks`` gives any of
+    its sequences (step time, with ``max(ks)`` draft rounds, over the tokens each expects)."""
+    step = model.predict(sum(1 + k for k in ks)) + round_s * max(ks, default=0)
+    return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))

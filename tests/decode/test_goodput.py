@@ -8,7 +8,7 @@ import pytest
 from decode.goodput import StepTimeModel, choose_ks, expected_tokens, goodput
 from decode.speculation import SpeculationPolicy
 from models.sampling import SamplingParams
-from tests.decode.engine_utils import make_request
+from tests.decode.engine_utils import make_request, slowest_tpot
 
 
 def test_expected_tokens() -> None:
@@ -103,13 +103,6 @@ def test_a_draft_tree_is_priced_by_its_width() -> None:
     assert pinned.choose([greedy, sampled], [4, 4], 0, 12) == [2, 2]
 
 
-def _slowest_tpot(
-    alphas: list[float], ks: list[int], model: StepTimeModel, round_s: float
-) -> float:
-    step = model.predict(sum(1 + k for k in ks)) + round_s * max(ks, default=0)
-    return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
     """With an SLO, every sequence's time per output token in the chosen step stays within it,
@@ -124,8 +117,8 @@ def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
     free = choose_ks(alphas, model, 4, round_s=round_s)
     held = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo)
     limit = max(slo, model.predict(n))
-    assert _slowest_tpot(alphas, held, model, round_s) <= limit * (1 + 1e-12)
-    if _slowest_tpot(alphas, free, model, round_s) <= limit:
+    assert slowest_tpot(alphas, held, model, round_s) <= limit * (1 + 1e-12)
+    if slowest_tpot(alphas, free, model, round_s) <= limit:
         assert held == free
     assert goodput(alphas, held, model) >= goodput(alphas, [0] * n, model) * (1 - 1e-12)
 
@@ -138,9 +131,9 @@ def test_an_slo_stops_drafts_that_would_make_a_creative_request_miss_it() -> Non
     model = StepTimeModel.linear(0.010, 0.035e-3)
     alphas = [0.85] * 60 + [0.3] * 120
     free = choose_ks(alphas, model, 4, round_s=0.00145)
-    assert max(free) >= 1 and _slowest_tpot(alphas, free, model, 0.00145) > 0.0175
+    assert max(free) >= 1 and slowest_tpot(alphas, free, model, 0.00145) > 0.0175
     held = choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=0.0175)
-    assert _slowest_tpot(alphas, held, model, 0.00145) <= 0.0175
+    assert slowest_tpot(alphas, held, model, 0.00145) <= 0.0175
     assert choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=1.0) == free
 
 
@@ -154,7 +147,7 @@ def test_the_speculation_policy_keeps_to_its_tpot_slo() -> None:
         r.acceptance_estimate = a
     free = SpeculationPolicy(4, model).choose(reqs, [4] * 4, 0, 4096)
     held = SpeculationPolicy(4, model, tpot_slo_s=0.013).choose(reqs, [4] * 4, 0, 4096)
-    assert sum(free) > 0 and _slowest_tpot([0.95] * 3 + [0.05], free, model, 0.0) > 0.013
-    assert _slowest_tpot([0.95] * 3 + [0.05], held, model, 0.0) <= 0.013
+    assert sum(free) > 0 and slowest_tpot([0.95] * 3 + [0.05], free, model, 0.0) > 0.013
+    assert slowest_tpot([0.95] * 3 + [0.05], held, model, 0.0) <= 0.013
     assert sum(held) > 0  # drafts that fit (12 ms without, 0.5 ms a token) are taken
     assert held != free

@@ -11,12 +11,12 @@ import pytest
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel, choose_ks, expected_tokens
+from decode.goodput import StepTimeModel, choose_ks
 from decode.speculation import DEFAULT_ACCEPTANCE, EMA, SpeculationPolicy
 from decode.step_time import StepTimeTracker, isotonic
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
-from tests.decode.engine_utils import make_request, run_all
+from tests.decode.engine_utils import make_request, run_all, slowest_tpot
 
 TRUE = StepTimeModel(((1, 0.050), (4, 0.060), (8, 0.090), (16, 0.150)))
 
@@ -146,13 +146,8 @@ def test_an_engine_with_a_tpot_slo_drafts_no_one_past_it(tiny_folder: Path) -> N
             if s.running < 2:
                 continue
             alphas, base = list(s.alphas), model.predict(s.running)
-            assert _slowest_tpot(alphas, list(s.ks), model) <= base * (1 + 1e-12)
-            guarded += _slowest_tpot(alphas, choose_ks(alphas, model, 3), model) > base
+            assert slowest_tpot(alphas, list(s.ks), model) <= base * (1 + 1e-12)
+            guarded += slowest_tpot(alphas, choose_ks(alphas, model, 3), model) > base
         assert guarded > 0  # throughput alone would have pushed the unlikely request
     finally:
         engine.close()
-
-
-def _slowest_tpot(alphas: list[float], ks: list[int], model: StepTimeModel) -> float:
-    step = model.predict(sum(1 + k for k in ks))
-    return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
