@@ -8,7 +8,8 @@ with an 8B draft at TP=4 on paper, see ``bench/routersim/profiles.py``). The dec
 ``cluster.routing.policies`` on a ``ReplicaTable``, the code the Ray Serve router runs, and each
 decision is timed. Loads are fractions of the decode pool's capacity
 (``bench/routersim/capacity.py``); every policy at a load sees the same requests and the same
-prefill.
+prefill. The report also gives the pool's capacity within the TPOT SLO
+(``bench/routersim/slo_capacity.py``) and each load as a fraction of it.
 
     .venv/bin/python -m bench.router_sim --profile h200 --decode-replicas 1000 \\
         --requests 200000 --loads 0.7 0.8 0.9
@@ -44,6 +45,7 @@ from bench.routersim.prefill import prefill_replicas_for, simulate_prefill
 from bench.routersim.profiles import PROFILES
 from bench.routersim.report import plot, ratios
 from bench.routersim.sim import SimConfig, simulate_decode
+from bench.routersim.slo_capacity import slo_capacity
 from bench.routersim.workload import DEFAULT_MIX, generate
 
 RESULTS = Path(__file__).parent / "results"
@@ -92,6 +94,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tpot_slo = args.tpot_slo or p.tpot_slo_s
     d = args.decode_replicas
     capacity = saturation_rps(p, DEFAULT_MIX, d)
+    within = slo_capacity(p, DEFAULT_MIX, d, tpot_slo)
+    print(
+        f"capacity {capacity:.1f} req/s; within {tpot_slo * 1e3:g} ms {within.rps:.1f} req/s "
+        f"({within.split_rps / capacity:.3f} of it split by class, "
+        f"{within.mixed_rps / capacity:.3f} mixed): loads "
+        + " / ".join(f"{load:g} = {load * capacity / within.rps:.2f}" for load in args.loads)
+        + " of it",
+        flush=True,
+    )
     runs: list[dict[str, Any]] = []
     for load in args.loads:
         w = generate(
@@ -117,6 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = {
                 "load": load,
                 "rate_rps": load * capacity,
+                "load_of_slo_capacity": load * capacity / within.rps,
                 "policy": policy,
                 "prefill_replicas": n_prefill,
                 "prefill_busy": pre.busy_fraction,
@@ -154,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness,
         "mix": [asdict(c) for c in DEFAULT_MIX],
         "capacity_rps": capacity,
+        "slo_capacity": {**asdict(within), "rps": within.rps},
         "runs": runs,
         "ratios": ratios(runs),
         "slo_aware_ratios": ratios(runs, "slo_aware"),

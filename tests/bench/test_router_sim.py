@@ -124,6 +124,11 @@ def test_command_line_writes_json_and_png(tmp_path: Path) -> None:
     assert all(r["decision_us_mean"] > 0 and r["finished"] == r["requests"] for r in doc["runs"])
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert doc["engine_tpot_slo_s"] is None
+    within = doc["slo_capacity"]
+    assert 0 < within["rps"] <= doc["capacity_rps"] * 1.05
+    assert doc["runs"][0]["load_of_slo_capacity"] == pytest.approx(
+        0.8 * doc["capacity_rps"] / within["rps"]
+    )
     guarded = tmp_path / "guarded.json"
     args = [*args[:-1], str(guarded), "--tpot-slo", "0.016", "--engine-slo"]
     router_sim.main([*args, "--policies", "power_of_two"])
