@@ -169,8 +169,11 @@ class DecodeConfig(PoolConfig):
         "running request's time per output token (seconds) past this: a step drafts only where "
         "every request in it stays within the SLO, or within the step without drafts where "
         "that is longer already. Drafts that would raise the batch's throughput by making "
-        "low-acceptance requests beside them miss it are not taken. Usually the same value as "
-        "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
+        "low-acceptance requests beside them miss it are not taken. It pays where draft "
+        "rounds are dear (a draft model at large batches); where drafts cost little beside the "
+        "step (prompt lookup) the throughput it gives up lengthens every step under open-loop "
+        "load (BENCHMARKS.md, issue 7). Usually the same value as routing_tpot_slo_s; unset, "
+        "speculation maximises throughput alone.",
     )
     routing_stats_period_s: float = Field(
         1.0,
