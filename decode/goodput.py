@@ -58,7 +58,7 @@ class StepTimeModel:
         pts = self.points
         if tokens <= pts[0][0]:
             return pts[0][1]
-        i = bisect.bisect_left([p[0] for p in pts], tokens)
+        i = bisect.bisect_left(self._xs, tokens)
         if i < len(pts):
             (x0, y0), (x1, y1) = pts[i - 1], pts[i]
             return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
@@ -74,6 +74,10 @@ class StepTimeModel:
         slope = (y1 - y0) / (x1 - x0)
         out: npt.NDArray[np.float64] = np.interp(x, xs, ys) + slope * np.maximum(x - x1, 0.0)
         return out
+
+    @functools.cached_property
+    def _xs(self) -> tuple[int, ...]:
+        return tuple(p[0] for p in self.points)
 
     @functools.cached_property
     def _arrays(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
