@@ -47,6 +47,7 @@ from bench.routersim.report import plot, ratios
 from bench.routersim.sim import SimConfig, simulate_decode
 from bench.routersim.slo_capacity import slo_capacity
 from bench.routersim.workload import DEFAULT_MIX, generate
+from decode.goodput import GUARD_MAX_LOSS
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware")
@@ -79,6 +80,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the replicas' adaptive speculation keeps drafts from pushing a request past "
         "--tpot-slo (decode.speculation_tpot_slo_s)",
+    )
+    add(
+        "--engine-slo-max-loss",
+        type=float,
+        default=GUARD_MAX_LOSS,
+        help="with --engine-slo: the most of a step's goodput keeping to it may give up "
+        "(decode.speculation_tpot_slo_max_loss; 1: always keep to it)",
     )
     add("--probe-noise", type=float, default=0.08, help="std. dev. of the acceptance probe")
     add("--burstiness", type=float, default=1.0, help="coefficient of variation of arrival gaps")
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = SimConfig(
                 p, d, policy, args.stats_period, args.max_staleness, seed=args.seed,
                 tpot_slo_s=tpot_slo, engine_tpot_slo_s=tpot_slo if args.engine_slo else None,
+                engine_slo_max_loss=args.engine_slo_max_loss,
             )  # fmt: skip
             out = simulate_decode(w, pre, cfg)
             m = measure(w, DEFAULT_MIX, pre.first_token_s, out.finish_s, ttft_slo, tpot_slo)
@@ -158,6 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
         "engine_tpot_slo_s": tpot_slo if args.engine_slo else None,
+        "engine_slo_max_loss": args.engine_slo_max_loss if args.engine_slo else None,
         "decode_replicas": d,
         "requests": args.requests,
         "stats_period_s": args.stats_period,

@@ -185,6 +185,7 @@ def build_app(cfg: TandemConfig) -> Application:
         kv_failure_policy=cfg.kv.failure_policy,
         num_threads=cfg.decode.num_threads,
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
+        speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
     )
     decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)

@@ -21,6 +21,7 @@ from cluster.autoscaling import (
     serve_scaling,
 )
 from cluster.model_config import DraftConfig, ModelConfig
+from decode.goodput import GUARD_MAX_LOSS
 
 
 class PoolConfig(_Frozen):
@@ -169,11 +170,20 @@ class DecodeConfig(PoolConfig):
         "running request's time per output token (seconds) past this: a step drafts only where "
         "every request in it stays within the SLO, or within the step without drafts where "
         "that is longer already. Drafts that would raise the batch's throughput by making "
-        "low-acceptance requests beside them miss it are not taken. It pays where draft "
-        "rounds are dear (a draft model at large batches); where drafts cost little beside the "
-        "step (prompt lookup) the throughput it gives up lengthens every step under open-loop "
-        "load (BENCHMARKS.md, issue 7). Usually the same value as routing_tpot_slo_s; unset, "
-        "speculation maximises throughput alone.",
+        "low-acceptance requests beside them miss it are not taken, unless that costs more "
+        "than speculation_tpot_slo_max_loss of the step's goodput. Usually the same value as "
+        "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
+    )
+    speculation_tpot_slo_max_loss: float = Field(
+        GUARD_MAX_LOSS,
+        ge=0,
+        le=1,
+        description="The most of a step's goodput (a fraction) speculation_tpot_slo_s may give "
+        "up; where keeping to the SLO would cost more, the step drafts for throughput. Under "
+        "open-loop load lost throughput lengthens every step (requests that do not draft stay "
+        "longer and the batch grows): where drafts cost little beside the step (prompt lookup "
+        "on a CPU) an unbounded guard takes every request past the SLO (BENCHMARKS.md, issue "
+        "7). 1 always keeps to the SLO; 0 keeps to it only where that costs nothing.",
     )
     routing_stats_period_s: float = Field(
         1.0,

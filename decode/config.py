@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decode.goodput import GUARD_MAX_LOSS
 from models.spec import DraftSpec, ModelSpec
 
 
@@ -27,3 +28,4 @@ class DecodeEngineConfig:
     pull_timeout_s: float = 10.0  # a pull still running after this has failed
     kv_failure_policy: str = "recompute"  # on a failed pull: "recompute" the prompt, or "fail"
     speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it
+    speculation_tpot_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput that guard gives up

@@ -18,10 +18,13 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import numpy.typing as npt
+
+# the most of a step's goodput the TPOT guard gives up; past it, the drafts' throughput wins
+GUARD_MAX_LOSS = 0.1
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -106,6 +109,7 @@ def choose_ks(
     paid_rounds: int = 0,
     pays_rounds: Sequence[bool] | None = None,
     tpot_slo_s: float | None = None,
+    tpot_slo_max_loss: float = GUARD_MAX_LOSS,
 ) -> list[int]:
     """Speculation length per sequence that maximises the batch's goodput.
 
@@ -136,7 +140,12 @@ def choose_ks(
     may draft only if every sequence's time per output token in it, the step's time over the
     tokens it expects to emit, stays within the SLO, or within the step without drafts where
     that is longer already. A sequence that gains little from drafts (low acceptance) would
-    otherwise pay every draft round and token its neighbours add, at every step.
+    otherwise pay every draft round and token its neighbours add, at every step. The guard
+    gives up at most ``tpot_slo_max_loss`` of the step's goodput; where keeping to the SLO
+    would cost more, the drafts for throughput are taken. Under open-loop load the throughput
+    a step gives up is time every request stays longer: requests that do not draft stay in the
+    batch longer, the batch grows and every step lengthens, which outweighs what the guard
+    saves where drafts are cheap beside the step (prompt lookup on a CPU: BENCHMARKS.md).
     """
     n = len(alphas)
     caps = [k_max] * n if isinstance(k_max, int) else list(k_max)
@@ -147,20 +156,40 @@ def choose_ks(
     room = full if token_budget is None else min(full, token_budget - n)
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
     steps = _Steps.of(model, n, fixed_tokens, per_draft_s, tpot_slo_s)
+    payer = [True] * n if pays_rounds is None else list(pays_rounds)
+    plan = functools.partial(_best_plan, clamped, caps, cost, room, round_s, paid_rounds, payer)
+    kept, g_kept = plan(steps)
+    if tpot_slo_s is None or tpot_slo_max_loss >= 1:
+        return kept
+    free, g_free = plan(replace(steps, tpot_limit_s=math.inf))
+    return kept if g_kept >= (1 - tpot_slo_max_loss) * g_free else free
+
+
+def _best_plan(
+    alphas: Sequence[float],
+    caps: Sequence[int],
+    cost: Sequence[int],
+    room: int,
+    round_s: float,
+    paid_rounds: int,
+    payer: Sequence[bool],
+    steps: _Steps,
+) -> tuple[list[int], float]:
+    """``choose_ks``'s best plan for ``steps`` (which says what keeps to the SLO), and its
+    goodput."""
     if round_s <= 0:
-        return _by_gain(clamped, caps, cost, room, steps, 0.0)[0]
+        return _by_gain(alphas, caps, cost, room, steps, 0.0)
     # Rounds are paid per step, by the deepest drafting payer: for each depth D the payers may
     # reach, the best drafts cost tokens only (plus D rounds); the best D wins.
-    payer = [True] * n if pays_rounds is None else list(pays_rounds)
     top = max((c for c, p in zip(caps, payer, strict=True) if p), default=0)
-    best_ks, best = [0] * n, -1.0
+    best_ks, best = [0] * len(alphas), -1.0
     for depth in range(min(paid_rounds, top), top + 1):
         capped = [min(c, depth) if p else c for c, p in zip(caps, payer, strict=True)]
         rounds_s = round_s * max(depth - paid_rounds, 0)
-        ks, g = _by_gain(clamped, capped, cost, room, steps, rounds_s)
+        ks, g = _by_gain(alphas, capped, cost, room, steps, rounds_s)
         if g > best:
             best_ks, best = ks, g
-    return best_ks
+    return best_ks, best
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from decode.calibration import AcceptanceCalibration, calibration_key
 from decode.draft_cost import DraftCost
 from decode.drafters.base import Drafter
-from decode.goodput import StepTimeModel, choose_ks
+from decode.goodput import GUARD_MAX_LOSS, StepTimeModel, choose_ks
 from decode.step_time import StepTimeTracker
 from models.request import Request
 
@@ -36,7 +36,8 @@ class SpeculationPolicy:
 
     With ``tpot_slo_s`` (adaptive mode), drafts push no request's time per output token past
     the SLO (``choose_ks``): a replica serving an SLO gives up the throughput of drafts that
-    would make the requests beside them miss it.
+    would make the requests beside them miss it, up to ``tpot_slo_max_loss`` of a step's
+    goodput.
     """
 
     def __init__(
@@ -47,9 +48,11 @@ class SpeculationPolicy:
         tree_width: int = 1,
         drafter: Drafter | None = None,
         tpot_slo_s: float | None = None,
+        tpot_slo_max_loss: float = GUARD_MAX_LOSS,
     ) -> None:
         self.k_max = k_max
         self.tpot_slo_s = tpot_slo_s  # adaptive drafts push no request's TPOT past it
+        self.tpot_slo_max_loss = tpot_slo_max_loss  # unless that costs more goodput than this
         self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
         self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
@@ -177,4 +180,5 @@ class SpeculationPolicy:
             paid_rounds,
             payers,
             self.tpot_slo_s,
+            self.tpot_slo_max_loss,
         )

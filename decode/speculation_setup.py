@@ -45,5 +45,11 @@ def build_speculation(
         path, lambda: measure_step_time(target, allocator, cfg.block_size, shapes)
     )
     return SpeculationPolicy(
-        d.num_speculative_tokens, model, held, d.tree_width, drafter, cfg.speculation_tpot_slo_s
+        d.num_speculative_tokens,
+        model,
+        held,
+        d.tree_width,
+        drafter,
+        cfg.speculation_tpot_slo_s,
+        cfg.speculation_tpot_slo_max_loss,
     )

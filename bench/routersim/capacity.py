@@ -51,8 +51,8 @@ def full_batch(
     p: Profile, mix: tuple[RequestClass, ...], batch: int, tpot_slo_s: float | None = None
 ) -> FullBatch:
     """A replica holding ``batch`` requests of the mix, each class in proportion to the steps
-    its requests stay, with ``choose_ks``'s speculation lengths (kept to ``tpot_slo_s``, as
-    ``decode.speculation_tpot_slo_s`` keeps them, when given)."""
+    its requests stay, with ``choose_ks``'s speculation lengths (kept to ``tpot_slo_s`` at any
+    cost in goodput, when given)."""
     shares = _shares(mix)
     out, _ = mean_lengths(p, mix)
     occupancy = shares.copy()
@@ -74,6 +74,7 @@ def full_batch(
             p.max_batched_tokens,
             round_s=p.draft_round_s,
             tpot_slo_s=tpot_slo_s,
+            tpot_slo_max_loss=1.0,  # whatever it costs
         )
         start = 0
         for i, (c, m) in enumerate(zip(mix, n, strict=True)):

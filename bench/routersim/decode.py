@@ -14,8 +14,9 @@ do sleeps until its first queued request's KV arrives.
 ``choose_ks`` is memoised by batch composition (requests per class). For the key, counts above
 16 are rounded onto a 6% geometric grid; each class gets the mean k that ``choose_ks`` gave its
 members, rounded stochastically per request and step. With ``engine_tpot_slo_s``, ``choose_ks``
-keeps its drafts within that TPOT SLO (``decode.speculation_tpot_slo_s``); the per-class rounding
-keeps it on average over steps, not in every step.
+keeps its drafts within that TPOT SLO (``decode.speculation_tpot_slo_s``) up to
+``engine_slo_max_loss`` of a step's goodput (``decode.speculation_tpot_slo_max_loss``); the
+per-class rounding keeps it on average over steps, not in every step.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy.typing as npt
 from bench.routersim.profiles import Profile
 from cluster.routing.score import StepTable
 from cluster.routing.table import ReplicaTable
-from decode.goodput import choose_ks, expected_tokens
+from decode.goodput import GUARD_MAX_LOSS, choose_ks, expected_tokens
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -49,6 +50,7 @@ class DecodePool:
         ready: FloatArray,  # when each request's KV is on its decode replica
         seed: int,
         engine_tpot_slo_s: float | None = None,  # the TPOT SLO adaptive speculation keeps to
+        engine_slo_max_loss: float = GUARD_MAX_LOSS,  # the most goodput that gives up
     ) -> None:
         d, b = replicas, p.max_batch
         self.p, self.d, self.b = p, d, b
@@ -74,6 +76,7 @@ class DecodePool:
         self.steps = StepTable.of(p.step_time, p.max_batched_tokens + p.max_batch * (p.k_max + 1))
         self.memo: dict[int, FloatArray] = {}  # composition key -> mean k per class
         self.engine_tpot_slo_s = engine_tpot_slo_s
+        self.engine_slo_max_loss = engine_slo_max_loss
         self.req_cls, self.reserve, self.first_left, self.ready = cls, reserve, first_left, ready
         self.finish = np.full(cls.size, np.nan)
         self.emitted = 0
@@ -210,6 +213,7 @@ class DecodePool:
                 self.p.max_batched_tokens,
                 round_s=self.p.draft_round_s,
                 tpot_slo_s=self.engine_tpot_slo_s,
+                tpot_slo_max_loss=self.engine_slo_max_loss,
             )
         )
         starts = np.concatenate([[0], np.cumsum(q)])

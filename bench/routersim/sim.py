@@ -24,6 +24,7 @@ from bench.routersim.profiles import Profile
 from bench.routersim.workload import Workload
 from cluster.routing.policies import RouteRequest, make_policy
 from cluster.routing.table import ReplicaTable
+from decode.goodput import GUARD_MAX_LOSS
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -38,6 +39,7 @@ class SimConfig:
     max_ongoing: int = 0  # 0: twice max_batch
     tpot_slo_s: float | None = None  # what slo_aware keeps requests within
     engine_tpot_slo_s: float | None = None  # what the replicas' adaptive speculation keeps to
+    engine_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput keeping to it gives up
     seed: int = 0
 
 
@@ -82,6 +84,7 @@ def simulate_decode(
         ready,
         cfg.seed,
         cfg.engine_tpot_slo_s,
+        cfg.engine_slo_max_loss,
     )
     table = ReplicaTable(d)
     table.configure(

@@ -58,6 +58,7 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"decode": {"routing": "slo_aware"}}, "routing_tpot_slo_s is not set"),
         ({"decode": {"routing": "slo_aware", "routing_tpot_slo_s": 0}}, "routing_tpot_slo_s"),
         ({"decode": {"speculation_tpot_slo_s": -1}}, "speculation_tpot_slo_s"),
+        ({"decode": {"speculation_tpot_slo_max_loss": 1.5}}, "speculation_tpot_slo_max_loss"),
         (
             {"draft": {"adaptive": False}, "decode": {"speculation_tpot_slo_s": 0.05}},
             "speculation_tpot_slo_s is set but speculation is not adaptive",

@@ -21,6 +21,7 @@ from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.routing.policies import SloAware
 from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter, SloAwareRouter
 from decode.calibration import calibration_key
+from decode.goodput import GUARD_MAX_LOSS
 from decode.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
 
@@ -68,14 +69,18 @@ def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
 
 
 def test_the_decode_engine_gets_the_speculation_slo(tiny_folder: Path) -> None:
-    cfg = config(tiny_folder).with_overrides(**{"decode.speculation_tpot_slo_s": 0.05})
+    sets = {"decode.speculation_tpot_slo_s": 0.05, "decode.speculation_tpot_slo_max_loss": 0.3}
+    cfg = config(tiny_folder).with_overrides(**sets)
     built = serve_build_app(build_app(cfg), name="tandem")
     decode = next(d for d in built.deployments if d.name == "decode")
     assert decode.init_args[0].speculation_tpot_slo_s == 0.05
+    assert decode.init_args[0].speculation_tpot_slo_max_loss == 0.3
     plain = serve_build_app(build_app(config(tiny_folder)), name="tandem")
     unguarded = next(d for d in plain.deployments if d.name == "decode").init_args[0]
     assert unguarded.speculation_tpot_slo_s is None  # unset: throughput alone decides
-    assert replace(unguarded, speculation_tpot_slo_s=0.05) == decode.init_args[0]
+    assert unguarded.speculation_tpot_slo_max_loss == GUARD_MAX_LOSS
+    guarded = replace(unguarded, speculation_tpot_slo_s=0.05, speculation_tpot_slo_max_loss=0.3)
+    assert guarded == decode.init_args[0]
 
 
 def test_the_slo_aware_router_takes_its_slo_from_the_router_kwargs() -> None:

@@ -63,3 +63,12 @@ def slowest_tpot(
     its sequences (step time, with ``max(ks)`` draft rounds, over the tokens each expects)."""
     step = model.predict(sum(1 + k for k in ks)) + round_s * max(ks, default=0)
     return max(step / expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True))
+
+
+def step_goodput(
+    alphas: Sequence[float], ks: Sequence[int], model: StepTimeModel, round_s: float = 0.0
+) -> float:
+    """Tokens per second a step with speculation lengths ``ks`` emits, its ``max(ks)`` draft
+    rounds included (what ``choose_ks`` maximises)."""
+    step = model.predict(sum(1 + k for k in ks)) + round_s * max(ks, default=0)
+    return sum(expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)) / step

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from decode.goodput import StepTimeModel, choose_ks, expected_tokens, goodput
+from decode.goodput import GUARD_MAX_LOSS, StepTimeModel, choose_ks, expected_tokens, goodput
 from decode.speculation import SpeculationPolicy
 from models.sampling import SamplingParams
-from tests.decode.engine_utils import make_request, slowest_tpot
+from tests.decode.engine_utils import make_request, slowest_tpot, step_goodput
 
 
 def test_expected_tokens() -> None:
@@ -105,9 +105,11 @@ def test_a_draft_tree_is_priced_by_its_width() -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
-    """With an SLO, every sequence's time per output token in the chosen step stays within it,
-    or within the step without drafts where that is longer already; drafts that fit are still
-    taken, and where throughput alone already keeps everyone within it nothing changes."""
+    """With an SLO kept at any cost, every sequence's time per output token in the chosen step
+    stays within it, or within the step without drafts where that is longer already; drafts
+    that fit are still taken, and where throughput alone already keeps everyone within it
+    nothing changes. With the default bound on what it may cost, the step keeps to the SLO
+    where that gives up at most a tenth of the goodput, and drafts for throughput elsewhere."""
     rng = random.Random(seed)
     n = rng.randrange(1, 40)
     alphas = [rng.choice([rng.uniform(0.05, 0.4), rng.uniform(0.7, 0.95)]) for _ in range(n)]
@@ -115,12 +117,15 @@ def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
     round_s = rng.choice([0.0, 0.0015])
     slo = model.predict(n) * rng.uniform(0.9, 1.6)
     free = choose_ks(alphas, model, 4, round_s=round_s)
-    held = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo)
+    held = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo, tpot_slo_max_loss=1.0)
     limit = max(slo, model.predict(n))
     assert slowest_tpot(alphas, held, model, round_s) <= limit * (1 + 1e-12)
     if slowest_tpot(alphas, free, model, round_s) <= limit:
         assert held == free
     assert goodput(alphas, held, model) >= goodput(alphas, [0] * n, model) * (1 - 1e-12)
+    bounded = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo)
+    kept = step_goodput(alphas, held, model, round_s) / step_goodput(alphas, free, model, round_s)
+    assert bounded == (held if kept >= 1 - GUARD_MAX_LOSS else free)
 
 
 def test_an_slo_stops_drafts_that_would_make_a_creative_request_miss_it() -> None:
@@ -138,7 +143,8 @@ def test_an_slo_stops_drafts_that_would_make_a_creative_request_miss_it() -> Non
 
 
 def test_the_speculation_policy_keeps_to_its_tpot_slo() -> None:
-    """``SpeculationPolicy(tpot_slo_s=...)`` hands the SLO to ``choose_ks``."""
+    """``SpeculationPolicy(tpot_slo_s=..., tpot_slo_max_loss=...)`` hands both to
+    ``choose_ks``."""
     model = StepTimeModel.linear(0.010, 0.0005)
     reqs = [
         make_request([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=50)) for _ in range(4)
@@ -146,8 +152,16 @@ def test_the_speculation_policy_keeps_to_its_tpot_slo() -> None:
     for r, a in zip(reqs, (0.95, 0.95, 0.95, 0.05), strict=True):
         r.acceptance_estimate = a
     free = SpeculationPolicy(4, model).choose(reqs, [4] * 4, 0, 4096)
-    held = SpeculationPolicy(4, model, tpot_slo_s=0.013).choose(reqs, [4] * 4, 0, 4096)
-    assert sum(free) > 0 and slowest_tpot([0.95] * 3 + [0.05], free, model, 0.0) > 0.013
-    assert slowest_tpot([0.95] * 3 + [0.05], held, model, 0.0) <= 0.013
+    strict = SpeculationPolicy(4, model, tpot_slo_s=0.013, tpot_slo_max_loss=1.0)
+    held = strict.choose(reqs, [4] * 4, 0, 4096)
+    alphas = [0.95] * 3 + [0.05]
+    assert sum(free) > 0 and slowest_tpot(alphas, free, model, 0.0) > 0.013
+    assert slowest_tpot(alphas, held, model, 0.0) <= 0.013
     assert sum(held) > 0  # drafts that fit (12 ms without, 0.5 ms a token) are taken
     assert held != free
+    # keeping to it here gives up more than a tenth of the step's goodput: by default the
+    # policy then drafts for throughput
+    assert step_goodput(alphas, held, model) < (1 - GUARD_MAX_LOSS) * step_goodput(
+        alphas, free, model
+    )
+    assert SpeculationPolicy(4, model, tpot_slo_s=0.013).choose(reqs, [4] * 4, 0, 4096) == free

@@ -117,8 +117,8 @@ def test_a_request_without_a_probe_starts_from_the_replica_prior() -> None:
 def test_an_engine_with_a_tpot_slo_drafts_no_one_past_it(tiny_folder: Path) -> None:
     """``speculation_tpot_slo_s`` reaches the engine's adaptive speculation: at every step, the
     speculation lengths it would run keep every request's time per output token within the
-    step without drafts (the SLO here is below any step), although throughput alone would have
-    the likely request draft beside the unlikely one."""
+    step without drafts (the SLO here is below any step, and the guard may cost any goodput),
+    although throughput alone would have the likely request draft beside the unlikely one."""
     draft = DraftSpec(kind=DraftKind.NGRAM, num_speculative_tokens=3)
     cfg = DecodeEngineConfig(
         "tiny",
@@ -127,11 +127,12 @@ def test_an_engine_with_a_tpot_slo_drafts_no_one_past_it(tiny_folder: Path) -> N
         num_blocks=64,
         max_batch_size=4,
         speculation_tpot_slo_s=1e-4,  # below any step: drafts may not lengthen anyone's TPOT
+        speculation_tpot_slo_max_loss=1.0,  # whatever it costs the step's goodput
     )
     engine = DecodeEngine(cfg)
     try:
         spec = engine.speculation
-        assert spec is not None and spec.tpot_slo_s == 1e-4
+        assert spec is not None and spec.tpot_slo_s == 1e-4 and spec.tpot_slo_max_loss == 1.0
         model = StepTimeModel.linear(0.010, 0.002)
         spec.tracker = StepTimeTracker(model, refit_every=10**9)
         sp = SamplingParams(temperature=0.0, max_tokens=24)
