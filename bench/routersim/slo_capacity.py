@@ -34,8 +34,7 @@ from bench.routersim.workload import RequestClass, mix_with
 
 @dataclass(frozen=True)
 class Within:
-    """The batch that emits most with its slowest member within the SLO (None: not even one
-    request alone keeps to it)."""
+    """The batch that emits most with its slowest member within the SLO."""
 
     batch: int
     full: FullBatch
@@ -62,7 +61,8 @@ def best_within(p: Profile, mix: tuple[RequestClass, ...], tpot_slo_s: float) ->
     """Over every batch size the replica's KV holds, and speculation kept to the SLO or
     drafting for throughput, the one that emits most with every member's step TPOT within
     ``tpot_slo_s``. (Drafting for throughput can keep more within: where drafts are cheap,
-    copy requests that draft leave the batch sooner, and the batch then holds fewer of them.)"""
+    copy requests that draft leave the batch sooner, and the batch then holds fewer of them.)
+    None: no batch keeps to it, not even one request alone."""
     best: Within | None = None
     for batch in range(1, kv_batch(p, mix) + 1):
         for guard in (tpot_slo_s, None):
@@ -95,7 +95,7 @@ def slo_capacity(
     split = {k: float(v / per_rps) for k, v in need.items()} if np.isfinite(per_rps) else {}
     return SloCapacity(
         tpot_slo_s,
-        replicas / per_rps,
+        float(replicas / per_rps),
         mixed_rps,
         split,
         batches,

@@ -40,13 +40,14 @@ def test_capacity_grows_with_the_slo_and_keeps_every_member_within_it() -> None:
 
 
 def test_an_slo_below_one_tokens_step_has_no_capacity() -> None:
-    """One token alone takes 10 ms, a copy request emits at most ~4.6 tokens a step (deep
-    drafts, whose rounds lengthen the step): no batch keeps to 3 ms."""
+    """One token alone takes 10 ms; a copy request emits at most ~3.5 tokens a step (4 drafts
+    at 0.85, whose 4 rounds lengthen the step to ~16 ms), ~4.5 ms a token at best: no batch
+    keeps to 3 ms, and at 5 ms only copy requests alone do."""
     p = h200_profile()
     got = slo_capacity(p, DEFAULT_MIX, 10, 0.003)
     assert got.rps == 0.0 and got.mixed_batch == 0 and got.split_replicas == {}
     assert best_within(p, DEFAULT_MIX, 0.003) is None
-    copy_only = slo_capacity(p, DEFAULT_MIX, 10, 0.005)  # copy requests alone keep to 5 ms
+    copy_only = slo_capacity(p, DEFAULT_MIX, 10, 0.005)
     assert copy_only.split_batches["code_copy"] > 0 and copy_only.rps == 0.0
 
 
