@@ -18,7 +18,7 @@ import functools
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -157,15 +157,21 @@ def choose_ks(
     clamped = [min(max(a, 0.0), 1.0) for a in alphas]
     steps = _Steps.of(model, n, fixed_tokens, per_draft_s, tpot_slo_s)
     payer = [True] * n if pays_rounds is None else list(pays_rounds)
-    plan = functools.partial(_best_plan, clamped, caps, cost, room, round_s, paid_rounds, payer)
-    kept, g_kept = plan(steps)
-    if tpot_slo_s is None or tpot_slo_max_loss >= 1:
-        return kept
-    free, g_free = plan(replace(steps, tpot_limit_s=math.inf))
-    return kept if g_kept >= (1 - tpot_slo_max_loss) * g_free else free
+    kept, free = _best_plans(clamped, caps, cost, room, round_s, paid_rounds, payer, steps)
+    if tpot_slo_max_loss >= 1 or kept.goodput >= (1 - tpot_slo_max_loss) * free.goodput:
+        return kept.ks
+    return free.ks
 
 
-def _best_plan(
+@dataclass(frozen=True)
+class _Plan:
+    """Speculation lengths for a step, and the goodput they give."""
+
+    ks: list[int]
+    goodput: float
+
+
+def _best_plans(
     alphas: Sequence[float],
     caps: Sequence[int],
     cost: Sequence[int],
@@ -174,22 +180,22 @@ def _best_plan(
     paid_rounds: int,
     payer: Sequence[bool],
     steps: _Steps,
-) -> tuple[list[int], float]:
-    """``choose_ks``'s best plan for ``steps`` (which says what keeps to the SLO), and its
-    goodput."""
+) -> tuple[_Plan, _Plan]:
+    """``choose_ks``'s best plan that keeps to the SLO (``steps``), and its best plan for
+    throughput alone (the same one without an SLO)."""
     if round_s <= 0:
         return _by_gain(alphas, caps, cost, room, steps, 0.0)
     # Rounds are paid per step, by the deepest drafting payer: for each depth D the payers may
     # reach, the best drafts cost tokens only (plus D rounds); the best D wins.
     top = max((c for c, p in zip(caps, payer, strict=True) if p), default=0)
-    best_ks, best = [0] * len(alphas), -1.0
+    kept = free = _Plan([0] * len(alphas), -1.0)
     for depth in range(min(paid_rounds, top), top + 1):
         capped = [min(c, depth) if p else c for c, p in zip(caps, payer, strict=True)]
         rounds_s = round_s * max(depth - paid_rounds, 0)
-        ks, g = _by_gain(alphas, capped, cost, room, steps, rounds_s)
-        if g > best:
-            best_ks, best = ks, g
-    return best_ks, best
+        k, f = _by_gain(alphas, capped, cost, room, steps, rounds_s)
+        kept = k if k.goodput > kept.goodput else kept
+        free = f if f.goodput > free.goodput else free
+    return kept, free
 
 
 @dataclass(frozen=True)
@@ -230,16 +236,17 @@ def _by_gain(
     room: int,
     steps: _Steps,
     rounds_s: float,
-) -> tuple[list[int], float]:
-    """The drafts ``choose_ks`` takes by gain per token, and the goodput they give, with
-    ``rounds_s`` of draft rounds charged to any step that drafts."""
+) -> tuple[_Plan, _Plan]:
+    """The drafts ``choose_ks`` takes by gain per token, with ``rounds_s`` of draft rounds
+    charged to any step that drafts: the best prefix of that order that keeps to the SLO, and
+    the best one overall (one pass finds both)."""
     n = len(alphas)
-    ks = [0] * n
     heap = [(-a / cost[i], i) for i, a in enumerate(alphas) if caps[i] > 0]  # gain per token
     heapq.heapify(heap)
     emitted = float(n)
     decodes = steps.decodes_s
     best, best_extra = emitted / decodes, 0
+    top, top_extra = best, 0  # the best prefix whatever the SLO
     order: list[int] = []
     depth = [0] * n
     slowest = _Slowest(n, math.isfinite(steps.tpot_limit_s))
@@ -256,13 +263,21 @@ def _by_gain(
         slowest.drafted(i, gain, depth[i] == 1)
         step_s = decodes + steps.added(tokens) + rounds_s
         trial = emitted / step_s
+        if trial > top:
+            top, top_extra = trial, len(order)
         if trial > best and slowest.within(steps.mixed_s - decodes + step_s, steps.tpot_limit_s):
             best, best_extra = trial, len(order)
         if depth[i] < caps[i]:
             heapq.heappush(heap, (-(alphas[i] ** (depth[i] + 1)) / cost[i], i))
-    for i in order[:best_extra]:
+    return _Plan(_ks(n, order[:best_extra]), best), _Plan(_ks(n, order[:top_extra]), top)
+
+
+def _ks(n: int, levels: Sequence[int]) -> list[int]:
+    """Speculation lengths from the sequences that took each draft level, in order."""
+    ks = [0] * n
+    for i in levels:
         ks[i] += 1
-    return ks, best
+    return ks
 
 
 class _Slowest:
