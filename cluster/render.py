@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from cluster.config import PoolConfig, TandemConfig
+from cluster.config import TandemConfig
+from cluster.pool_config import PoolConfig
 
 APP_NAME = "tandem"
 IMPORT_PATH = "cluster.builder:app_builder"
