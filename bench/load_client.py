@@ -64,7 +64,7 @@ def request_body(target: Target, item: WorkItem, index: int) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if target.seed is not None:
+    if target.seed is not None and index >= 0:  # warm-ups (index -1) go unseeded
         body["seed"] = target.seed + index
     if target.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": item.prompt}]

@@ -31,6 +31,7 @@ import yaml
 from bench.load_client import Arrivals, LoadResult, Target, fetch_model_id, run_load, send_streamed
 from bench.load_metrics import Outcome, RequestRecord, Summary, stats, summarize
 from bench.load_report import plot, report_json, table, write_json
+from bench.router_metrics import router_view, wait_for
 from bench.sharegpt import iter_conversations
 from bench.workloads import WorkItem, bimodal_items, sharegpt_items, synthetic_items
 
@@ -62,6 +63,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--warmup", type=int, default=1, help="untimed requests sent first")
     add("--label", help="names the outputs; default from launch, dataset and arrivals")
     add("--out", type=Path, help="JSON path; default bench/results/serve-<label>.json")
+    add(
+        "--metrics-port",
+        type=int,
+        help="Ray's Prometheus port on the ingress's node: the run records the decode router's "
+        "metrics (with --launch: the launched cluster's, by default)",
+    )
     add("--launch", choices=("none", "disaggregated", "colocated"), default="none")
     add("--draft", choices=("none", "ngram"), help="with --launch; default ngram, or --config's")
     add("--decode-max-batch", type=int, help="with --launch: decode.max_batch_size")
@@ -126,6 +133,13 @@ def parse_sets(items: Sequence[str]) -> dict[str, object]:
     return out
 
 
+def _ray_metrics_port() -> int:
+    """The Prometheus port of the Ray node this process started."""
+    import ray
+
+    return int(ray.nodes()[0]["MetricsExportPort"])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,6 +184,12 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
         ray.shutdown()
 
 
+def decode_router_view(port: int | None, requests: int) -> dict[str, Any] | None:
+    """The decode router's metrics from Ray's Prometheus ``port`` (None: not recorded), once
+    ``requests`` placements are exported."""
+    return None if port is None else router_view(wait_for(port, "decode", requests))
+
+
 async def drive(
     args: argparse.Namespace, base_url: str, items: Sequence[WorkItem]
 ) -> tuple[str, LoadResult]:
@@ -182,6 +202,8 @@ async def drive(
         for i in range(args.warmup):
             warm = await send_streamed(client, target, -1, WorkItem("warmup", "Hello!", 8), 0.0)
             print(f"warm-up {i}: {warm.outcome.value} {warm.error or ''}", flush=True)
+            if warm.outcome is not Outcome.OK:  # the server refuses a plain request: no run
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
 
         async def send_one(index: int, item: WorkItem, run_start: float) -> RequestRecord:
             return await send_streamed(client, target, index, item, run_start)
@@ -200,10 +222,12 @@ async def main(argv: Sequence[str] | None = None) -> Path:
     print(f"{label}: {len(items)} {args.dataset} requests -> {args.endpoint}", flush=True)
     launch_cfg: dict[str, Any] | None = None
     with contextlib.ExitStack() as stack:
-        base_url = args.base_url
+        base_url, metrics_port = args.base_url, args.metrics_port
         if args.launch != "none":
             base_url, launch_cfg = stack.enter_context(launched(args))
+            metrics_port = args.metrics_port or _ray_metrics_port()
         model, result = await drive(args, base_url, items)
+        router = decode_router_view(metrics_port, len(items) + args.warmup)
     summary: Summary = summarize(result.records, result.duration_s)
     ok = [r for r in result.records if r.outcome is Outcome.OK]
     print(table(summary), flush=True)
@@ -213,6 +237,7 @@ async def main(argv: Sequence[str] | None = None) -> Path:
         "model": model,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "launch_config": launch_cfg,
+        "router": router,  # the decode router's own metrics (launched runs)
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "tpot_by_kind": {

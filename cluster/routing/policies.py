@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cluster.routing.score import Outlook, placement, placement_outlook
-from cluster.routing.table import ReplicaTable
+from cluster.routing.table import BoolArray, ReplicaTable
 from decode.goodput import expected_tokens
 
 FloatArray = npt.NDArray[np.float64]
@@ -52,6 +52,10 @@ class RoutingPolicy(ABC):
     def routed(self, req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
         """Record the request on the row's overlay (see ``ReplicaTable``)."""
         record_routed(req, table, row, now)
+
+    def fresh_rows(self, table: ReplicaTable, now: float) -> BoolArray | None:
+        """The rows whose stats ``rank`` would score now; None for a policy that reads none."""
+        return None
 
 
 def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
@@ -129,8 +133,14 @@ class LeastKV(RoutingPolicy):
         self.top = top
         self.fallback = PowerOfTwo(seed)
 
+    def fresh_rows(self, table: ReplicaTable, now: float) -> BoolArray:
+        fresh: BoolArray = (
+            table.alive & table.has_stats & (now - table.received_at <= self.max_staleness_s)
+        )
+        return fresh
+
     def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
-        fresh = table.alive & table.has_stats & (now - table.received_at <= self.max_staleness_s)
+        fresh = self.fresh_rows(table, now)
         if not fresh.any():
             return self.fallback.rank(req, table, now)
         free = table.eff_free / np.maximum(table.num_blocks, 1)
@@ -151,8 +161,11 @@ class AcceptanceAware(RoutingPolicy):
         self.top = top
         self.fallback = PowerOfTwo(seed)
 
+    def fresh_rows(self, table: ReplicaTable, now: float) -> BoolArray:
+        return table.fresh(now, self.max_staleness_s)
+
     def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks:
-        fresh = table.fresh(now, self.max_staleness_s)
+        fresh = self.fresh_rows(table, now)
         if not fresh.any():
             return self.fallback.rank(req, table, now)
         cost = np.where(fresh, self.costs(req, table), np.inf)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from cluster.routing.calibration import CalibrationPool
+from cluster.routing.observe import RouterMetrics, basis_of
 from cluster.routing.policies import RouteRequest, RoutingPolicy, make_policy, two_choices
 from cluster.routing.prefix import PrefixAffinity
 from cluster.routing.request_info import request_of, route_request
@@ -73,6 +74,12 @@ class _Rows:
         return [rank for rank in out if rank]
 
 
+def _deployment_name(router: RequestRouter) -> str:
+    """The deployment a router places calls on ("" where Serve has not set it, as in tests)."""
+    dep = getattr(router, "_deployment_id", None)
+    return str(getattr(dep, "name", "")) if dep is not None else ""
+
+
 class _DecodeRouter(RequestRouter):
     """A decode router over a ``ReplicaTable`` for the policy named ``policy``."""
 
@@ -93,6 +100,7 @@ class _DecodeRouter(RequestRouter):
         self._seen: dict[int, float] = {}  # row -> time of the snapshot last applied
         self._decided: OrderedDict[str, RouteRequest] = OrderedDict()
         self._rng = random.Random(seed)
+        self.metrics = RouterMetrics(_deployment_name(self), self.policy)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -118,6 +126,7 @@ class _DecodeRouter(RequestRouter):
                 self._calibration.put(row, parsed.calibration)
             except ValueError as e:
                 log.warning("ignoring routing stats of %s: %s", replica.replica_id, e)
+                self.metrics.rejected()
                 self._table.mark_alive(row)
             self._seen[row] = stamp
 
@@ -126,6 +135,7 @@ class _DecodeRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        start = time.perf_counter()
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
         req = (
@@ -134,8 +144,15 @@ class _DecodeRouter(RequestRouter):
             else None
         )
         if req is None:
+            self.metrics.decided("other_call", time.perf_counter() - start)
             return self._random_pair(candidate_replicas)
-        chosen = self._rows.replicas(self._policy.rank(req, self._table, time.time()))
+        now = time.time()
+        chosen = self._rows.replicas(self._policy.rank(req, self._table, now))
+        fresh = self._policy.fresh_rows(self._table, now)
+        live = int(self._table.alive.sum())
+        count = None if fresh is None else int(fresh.sum())
+        basis = basis_of(live, count) if chosen else "fallback"
+        self.metrics.decided(basis, time.perf_counter() - start)
         if not chosen:
             return self._random_pair(candidate_replicas)
         assert pending_request is not None
@@ -153,6 +170,8 @@ class _DecodeRouter(RequestRouter):
     ) -> None:
         req = self._decided.pop(pending_request.metadata.internal_request_id, None)
         row = self._rows.row_of.get(replica_id)
+        if req is not None:
+            self.metrics.estimate(req.alpha, req.greedy)
         if req is not None and row is not None:
             self._policy.routed(req, self._table, row, time.time())
 
@@ -198,6 +217,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._inflight: dict[int, int] = {}
         self._where: OrderedDict[str, int] = OrderedDict()  # internal request id -> row
         self._hashes: OrderedDict[str, list[int]] = OrderedDict()
+        self.metrics = RouterMetrics(_deployment_name(self), self._affinity.name)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -214,13 +234,15 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        start = time.perf_counter()
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
         req = request_of(pending_request.args, pending_request.kwargs) if pending_request else None
         hashes = block_hashes(req.prompt_token_ids, self._block_size) if req else []
-        chosen = self._rows.replicas(
-            self._affinity.rank(hashes, lambda row: float(self._inflight.get(row, 0)))
-        )
+        ranks = self._affinity.rank(hashes, lambda row: float(self._inflight.get(row, 0)))
+        chosen = self._rows.replicas(ranks)
+        basis = "other_call" if req is None else ("affinity" if len(ranks) > 1 else "two_choices")
+        self.metrics.decided(basis, time.perf_counter() - start)
         if pending_request is not None:
             self._hashes[pending_request.metadata.internal_request_id] = hashes
             while len(self._hashes) > REMEMBERED:

@@ -7,7 +7,14 @@ import time
 
 import httpx
 
-from bench.load_client import Arrivals, SendOne, Target, run_load, send_streamed
+from bench.load_client import (
+    Arrivals,
+    SendOne,
+    Target,
+    request_body,
+    run_load,
+    send_streamed,
+)
 from bench.load_metrics import Outcome, RequestRecord
 from bench.workloads import WorkItem, poisson_offsets
 
@@ -69,3 +76,11 @@ def test_unreachable_server_becomes_error_records() -> None:
 
     records = asyncio.run(go())
     assert [(r.outcome, r.error) for r in records] == [(Outcome.ERROR, "ConnectError")] * 2
+
+
+def test_requests_are_seeded_by_index_and_warm_ups_not() -> None:
+    """The API refuses a negative seed, so the warm-up (index -1) must carry none."""
+    target = Target("m", "chat", 0.0, seed=5)
+    assert request_body(target, ITEMS[0], 3)["seed"] == 8
+    assert "seed" not in request_body(target, ITEMS[0], -1)
+    assert "seed" not in request_body(Target("m", "chat", 0.0, seed=None), ITEMS[0], 3)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import ray
 
 from bench import serve as bench_serve
 from cluster.config import TandemConfig
@@ -37,7 +38,10 @@ def test_serve_benchmark_writes_a_report_of_real_requests(
         "--out", str(out),
     ]  # fmt: skip
     with running_app(CFG) as url:
-        written = asyncio.run(bench_serve.main([*argv, "--base-url", f"{url}/v1"]))
+        port = str(ray.nodes()[0]["MetricsExportPort"])
+        written = asyncio.run(
+            bench_serve.main([*argv, "--base-url", f"{url}/v1", "--metrics-port", port])
+        )
     assert written == out
     doc = json.loads(out.read_text())
     s = doc["summary"]
@@ -52,6 +56,11 @@ def test_serve_benchmark_writes_a_report_of_real_requests(
     assert s["total_output_tokens"] == sum(r["output_tokens"] for r in reqs)
     assert s["acceptance_rate"] is None or 0.0 <= s["acceptance_rate"] <= 1.0
     assert out.with_suffix(".png").stat().st_size > 10_000
+    router = doc["router"]  # the decode router's view: the 4 requests and the warm-up, greedy
+    assert router["estimates"]["greedy"]["count"] == 5 and "sampled" not in router["estimates"]
+    assert 0.0 <= router["estimates"]["greedy"]["mean"] <= 1.0
+    assert sum(router["decisions"].get(b, 0) for b in ("stats", "partial", "fallback")) >= 5
+    assert router["decision_mean_s"] > 0
 
 
 def test_set_overrides_parse_as_yaml_and_reject_a_bare_key() -> None:

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from cluster.routing.observe import basis_of
 from cluster.routing.policies import (
     AcceptanceAware,
     LeastKV,
     PowerOfTwo,
     RoundRobin,
     RouteRequest,
+    RoutingPolicy,
     SloAware,
     make_policy,
 )
@@ -195,12 +197,20 @@ def test_stale_or_missing_stats_fall_back_to_power_of_two() -> None:
     p = AcceptanceAware(max_staleness_s=2.0, seed=0)
     t = table(stats([0.6] * 4, [2] * 4), stats([0.6] * 4, [2] * 4), stats([0.6], [2]))
     req = RouteRequest(0.6, 100)
+
+    def basis(policy: RoutingPolicy, now: float) -> str:  # what the router's metrics report
+        fresh = policy.fresh_rows(t, now)
+        return basis_of(int(t.alive.sum()), None if fresh is None else int(fresh.sum()))
+
     assert all(len(rank) == 1 for rank in p.rank(req, t, NOW + 1.0))  # fresh: scored
+    assert basis(p, NOW + 1.0) == "stats"
     ranks = p.rank(req, t, NOW + 3.0)  # every snapshot 3 s old: two random replicas
     assert len(ranks) == 1 and len(set(ranks[0])) == 2
+    assert basis(p, NOW + 3.0) == "fallback" and basis(LeastKV(2.0), NOW + 3.0) == "fallback"
     t.set_stats(2, stats([0.6], [2], at=NOW + 2.9), NOW + 2.9)  # one fresh: it is scored,
     ranks = p.rank(req, t, NOW + 3.0)  # the stale ones stay reachable in a last rank
     assert ranks[0] == [2] and sorted(ranks[-1]) == [0, 1]
+    assert basis(p, NOW + 3.0) == "partial" and basis(PowerOfTwo(), NOW + 3.0) == "stats_free"
     empty = ReplicaTable()
     for row in range(3):
         empty.mark_alive(row)

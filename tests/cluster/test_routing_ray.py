@@ -12,9 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+import ray
 from ray import serve
 from ray.serve._private.build_app import build_app as serve_build_app
 
+from bench.router_metrics import scrape
 from cluster.builder import build_app
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
@@ -140,6 +142,9 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     handle_router: Any = decode._router
     router = handle_router._asyncio_router._request_router
     assert isinstance(router, AcceptanceAwareRouter)
+    # this handle placed only those four calls, none of them a generate
+    assert router.metrics.totals.decisions.get("other_call", 0) >= 4
+    assert set(router.metrics.totals.decisions) == {"other_call"}
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and router._table.has_stats.sum() < 2:
         time.sleep(0.2)
@@ -157,3 +162,38 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
         time.sleep(0.2)
     assert router._calibration.keys() <= {calibration_key(None, 0.0), calibration_key(None, 1.0)}
     assert router._calibration.keys()  # colocated: no probe, so cells by temperature alone
+
+
+@pytest.mark.timeout(300)
+def test_the_router_reports_its_decisions_to_prometheus(base: str) -> None:
+    """Three greedy and one sampled request, placed while every replica's stats are fresh:
+    the ingress's decode router exports one estimate per request, by sampling, and decisions
+    taken on the replicas' stats."""
+    port = int(ray.nodes()[0]["MetricsExportPort"])
+    model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+    time.sleep(1.5)  # stats published every 0.5 s: every replica's snapshot is fresh now
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=base) as client:
+            copy = "Repeat exactly: one two three four five six seven eight nine ten"
+            await asyncio.gather(
+                *(_chat(client, model, copy, 0.0) for _ in range(3)),
+                _chat(client, model, "Tell me a story.", 1.0),
+            )
+
+    asyncio.run(run())
+    estimates = "ray_tandem_router_acceptance_estimate_count"
+    deadline = time.monotonic() + 60
+    while True:  # Ray exports every few seconds; earlier tests in this module placed 4 + 4
+        got = scrape(port, "decode")
+        greedy = got.get((estimates, "", "greedy"), 0.0)
+        sampled = got.get((estimates, "", "sampled"), 0.0)
+        if (greedy >= 3 and greedy - sampled == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert greedy >= 3 and greedy - sampled == 2, got
+    decisions = "ray_tandem_router_decisions_total"
+    assert got.get((decisions, "stats", ""), 0.0) >= 4, got
+    assert got.get((decisions, "fallback", ""), 0.0) <= greedy + sampled - 4, got
+    seconds = got[("ray_tandem_router_decision_seconds_count", "", "")]
+    assert seconds == sum(v for (name, _, _), v in got.items() if name == decisions)

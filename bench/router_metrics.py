@@ -1,0 +1,69 @@
+"""The routers' view of a run, read back from Ray's Prometheus endpoint (``tandem_router_*``,
+``cluster.routing.observe``): decisions by basis, their cost, and the acceptance estimates the
+requests were placed by, greedy and sampled apart.
+
+    samples = scrape(port, "decode")       # (sample name, basis, sampling) -> value
+    view = router_view(samples)            # what bench/serve.py stores under "router"
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, str, str], float]
+DECISIONS = "ray_tandem_router_decisions_total"
+ESTIMATES = "ray_tandem_router_acceptance_estimate"
+
+
+def scrape(port: int, deployment: str, host: str = "127.0.0.1") -> Samples:
+    """(sample name, basis, sampling) -> value of the ``deployment``'s router samples, summed
+    over the processes that route to it; histogram buckets are left out."""
+    text = httpx.get(f"http://{host}:{port}/metrics", timeout=10).text
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            lab = s.labels
+            if not s.name.startswith("ray_tandem_router") or lab.get("deployment") != deployment:
+                continue
+            if "le" in lab:
+                continue
+            key = (s.name, lab.get("basis", ""), lab.get("sampling", ""))
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def placed(samples: Samples) -> float:
+    """Requests placed: one acceptance estimate each."""
+    return sum(v for (name, _, _), v in samples.items() if name == f"{ESTIMATES}_count")
+
+
+def wait_for(port: int, deployment: str, requests: int, timeout_s: float = 30.0) -> Samples:
+    """Scrape until ``requests`` placements are exported (Ray exports every few seconds) or
+    ``timeout_s`` passes; the last scrape either way."""
+    deadline = time.monotonic() + timeout_s
+    samples = scrape(port, deployment)
+    while placed(samples) < requests and time.monotonic() < deadline:
+        time.sleep(1.0)
+        samples = scrape(port, deployment)
+    return samples
+
+
+def router_view(samples: Samples) -> dict[str, Any]:
+    """Decisions by basis, mean decision time, and per sampling the estimates' count and mean."""
+    decisions = {b: v for (n, b, _), v in samples.items() if n == DECISIONS}
+    count = samples.get(("ray_tandem_router_decision_seconds_count", "", ""), 0.0)
+    total = samples.get(("ray_tandem_router_decision_seconds_sum", "", ""), 0.0)
+    estimates = {}
+    for (name, _, sampling), n in samples.items():
+        if name == f"{ESTIMATES}_count" and n:
+            mean = samples.get((f"{ESTIMATES}_sum", "", sampling), 0.0) / n
+            estimates[sampling] = {"count": n, "mean": mean}
+    return {
+        "decisions": decisions,
+        "decision_mean_s": total / count if count else None,
+        "estimates": estimates,
+    }
