@@ -119,11 +119,12 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
 def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
     """Serve options: pinned to the pool's resource; a TP group is one placement group whose
     bundle r holds rank r (the replica itself is rank 0), packed onto one node."""
-    unit: dict[str, float] = {pool.resource: 1.0}
-    actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: 1.0}}
+    share = pool.gpu_fraction  # of a GPU, and of its unit of the pool's resource (1 but on cuda)
+    unit: dict[str, float] = {pool.resource: share}
+    actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: share}}
     if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned
-        actor["num_gpus"] = 1.0
-        unit["GPU"] = 1.0
+        actor["num_gpus"] = share  # below 1 (tp 1 only): replicas share a GPU
+        unit["GPU"] = share
     opts: dict[str, Any] = {
         "name": name,
         **pool.scaling_options(),  # num_replicas, or autoscaling_config

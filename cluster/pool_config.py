@@ -34,6 +34,15 @@ class PoolConfig(_Frozen):
         "auto", description="Where the models run; 'auto' picks CUDA when a GPU is visible."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per replica (0: default).")
+    gpu_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU each replica reserves (device cuda, tp 1). Below 1, Ray "
+        "places several replicas on one GPU (a one-GPU machine can run prefill and two decode "
+        "replicas); they share its memory, so the model, draft and num_blocks of each must fit "
+        "their share, which is not checked.",
+    )
     resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one replica accepts at once (Ray Serve)."
@@ -50,6 +59,20 @@ class PoolConfig(_Frozen):
         "requests may run on before it is killed. The HTTP ingress, which every client stream "
         "passes through, drains for the longest of the pools' timeouts.",
     )
+
+    @model_validator(mode="after")
+    def _gpu_share(self) -> PoolConfig:
+        if self.gpu_fraction < 1 and self.device != "cuda":
+            raise ValueError(
+                f"gpu_fraction={self.gpu_fraction:g} needs device: cuda (cpu and auto reserve "
+                "no GPU)"
+            )
+        if self.gpu_fraction < 1 and self.tp > 1:
+            raise ValueError(
+                f"gpu_fraction={self.gpu_fraction:g} needs tp 1: each tensor-parallel rank "
+                f"takes a GPU of its own (tp={self.tp})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _scaling(self) -> PoolConfig:

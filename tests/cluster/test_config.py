@@ -59,6 +59,9 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"decode": {"routing": "slo_aware", "routing_tpot_slo_s": 0}}, "routing_tpot_slo_s"),
         ({"decode": {"speculation_tpot_slo_s": -1}}, "speculation_tpot_slo_s"),
         ({"decode": {"speculation_tpot_slo_max_loss": 1.5}}, "speculation_tpot_slo_max_loss"),
+        ({"decode": {"gpu_fraction": 0.5}}, "gpu_fraction=0.5 needs device: cuda"),
+        ({"prefill": {"device": "cuda", "tp": 2, "gpu_fraction": 0.5}}, "needs tp 1"),
+        ({"decode": {"device": "cuda", "gpu_fraction": 0}}, "gpu_fraction"),
         (
             {"draft": {"adaptive": False}, "decode": {"speculation_tpot_slo_s": 0.05}},
             "speculation_tpot_slo_s is set but speculation is not adaptive",

@@ -85,6 +85,30 @@ def test_the_decode_engine_gets_the_speculation_slo(tiny_folder: Path) -> None:
     assert guarded == decode.init_args[0]
 
 
+def test_replicas_reserve_their_share_of_a_gpu(tiny_folder: Path) -> None:
+    """``gpu_fraction``: three replicas at 0.3 fit one GPU; the default takes a whole one."""
+    shared = config(tiny_folder).with_overrides(
+        **{"decode.device": "cuda", "decode.gpu_fraction": 0.3}
+    )
+    built = serve_build_app(build_app(shared), name="tandem")
+    decode = next(d for d in built.deployments if d.name == "decode")
+    assert decode.ray_actor_options["num_gpus"] == 0.3
+    assert decode.ray_actor_options["resources"] == {"decode_pool": 0.3}  # 1 a GPU, shared too
+    whole = serve_build_app(
+        build_app(config(tiny_folder).with_overrides(**{"decode.device": "cuda"})), name="tandem"
+    )
+    assert (
+        next(d for d in whole.deployments if d.name == "decode").ray_actor_options["num_gpus"]
+        == 1.0
+    )
+    on_cpu = next(
+        d
+        for d in serve_build_app(build_app(config(tiny_folder)), name="tandem").deployments
+        if d.name == "decode"
+    )
+    assert "num_gpus" not in on_cpu.ray_actor_options
+
+
 def test_the_slo_aware_router_takes_its_slo_from_the_router_kwargs() -> None:
     """What Serve does with ``request_router_kwargs``: ``initialize_state(**kwargs)``."""
     router = SloAwareRouter.__new__(SloAwareRouter)  # Serve's constructor needs a deployment
