@@ -53,10 +53,12 @@ def wait_for(port: int, deployment: str, requests: int, timeout_s: float = 30.0)
 
 
 def router_view(samples: Samples) -> dict[str, Any]:
-    """Decisions by basis, mean decision time, and per sampling the estimates' count and mean."""
+    """Decisions by basis, their mean wall and CPU time, and per sampling the estimates'
+    count and mean."""
     decisions = {b: v for (n, b, _), v in samples.items() if n == DECISIONS}
     count = samples.get(("ray_tandem_router_decision_seconds_count", "", ""), 0.0)
     total = samples.get(("ray_tandem_router_decision_seconds_sum", "", ""), 0.0)
+    cpu = samples.get(("ray_tandem_router_decision_cpu_seconds_sum", "", ""), 0.0)
     estimates = {}
     for (name, _, sampling), n in samples.items():
         if name == f"{ESTIMATES}_count" and n:
@@ -65,5 +67,6 @@ def router_view(samples: Samples) -> dict[str, Any]:
     return {
         "decisions": decisions,
         "decision_mean_s": total / count if count else None,
+        "decision_cpu_mean_s": cpu / count if count else None,
         "estimates": estimates,
     }

@@ -35,7 +35,8 @@ class RouterTotals:
     """The same events as the exported metrics, readable in-process."""
 
     decisions: dict[str, int] = field(default_factory=dict)  # basis -> count
-    decision_s: float = 0.0  # summed over decisions
+    decision_s: float = 0.0  # wall time, summed over decisions
+    decision_cpu_s: float = 0.0  # the router thread's CPU time, summed
     slowest_s: float = 0.0
     estimates: dict[str, list[float]] = field(default_factory=dict)  # greedy|sampled -> alphas
     stats_rejected: int = 0
@@ -63,6 +64,13 @@ class RouterMetrics:
             boundaries=DECISION_BOUNDARIES_S,
             tag_keys=tags,
         )
+        self._cpu = Histogram(
+            "tandem_router_decision_cpu_seconds",
+            "CPU time of the router's thread for one ranking (the rest of the wall time is "
+            "waiting for a core or the GIL)",
+            boundaries=DECISION_BOUNDARIES_S,
+            tag_keys=tags,
+        )
         self._estimate = Histogram(
             "tandem_router_acceptance_estimate",
             "Calibrated acceptance estimates of the requests placed, greedy or sampled",
@@ -72,19 +80,22 @@ class RouterMetrics:
         self._rejected = Counter(
             "tandem_router_stats_rejected", "Replica routing stats the router could not use", tags
         )
-        for m in (self._seconds, self._rejected):
+        for m in (self._seconds, self._cpu, self._rejected):
             m.set_default_tags(self.tags)
 
-    def decided(self, basis: str, seconds: float) -> None:
-        """One call placed on ``basis`` (one of ``BASES``) in ``seconds``."""
+    def decided(self, basis: str, seconds: float, cpu_seconds: float) -> None:
+        """One call placed on ``basis`` (one of ``BASES``) in ``seconds`` of wall time, of which
+        the router's thread ran ``cpu_seconds``."""
         if basis not in BASES:
             raise ValueError(f"unknown routing decision basis {basis!r}")
         t = self.totals
         t.decisions[basis] = t.decisions.get(basis, 0) + 1
         t.decision_s += seconds
+        t.decision_cpu_s += cpu_seconds
         t.slowest_s = max(t.slowest_s, seconds)
         self._decisions.inc(1, {**self.tags, "basis": basis})
         self._seconds.observe(seconds)
+        self._cpu.observe(cpu_seconds)
 
     def estimate(self, alpha: float, greedy: bool) -> None:
         """The acceptance estimate a request was placed by."""

@@ -74,6 +74,11 @@ class _Rows:
         return [rank for rank in out if rank]
 
 
+def _since(start: float, cpu: float) -> tuple[float, float]:
+    """(wall, this thread's CPU) seconds since ``time.perf_counter()``, ``time.thread_time()``."""
+    return time.perf_counter() - start, time.thread_time() - cpu
+
+
 def _deployment_name(router: RequestRouter) -> str:
     """The deployment a router places calls on ("" where Serve has not set it, as in tests)."""
     dep = getattr(router, "_deployment_id", None)
@@ -135,7 +140,7 @@ class _DecodeRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
         req = (
@@ -144,7 +149,7 @@ class _DecodeRouter(RequestRouter):
             else None
         )
         if req is None:
-            self.metrics.decided("other_call", time.perf_counter() - start)
+            self.metrics.decided("other_call", *_since(start, cpu))
             return self._random_pair(candidate_replicas)
         now = time.time()
         chosen = self._rows.replicas(self._policy.rank(req, self._table, now))
@@ -152,7 +157,7 @@ class _DecodeRouter(RequestRouter):
         live = int(self._table.alive.sum())
         count = None if fresh is None else int(fresh.sum())
         basis = basis_of(live, count) if chosen else "fallback"
-        self.metrics.decided(basis, time.perf_counter() - start)
+        self.metrics.decided(basis, *_since(start, cpu))
         if not chosen:
             return self._random_pair(candidate_replicas)
         assert pending_request is not None
@@ -234,7 +239,7 @@ class PrefixAffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
         req = request_of(pending_request.args, pending_request.kwargs) if pending_request else None
@@ -242,7 +247,7 @@ class PrefixAffinityRouter(RequestRouter):
         ranks = self._affinity.rank(hashes, lambda row: float(self._inflight.get(row, 0)))
         chosen = self._rows.replicas(ranks)
         basis = "other_call" if req is None else ("affinity" if len(ranks) > 1 else "two_choices")
-        self.metrics.decided(basis, time.perf_counter() - start)
+        self.metrics.decided(basis, *_since(start, cpu))
         if pending_request is not None:
             self._hashes[pending_request.metadata.internal_request_id] = hashes
             while len(self._hashes) > REMEMBERED:

@@ -221,3 +221,5 @@ def test_the_router_reports_its_decisions_to_prometheus(base: str) -> None:
     assert got.get((decisions, "fallback", ""), 0.0) <= greedy + sampled - 4, got
     seconds = got[("ray_tandem_router_decision_seconds_count", "", "")]
     assert seconds == sum(v for (name, _, _), v in got.items() if name == decisions)
+    assert got[("ray_tandem_router_decision_cpu_seconds_count", "", "")] == seconds
+    assert got[("ray_tandem_router_decision_cpu_seconds_sum", "", "")] > 0
