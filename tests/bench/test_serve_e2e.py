@@ -61,6 +61,7 @@ def test_serve_benchmark_writes_a_report_of_real_requests(
     assert 0.0 <= router["estimates"]["greedy"]["mean"] <= 1.0
     assert sum(router["decisions"].get(b, 0) for b in ("stats", "partial", "fallback")) >= 5
     assert router["decision_mean_s"] > 0 and router["decision_cpu_mean_s"] > 0
+    assert 0 < router["decision_p50_at_most_s"] <= router["decision_p99_at_most_s"]
 
 
 def test_set_overrides_parse_as_yaml_and_reject_a_bare_key() -> None:
