@@ -119,7 +119,8 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
 def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
     """Serve options: pinned to the pool's resource; a TP group is one placement group whose
     bundle r holds rank r (the replica itself is rank 0), packed onto one node."""
-    share = pool.gpu_fraction  # of a GPU, and of its unit of the pool's resource (1 but on cuda)
+    share = pool.gpu_fraction  # below 1 only with cuda and tp 1 (the config checks): replicas
+    # then share a GPU, and the pool's unit that stands for it
     unit: dict[str, float] = {pool.resource: share}
     actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: share}}
     if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned

@@ -15,7 +15,8 @@ when it is placed. A decision's **basis** says what it was taken on:
 - ``partial``: some had; the stale ones were kept as a last, power-of-two rank;
 - ``fallback``: none had, so the policy fell back to power of two choices (stats stale for
   longer than ``max_staleness_s``, or not published yet);
-- ``stats_free``: a policy that reads no stats (round-robin, power of two);
+- ``stats_free``: a policy that reads no stats (round-robin; a deployment's power of two is
+  Ray Serve's own router, which reports none of these);
 - ``other_call``: a call that is not a ``generate`` (``stats``, ``record_routing_stats``): two
   replicas at random;
 - ``affinity`` / ``two_choices`` (prefill): sent after the prompt's cached prefix, or not.
@@ -60,7 +61,7 @@ class RouterMetrics:
         )
         self._seconds = Histogram(
             "tandem_router_decision_seconds",
-            "Time the router took to rank the replicas for one call",
+            "Wall time the router took to rank the replicas for one call",
             boundaries=DECISION_BOUNDARIES_S,
             tag_keys=tags,
         )
