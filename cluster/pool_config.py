@@ -16,7 +16,7 @@ from cluster.autoscaling import (
     PrefillAutoscalingConfig,
     serve_scaling,
 )
-from decode.goodput import GUARD_MAX_LOSS
+from decode.draft_plan import GUARD_MAX_LOSS
 
 
 class PoolConfig(_Frozen):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode.goodput import GUARD_MAX_LOSS
+from decode.draft_plan import GUARD_MAX_LOSS
 from models.spec import DraftSpec, ModelSpec
 
 

@@ -64,7 +64,7 @@ class RoutingStats:
     tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
     slowest_weight: float  # max over the batch of 1 / E(alpha_i, k_i) (0: empty)
     step_emitted: float  # sum over the batch of E(alpha_i, k_i)
-    adaptive: bool  # k chosen per request for goodput (decode.goodput.choose_ks), else pinned
+    adaptive: bool  # k chosen per request for goodput (decode.draft_plan.choose_ks), else pinned
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
     draft_round_s: float  # measured cost of one draft round (0: drafting has no model forward)
     draft_token_s: float  # learned cost of one more draft token at this batch size (0: unknown)

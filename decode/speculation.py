@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 from decode.calibration import AcceptanceCalibration, calibration_key
 from decode.draft_cost import DraftCost
+from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
 from decode.drafters.base import Drafter
-from decode.goodput import GUARD_MAX_LOSS, StepTimeModel, choose_ks
+from decode.goodput import StepTimeModel
 from decode.step_time import StepTimeTracker
 from models.request import Request
 

@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from bench.routersim.profiles import Profile
 from bench.routersim.workload import RequestClass
-from decode.goodput import choose_ks, expected_tokens
+from decode.draft_plan import choose_ks
+from decode.goodput import expected_tokens
 
 LOGNORMAL_MEAN = math.exp(0.6**2 / 2)  # mean over median of the workload's length law
 FloatArray = npt.NDArray[np.float64]

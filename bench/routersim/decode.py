@@ -5,7 +5,7 @@ accepted drafts, drawn from the truncated geometric law of its class's acceptanc
 recovered or bonus token; finished requests leave and free their KV; queued requests whose KV
 has arrived join (up to ``max_batch`` sequences; KV for prompt plus output is reserved on
 joining, so nothing is preempted); then the next step's speculation lengths come from
-``decode.goodput.choose_ks`` over the batch's acceptance rates (charging the draft rounds, as
+``decode.draft_plan.choose_ks`` over the batch's acceptance rates (charging the draft rounds, as
 the engine does), and the step takes
 ``StepTimeModel.predict(sum(1 + k_i))`` seconds plus ``max k_i`` draft rounds of
 ``draft_round_s`` each (a draft model proposes in sequential rounds). A replica with nothing to
@@ -31,7 +31,8 @@ import numpy.typing as npt
 from bench.routersim.profiles import Profile
 from cluster.routing.score import StepTable
 from cluster.routing.table import ReplicaTable
-from decode.goodput import GUARD_MAX_LOSS, choose_ks, expected_tokens
+from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
+from decode.goodput import expected_tokens
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

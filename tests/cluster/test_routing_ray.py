@@ -23,7 +23,7 @@ from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.routing.policies import SloAware
 from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter, SloAwareRouter
 from decode.calibration import calibration_key
-from decode.goodput import GUARD_MAX_LOSS
+from decode.draft_plan import GUARD_MAX_LOSS
 from decode.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
 

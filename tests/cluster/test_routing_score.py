@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cluster.routing.score import StepTable, granted_k, placement, placement_outlook
-from decode.goodput import StepTimeModel, choose_ks, expected_tokens
+from decode.draft_plan import choose_ks
+from decode.goodput import StepTimeModel, expected_tokens
 from decode.routing_stats import RoutingStats, collect_routing_stats
 
 MODEL = StepTimeModel.linear(0.010, 0.0005)  # 10 ms + 0.5 ms per scored token

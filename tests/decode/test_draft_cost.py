@@ -8,7 +8,8 @@ import random
 import pytest
 
 from decode.draft_cost import DraftCost
-from decode.goodput import StepTimeModel, choose_ks
+from decode.draft_plan import choose_ks
+from decode.goodput import StepTimeModel
 
 
 def test_draft_cost_is_the_slope_of_step_time_in_drafts_per_batch_size() -> None:

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from decode.config import DecodeEngineConfig
+from decode.draft_plan import choose_ks
 from decode.draft_rounds import DraftRounds
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel, choose_ks
+from decode.goodput import StepTimeModel
 from decode.speculation import SpeculationPolicy
 from models.eagle import save_random_eagle
 from models.sampling import SamplingParams

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from decode.goodput import GUARD_MAX_LOSS, StepTimeModel, choose_ks, expected_tokens, goodput
+from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
+from decode.goodput import StepTimeModel, expected_tokens, goodput
 from decode.speculation import SpeculationPolicy
 from models.sampling import SamplingParams
 from tests.decode.engine_utils import make_request, slowest_tpot, step_goodput

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from decode.config import DecodeEngineConfig
+from decode.draft_plan import choose_ks
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel, choose_ks
+from decode.goodput import StepTimeModel
 from decode.speculation import DEFAULT_ACCEPTANCE, EMA, SpeculationPolicy
 from decode.step_time import StepTimeTracker, isotonic
 from models.sampling import SamplingParams
