@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from bench.engine_run import decode_after_first
-from cluster.sharegpt import held_out, iter_conversations
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from distill.sharegpt import held_out, iter_conversations
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec

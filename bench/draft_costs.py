@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from models.attention import kv_pool_shape
-from models.eagle import EagleRunner, load_eagle
-from models.runner import SeqInput, run_step
+from models.eagle import load_eagle
 from models.spec import ModelSpec
+from runtime.runner import EagleRunner, SeqInput, run_step
 
 HEAD = Path(__file__).parent.parent / "models" / "drafts" / "smollm2-135m-eagle"
 

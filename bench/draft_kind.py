@@ -38,11 +38,11 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from bench.draft_costs import HEAD, costs
-from cluster.distill_data import Corpus, load_corpus
-from cluster.distill_train import TrainConfig, batch_at
-from decode.goodput import expected_tokens
-from models.eagle_train import teacher_forced_overlap
+from distill.data import Corpus, load_corpus
+from distill.objective import teacher_forced_overlap
+from distill.train import TrainConfig, batch_at
 from models.weights import load_state_dict, resolve_checkpoint
+from speculation.goodput import expected_tokens
 
 RESULTS = Path(__file__).parent / "results"
 TEMPERATURES = (0.0, 0.7)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.distill_data import load_corpus
-from cluster.distill_eval import held_out_drafts
+from distill.data import load_corpus
+from distill.evaluate import held_out_drafts
 from models.eagle import load_eagle
 from models.embedded import embedded_eagle_path
 from models.weights import load_state_dict, resolve_checkpoint

@@ -34,10 +34,10 @@ from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.attention import kv_pool_shape
 from models.request import Request
-from models.runner import SeqInput, run_step
 from models.sampling import SamplingParams
 from models.spec import DraftSpec, ModelSpec
 from models.weights import resolve_checkpoint
+from runtime.runner import SeqInput, run_step
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 128

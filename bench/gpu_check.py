@@ -61,8 +61,8 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
     from models.attention import kv_pool_shape
-    from models.runner import SeqInput, run_step
     from models.spec import ModelSpec
+    from runtime.runner import SeqInput, run_step
 
     out: dict[str, Any] = {}
     ids = torch.randint(3, 4000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -163,8 +163,8 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
 
 def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     from models.attention import kv_pool_shape
-    from models.runner import SeqInput, run_step
     from models.spec import ModelSpec
+    from runtime.runner import SeqInput, run_step
 
     model = ModelSpec(str(folder), "bfloat16").load(dev)
     c = model.cfg

@@ -105,9 +105,9 @@ def memcpy_seconds(n: int, repeats: int) -> float:
 
 def prefill_seconds_1k() -> float:
     from models.attention import kv_pool_shape
-    from models.runner import SeqInput, run_step
     from models.spec import ModelSpec
     from models.weights import resolve_checkpoint
+    from runtime.runner import SeqInput, run_step
 
     torch.set_num_threads(2)
     model = ModelSpec(str(resolve_checkpoint("embedded"))).load()

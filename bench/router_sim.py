@@ -2,7 +2,7 @@
 
 Discrete-event and vectorised (``bench/routersim/``): prefill replicas serve prompts first come,
 first served with prefix caches, placed by power of two choices with prefix affinity; decode
-replicas run continuous batching with adaptive speculation (``decode.draft_plan.choose_ks``) and a
+replicas run continuous batching with adaptive speculation (``speculation.goodput.choose_ks``) and a
 step time from a profile (``--profile cpu``: measured on this machine; ``h200``: a 70B target
 with an 8B draft at TP=4 on paper, see ``bench/routersim/profiles.py``). The decode router runs
 ``cluster.routing.policies`` on a ``ReplicaTable``, the code the Ray Serve router runs, and each
@@ -47,7 +47,7 @@ from bench.routersim.report import plot, ratios
 from bench.routersim.sim import SimConfig, simulate_decode
 from bench.routersim.slo_capacity import slo_capacity
 from bench.routersim.workload import DEFAULT_MIX, generate
-from decode.draft_plan import GUARD_MAX_LOSS
+from speculation.goodput import GUARD_MAX_LOSS
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware")

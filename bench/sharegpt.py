@@ -1,7 +1,7 @@
-"""ShareGPT V3 conversations: the reader lives in ``cluster.sharegpt`` (distillation uses it
+"""ShareGPT V3 conversations: the reader lives in ``distill.sharegpt`` (distillation uses it
 too, and packages never import ``bench``); re-exported here for the benchmarks."""
 
-from cluster.sharegpt import (
+from distill.sharegpt import (
     Conversation,
     dataset_path,
     first_prompts,

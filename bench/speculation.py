@@ -32,9 +32,9 @@ import torch
 
 from bench.copy_prompts import COPY_PROMPTS
 from bench.engine_run import decode_after_first, serve_refilling
-from cluster.sharegpt import first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from distill.sharegpt import first_prompts
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec

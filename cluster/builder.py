@@ -11,10 +11,9 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.auth import load_keys
-from cluster.config import TandemConfig
+from cluster.config import PoolConfig, TandemConfig
 from cluster.guard import GuardPolicy
 from cluster.ingress import OpenAIIngress
-from cluster.pool_config import PoolConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.service import ServiceSettings
 from decode.config import DecodeEngineConfig

@@ -1,4 +1,9 @@
-"""The ``tandem`` command line."""
+"""The ``tandem`` command line.
+
+``serve`` and ``config`` are built in; other packages add subcommands through the
+``tandem.commands`` entry-point group (``distill`` does: ``tandem distill``), so this serving
+package never imports them.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ import signal
 import sys
 import threading
 import time
+from importlib.metadata import entry_points
 from typing import Any
 
 from cluster.auth import load_keys
 from cluster.config import TandemConfig
 
 log = logging.getLogger("tandem")
+COMMANDS_GROUP = "tandem.commands"  # entry points: callables taking the subparsers object
 
 
 def _load_config(args: argparse.Namespace) -> TandemConfig:
@@ -127,9 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--deploy-dir", default="deploy", help="the deploy/ folder (default: ./deploy)")
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if out of date")
     r.set_defaults(fn=config_render_cmd)
-    from cluster.distill import add_parser as add_distill_parser
-
-    add_distill_parser(sub)
+    for command in entry_points(group=COMMANDS_GROUP):
+        command.load()(sub)  # adds its subparser to ``sub``
     args = p.parse_args(argv)
     code: int = args.fn(args)
     return code

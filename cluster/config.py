@@ -1,21 +1,261 @@
 """The user-facing configuration: one pydantic model, loadable from YAML.
 
-Every field is described; cross-field rules are checked with messages a user can act on.
-``deploy/local.yaml`` is an example; ``tandem serve --config FILE`` loads it.
+``TandemConfig`` is the serving topology (the mode, the prefill and decode pools with their
+replicas or autoscaling, KV blocks, batching, routing and speculation kept to a TPOT SLO, and
+how KV moves between them), with what is served (``cluster.model_config``) and the HTTP
+surface (``cluster.api_config``). Every field is described; cross-field rules are checked with
+messages a user can act on. ``deploy/local.yaml`` is an example; ``tandem serve --config FILE``
+loads it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cluster.api_config import AuthConfig, HTTPConfig, LimitsConfig
 from cluster.api_config import Frozen as _Frozen
+from cluster.autoscaling import (
+    AutoscalingConfig,
+    DecodeAutoscalingConfig,
+    PrefillAutoscalingConfig,
+    serve_scaling,
+)
 from cluster.model_config import DraftConfig, ModelConfig
-from cluster.pool_config import DecodeConfig, PrefillConfig
+from speculation.goodput import GUARD_MAX_LOSS
+
+
+class PoolConfig(_Frozen):
+    replicas: int = Field(
+        1, ge=1, description="Serve replicas of this pool's deployment (a fixed count)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="Let Ray Serve scale this pool's replicas between bounds instead of a fixed "
+        "`replicas` count.",
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel size of each replica.")
+    num_blocks: int = Field(512, ge=1, description="KV blocks per replica.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the models run; 'auto' picks CUDA when a GPU is visible."
+    )
+    num_threads: int = Field(0, ge=0, description="torch CPU threads per replica (0: default).")
+    gpu_fraction: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of one GPU each replica reserves (device cuda, tp 1). Below 1, Ray "
+        "places several replicas on one GPU (a one-GPU machine can run prefill and two decode "
+        "replicas); they share its memory, so the model, draft and num_blocks of each must fit "
+        "their share, which is not checked.",
+    )
+    resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
+    max_ongoing_requests: int = Field(
+        256, ge=1, description="Requests one replica accepts at once (Ray Serve)."
+    )
+    max_queued_requests: int = Field(
+        256,
+        description="Requests waiting for this pool beyond its replicas' max_ongoing_requests, "
+        "per caller; more are answered 429 at once (Ray Serve backpressure). -1: unbounded.",
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="When a replica is stopped (scale-down, redeploy), how long its in-flight "
+        "requests may run on before it is killed. The HTTP ingress, which every client stream "
+        "passes through, drains for the longest of the pools' timeouts.",
+    )
+
+    @model_validator(mode="after")
+    def _gpu_share(self) -> PoolConfig:
+        if self.gpu_fraction < 1 and self.device != "cuda":
+            raise ValueError(
+                f"gpu_fraction={self.gpu_fraction:g} needs device: cuda (cpu and auto reserve "
+                "no GPU)"
+            )
+        if self.gpu_fraction < 1 and self.tp > 1:
+            raise ValueError(
+                f"gpu_fraction={self.gpu_fraction:g} needs tp 1: each tensor-parallel rank "
+                f"takes a GPU of its own (tp={self.tp})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _scaling(self) -> PoolConfig:
+        a = self.autoscaling
+        if a is None:
+            return self
+        if "replicas" in self.model_fields_set:
+            raise ValueError(
+                "set either replicas (a fixed count) or autoscaling (bounds), not both"
+            )
+        if a.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"autoscaling.target_ongoing_requests ({a.target_ongoing_requests:g}) exceeds "
+                f"max_ongoing_requests ({self.max_ongoing_requests}): a replica could never "
+                "reach its target; lower the target or raise max_ongoing_requests"
+            )
+        return self
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, v: int) -> int:
+        if v < 1 and v != -1:
+            raise ValueError("max_queued_requests must be -1 (unbounded) or at least 1")
+        return v
+
+    def most_replicas(self) -> int:
+        """The most replicas this pool runs: the fixed count, or autoscaling.max_replicas."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
+
+    def scaling_options(self) -> dict[str, Any]:
+        """``serve.deployment`` options that size this pool (fixed count or autoscaling)."""
+        return serve_scaling(self.replicas, self.autoscaling)
+
+
+class PrefillConfig(PoolConfig):
+    resource: str = Field("prefill_pool", description="Ray custom resource of prefill nodes.")
+    autoscaling: PrefillAutoscalingConfig | None = Field(
+        None,
+        description="Scale prefill replicas on queued prompts (see cluster/autoscaling.py) "
+        "instead of a fixed `replicas` count.",
+    )
+    probe_window: int = Field(
+        16, ge=1, description="Prompt positions the acceptance probe averages over."
+    )
+    lease_seconds: float = Field(
+        30.0, gt=0, description="How long prefill keeps shipped KV blocks for decode to pull."
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Prompt tokens per prefill forward: longer prompts are chunked, shorter ones "
+        "share a forward.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of full blocks a previous prompt already computed."
+    )
+    routing: Literal["power_of_two", "prefix_affinity"] = Field(
+        "prefix_affinity",
+        description="How the ingress picks a prefill replica: Ray Serve's power of two choices, "
+        "or power of two with affinity to the replica that last prefilled the prompt's leading "
+        "KV blocks (cluster/routing/prefix.py).",
+    )
+    routing_imbalance: float = Field(
+        4.0,
+        ge=0,
+        description="prefix_affinity: requests in flight the affine replica may have beyond the "
+        "lighter of two random ones before the prompt goes to that one instead.",
+    )
+
+
+DecodeRouting = Literal["round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware"]
+
+
+class DecodeConfig(PoolConfig):
+    resource: str = Field("decode_pool", description="Ray custom resource of decode nodes.")
+    num_blocks: int = Field(1024, ge=1, description="KV blocks per replica.")
+    max_batch_size: int = Field(64, ge=1, description="Sequences per decode step.")
+    max_num_batched_tokens: int = Field(
+        2048,
+        ge=1,
+        description="Tokens per decode step: one per running sequence plus its drafts, plus "
+        "chunks of prompts computed on decode (colocated mode, recomputation).",
+    )
+    autoscaling: DecodeAutoscalingConfig | None = Field(
+        None,
+        description="Scale decode replicas on ongoing streams (see cluster/autoscaling.py) "
+        "instead of a fixed `replicas` count.",
+    )
+    routing: DecodeRouting = Field(
+        "acceptance_aware",
+        description="How the ingress picks a decode replica: in turn; Ray Serve's power of two "
+        "choices; most free KV blocks; where the request's expected acceptance adds least to "
+        "the replicas' time per output token (cluster/routing/score.py); or slo_aware: the "
+        "same, after keeping the request and the ones running beside it within "
+        "routing_tpot_slo_s. All but round_robin and power_of_two use the replicas' routing "
+        "stats and fall back to power of two choices while those are missing or stale; "
+        "acceptance_aware and slo_aware also need adaptive speculation's measured step time "
+        "(draft.adaptive).",
+    )
+    routing_tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="slo_aware routing: the time per output token (seconds) each request should "
+        "stay within; the router places a request where its predicted TPOT and that of the "
+        "slowest request already there stay below it, where it can.",
+    )
+    speculation_tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        le=10,
+        description="Adaptive speculation (draft.adaptive) keeps drafts from pushing any "
+        "running request's time per output token (seconds) past this: a step drafts only where "
+        "every request in it stays within the SLO, or within the step without drafts where "
+        "that is longer already. Drafts that would raise the batch's throughput by making "
+        "low-acceptance requests beside them miss it are not taken, unless that costs more "
+        "than speculation_tpot_slo_max_loss of the step's goodput. Usually the same value as "
+        "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
+    )
+    speculation_tpot_slo_max_loss: float = Field(
+        GUARD_MAX_LOSS,
+        ge=0,
+        le=1,
+        description="The most of a step's goodput (a fraction) speculation_tpot_slo_s may give "
+        "up; where keeping to the SLO would cost more, the step drafts for throughput. Under "
+        "open-loop load lost throughput lengthens every step (requests that do not draft stay "
+        "longer and the batch grows): where drafts cost little beside the step (prompt lookup "
+        "on a CPU) an unbounded guard takes every request past the SLO (BENCHMARKS.md, issue "
+        "7). 1 always keeps to the SLO; 0 keeps to it only where that costs nothing.",
+    )
+    routing_stats_period_s: float = Field(
+        1.0,
+        gt=0,
+        description="How often each decode replica publishes its routing stats (load, "
+        "acceptance estimates, speculation lengths, step-time model) to the routers.",
+    )
+    routing_max_staleness_s: float = Field(
+        5.0,
+        gt=0,
+        description="Routing stats older than this are not used: the router treats the replica "
+        "as unknown (power of two choices).",
+    )
+
+    @model_validator(mode="after")
+    def _slo_routing_has_an_slo(self) -> DecodeConfig:
+        if self.routing == "slo_aware" and self.routing_tpot_slo_s is None:
+            raise ValueError(
+                "decode.routing is slo_aware but decode.routing_tpot_slo_s is not set: give the "
+                "TPOT SLO in seconds (e.g. 0.05), or choose routing: acceptance_aware"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _staleness_covers_period(self) -> DecodeConfig:
+        if self.routing_max_staleness_s < self.routing_stats_period_s:
+            raise ValueError(
+                f"decode.routing_max_staleness_s ({self.routing_max_staleness_s:g}) is shorter "
+                f"than decode.routing_stats_period_s ({self.routing_stats_period_s:g}): every "
+                "replica's stats would go stale between refreshes; make the bound at least the "
+                "period (two to five periods is typical)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _target_fits_batch(self) -> DecodeConfig:
+        a = self.autoscaling
+        if a is not None and a.target_ongoing_requests > self.max_batch_size:
+            raise ValueError(
+                f"decode.autoscaling.target_ongoing_requests ({a.target_ongoing_requests:g}) "
+                f"exceeds decode.max_batch_size ({self.max_batch_size}): streams would queue "
+                "for a batch slot before the pool scales out; set the target to half to three "
+                "quarters of max_batch_size"
+            )
+        return self
 
 
 class KVConfig(_Frozen):

@@ -19,8 +19,7 @@ from typing import Any
 
 import yaml
 
-from cluster.config import TandemConfig
-from cluster.pool_config import PoolConfig
+from cluster.config import PoolConfig, TandemConfig
 
 APP_NAME = "tandem"
 IMPORT_PATH = "cluster.builder:app_builder"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode.draft_plan import GUARD_MAX_LOSS
 from models.spec import DraftSpec, ModelSpec
+from speculation.goodput import GUARD_MAX_LOSS
 
 
 @dataclass(frozen=True)

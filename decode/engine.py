@@ -22,18 +22,24 @@ from collections import deque
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.build import build_drafter
-from decode.engine_views import engine_stats, routing_view
 from decode.intake import KVIntake
 from decode.outputs import EngineStats, SpecUsage, StepOutput
-from decode.routing_stats import RoutingStats
 from decode.scheduler import Scheduler
 from decode.spec_step import Emission, decode_step
-from decode.speculation_setup import build_speculation
+from decode.speculation import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
-from kvtransfer.shard import ShardSpec, build_shard
 from models.request import FinishReason, Request, RequestStatus
+from runtime.build import build_shard
+from runtime.shard import ShardSpec
+from speculation.calibration import DEFAULT_ACCEPTANCE
+from speculation.routing_stats import (
+    ReplicaLoad,
+    RoutingStats,
+    SpeculationState,
+    collect_routing_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +83,7 @@ class DecodeEngine:
         self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
-        # counters, read by decode.engine_views
+        # counters (stats)
         self.target_tokens_fed = 0
         self.steps = 0
         self.preemptions = 0
@@ -118,11 +124,53 @@ class DecodeEngine:
         return not (self.running or self._outbox or self.waiting)
 
     def stats(self) -> EngineStats:
-        return engine_stats(self)
+        """The engine's counters (a copy: another thread may take it while this one steps)."""
+        return EngineStats(
+            num_blocks=self.cfg.num_blocks,
+            free_blocks=self.allocator.num_free,
+            waiting=len(self.waiting),
+            pulling=len(self.intake.pending),
+            running=len(self.running),
+            target_tokens_fed=self.target_tokens_fed,
+            draft_tokens_fed=self.drafter.tokens_fed if self.drafter else 0,
+            steps=self.steps,
+            preemptions=self.preemptions,
+            kv_recomputed=self.recomputed,
+        )
 
     def routing_stats(self) -> RoutingStats:
-        """The router's view of this replica (``decode.engine_views.routing_view``)."""
-        return routing_view(self)
+        """The router's view of this replica: its load, each batched request's acceptance
+        estimate and the k the speculation policy would give it now, the step-time model, the
+        draft-token and draft-round costs, and the acceptance calibration learned from finished
+        requests. Only copies, so another thread may take it while this one steps."""
+        running = tuple(self.running.values())
+        batch = running[: self.cfg.max_batch_size]
+        load = ReplicaLoad(
+            queued=len(self.waiting) + len(self.intake.pending) + len(running) - len(batch),
+            free_blocks=self.allocator.num_free,
+            num_blocks=self.cfg.num_blocks,
+            block_size=self.cfg.block_size,
+            max_batch_size=self.cfg.max_batch_size,
+        )
+        spec = self.speculation
+        if spec is None:
+            state = SpeculationState(k_max=0, adaptive=False, step_time=None)
+            return collect_routing_stats(
+                [DEFAULT_ACCEPTANCE] * len(batch), [0] * len(batch), load, state
+            )
+        ks = spec.choose(batch, [spec.k_max] * len(batch), 0, self.cfg.max_num_batched_tokens)
+        rounds = self.drafter.rounds if self.drafter is not None else None
+        state = SpeculationState(
+            k_max=spec.k_max,
+            adaptive=spec.adaptive,
+            step_time=spec.step_time,
+            draft_round_s=rounds.round_s if rounds is not None else 0.0,
+            draft_token_s=spec.draft_cost.per_draft(len(batch) + 1) or 0.0,
+            calibration=spec.calibration.cells(),
+            tree_width=spec.tree_width,
+        )
+        alphas = [spec.estimate(r) for r in batch]
+        return collect_routing_stats(alphas, ks, load, state, [spec.draft_width(r) for r in batch])
 
     # ---- the step ------------------------------------------------------------------------
 

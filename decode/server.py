@@ -74,7 +74,7 @@ class DecodeServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this every ``request_routing_stats_period_s`` and hands the dict to
-        every router of this deployment (``decode.routing_stats.RoutingStats``)."""
+        every router of this deployment (``speculation.routing_stats.RoutingStats``)."""
         return self.engine.routing_stats().to_dict()
 
     async def check_health(self) -> None:

@@ -24,9 +24,9 @@ from decode.drafters.base import Drafter, DraftProposal
 from decode.rejection import rejection_sample
 from decode.tree_verify import accept_greedy_path
 from models.request import Request
-from models.runner import ModelRunner, SeqInput, StepResult
 from models.sampling import Stream, accept_uniforms, probs_from_logits, sample_token
 from models.tree import TreeSpan, chain_parents, path_moves
+from runtime.runner import ModelRunner, SeqInput, StepResult
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def decode_step(
         for r, pend, prop, w, sample in zip(reqs, pending, proposals, widths, samples, strict=True)
     ]
     for r in reqs:
-        r.kv_moves = ()  # owed compaction travels with this step (models.runner.run_step)
+        r.kv_moves = ()  # owed compaction travels with this step (runtime.runner.run_step)
     out = target.run(batch)
 
     emissions = [Emission((), 0, 0, len(b.token_ids)) for b in batch]

@@ -1,27 +1,35 @@
 """How many tokens each request speculates this step: pinned, or chosen for goodput.
 
 Adaptive mode picks ``k_i`` per request to maximise the step's expected goodput
-(``decode.goodput``) from each request's acceptance estimate — prefill's probe at first, then
-the running average of what it actually accepts — and this replica's step-time model, measured
-at start-up and refined by the steps it runs (``decode.step_time``). Pinned mode always asks
-for ``k``. Either way, a request whose tokens must not depend on the batch while its drafter's
-proposals depend on where each step began (``Drafter.step_dependent``, with a client-chosen
-seed and sampling) is held at its cap every step.
+(``speculation.goodput.choose_ks``) from each request's acceptance estimate (prefill's probe
+at first, then the running average of what it actually accepts) and this replica's step-time
+model, measured at start-up (``runtime.step_timing``, cached on disk per model, dtype, device,
+TP size, threads and shapes) and refined by the steps it runs
+(``speculation.step_time.StepTimeTracker``). Pinned mode always asks for ``k``. Either way,
+a request whose tokens must not depend on the batch while its drafter's proposals depend on
+where each step began (``Drafter.step_dependent``, with a client-chosen seed and sampling) is
+held at its cap every step.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
-from decode.calibration import AcceptanceCalibration, calibration_key
-from decode.draft_cost import DraftCost
-from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
-from decode.drafters.base import Drafter
-from decode.goodput import StepTimeModel
-from decode.step_time import StepTimeTracker
-from models.request import Request
+import torch
 
-DEFAULT_ACCEPTANCE = 0.5  # the replica's prior before it has verified anything
+from decode.config import DecodeEngineConfig
+from decode.drafters.base import Drafter
+from kvtransfer.allocator import BlockAllocator
+from models.request import Request
+from models.weights import default_cache_dir
+from runtime.runner import ModelRunner
+from runtime.step_timing import METHOD, cached_step_time, calibration_points, measure_step_time
+from speculation.calibration import DEFAULT_ACCEPTANCE, AcceptanceCalibration, calibration_key
+from speculation.draft_cost import DraftCost
+from speculation.goodput import GUARD_MAX_LOSS, DraftBatch, StepCosts, TpotGuard, choose_ks
+from speculation.step_time import StepTimeModel, StepTimeTracker
+
 EMA = 0.2  # weight of a request's newest verified step in its acceptance estimate
 PRIOR_EMA = 0.01  # weight of any request's verified step in the replica's prior
 
@@ -33,7 +41,7 @@ class SpeculationPolicy:
     that did not run), from the replica's prior: the slow average of what every request here
     has accepted, so a request is not judged by its first verified step alone (one lucky draft
     would read as certain acceptance). Either is then calibrated by what finished requests of
-    the same temperature and probe bins accepted here (``decode.calibration``).
+    the same temperature and probe bins accepted here (``speculation.calibration``).
 
     With ``tpot_slo_s`` (adaptive mode), drafts push no request's time per output token past
     the SLO (``choose_ks``): a replica serving an SLO gives up the throughput of drafts that
@@ -59,7 +67,7 @@ class SpeculationPolicy:
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
         self.draft_cost = DraftCost()  # what a draft token adds to the target's step
-        self.drafter = drafter  # whose rounds (decode.draft_rounds) a step pays, if any
+        self.drafter = drafter  # whose draft rounds (DraftRounds) a step pays, if any
         self.calibration = AcceptanceCalibration()
 
     def start(self, r: Request) -> None:
@@ -103,7 +111,7 @@ class SpeculationPolicy:
 
     def observe(self, seqs: int, tokens: int, seconds: float, in_rounds_s: float = 0.0) -> None:
         """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds``, of which
-        ``in_rounds_s`` went to draft rounds (``decode.draft_rounds``). Adaptive mode learns
+        ``in_rounds_s`` went to draft rounds (``DraftRounds``). Adaptive mode learns
         from the rest the target's step time and what a draft token adds to it; the rounds are
         priced per step apart (``choose_ks``'s ``round_s``)."""
         if self.tracker is not None:
@@ -170,16 +178,42 @@ class SpeculationPolicy:
         round_s = rounds.round_s if rounds is not None else 0.0
         payers = [d.pays_rounds(r) for r in reqs] if d is not None and round_s > 0 else None
         return choose_ks(
-            alphas,
-            self.tracker.model,
-            caps,
-            budget,
-            fixed_tokens,
-            per_draft,
-            costs,
-            round_s,
-            paid_rounds,
-            payers,
-            self.tpot_slo_s,
-            self.tpot_slo_max_loss,
+            DraftBatch(alphas, caps, costs, payers),
+            StepCosts(self.tracker.model, budget, fixed_tokens, per_draft, round_s, paid_rounds),
+            TpotGuard(self.tpot_slo_s, self.tpot_slo_max_loss),
         )
+
+
+def build_speculation(
+    cfg: DecodeEngineConfig, drafter: Drafter, target: ModelRunner, allocator: BlockAllocator
+) -> SpeculationPolicy:
+    """Pinned k, or adaptive k over the replica's measured (or cached) step-time model."""
+    d = cfg.draft
+    held = drafter.step_dependent
+    if not d.adaptive:
+        return SpeculationPolicy(d.num_speculative_tokens, None, held, d.tree_width, drafter)
+    shapes = calibration_points(
+        min(cfg.max_batch_size, 32),
+        d.num_speculative_tokens + 1,
+        min(cfg.max_num_batched_tokens, 256),
+    )
+    t = cfg.target
+    key = (
+        f"v{METHOD}-{t.fingerprint()}-{t.dtype}-{cfg.device}-tp{cfg.tp_size}"
+        f"-t{torch.get_num_threads()}-{shapes}"
+    )
+    path = (
+        default_cache_dir() / "steptime" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+    )
+    model = cached_step_time(
+        path, lambda: measure_step_time(target, allocator, cfg.block_size, shapes)
+    )
+    return SpeculationPolicy(
+        d.num_speculative_tokens,
+        model,
+        held,
+        d.tree_width,
+        drafter,
+        cfg.speculation_tpot_slo_s,
+        cfg.speculation_tpot_slo_max_loss,
+    )

@@ -20,7 +20,7 @@ exactly.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +28,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from models.attention import SeqSlice, build_attention_metadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaDecoderLayer, load_layer
 from models.parallel import TPContext
-from models.runner import SeqInput, StepResult
 from models.weights import load_state_dict
 
 
@@ -211,38 +209,3 @@ def load_eagle(folder: Path, target_folder: Path, dtype: torch.dtype, device: st
     head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
     head.load(load_state_dict(folder), load_state_dict(target_folder))
     return head.eval()
-
-
-class EagleRunner:
-    """Runs the head over its paged KV: like ``models.runner.LocalRunner``, plus features."""
-
-    def __init__(self, head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> None:
-        self.head = head
-        self.kv_pool = kv_pool  # [1, 2, Hkv, num_blocks, block_size, head_dim]
-        self.block_size = block_size
-
-    @torch.inference_mode()
-    def run(self, batch: Sequence[SeqInput], features: torch.Tensor) -> StepResult:
-        """features: [T, H], one per new token of the batch, in batch order."""
-        dev = self.head.device
-        meta = build_attention_metadata(
-            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
-            self.block_size,
-            dev,
-            self.head.rope.cos,
-            self.head.rope.sin,
-        )
-        ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
-        hidden = self.head(ids, features.to(dev), self.kv_pool, meta)  # [T, H]
-        rows: list[int] = []
-        start = 0
-        for s in batch:
-            rows.extend(start + p for p in s.logit_positions)
-            start += len(s.token_ids)
-        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
-        return StepResult(
-            hidden=picked,
-            logits=self.head.logits(picked),
-            rows_per_seq=tuple(len(s.logit_positions) for s in batch),
-            all_hidden=hidden,
-        )

@@ -71,7 +71,7 @@ class Request:
     kv_moves: tuple[tuple[int, int], ...] = ()
     acceptance_estimate: float | None = None  # calibrated probe at first, refined by decode
     acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
-    calibration_key: tuple[int, int] | None = None  # decode.calibration cell, once started
+    calibration_key: tuple[int, int] | None = None  # speculation.calibration cell, once started
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: FinishReason | None = None
     error: str | None = None

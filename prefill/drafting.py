@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.eagle import EagleRunner
-from models.runner import ModelRunner, SeqInput, StepResult
+from runtime.runner import EagleRunner, ModelRunner, SeqInput, StepResult
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,7 @@ import torch
 from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
-from kvtransfer.shard import ShardSpec, build_shard
 from models.request import FinishReason, Request
-from models.runner import SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
 from models.spec import DraftKind
 from prefill.chunks import plan_chunks, window_rows
@@ -41,6 +39,9 @@ from prefill.drafting import run_draft
 from prefill.probe import acceptance_probe
 from prefill.prompt_state import Done, PromptState
 from prefill.stats import PrefillStats
+from runtime.build import build_shard
+from runtime.runner import SeqInput
+from runtime.shard import ShardSpec
 
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 0.0002  # progress period while some lease may be read

@@ -17,8 +17,7 @@ import numpy.typing as npt
 
 from bench.routersim.profiles import Profile
 from bench.routersim.workload import RequestClass
-from decode.draft_plan import choose_ks
-from decode.goodput import expected_tokens
+from speculation.goodput import DraftBatch, StepCosts, TpotGuard, choose_ks, expected_tokens
 
 LOGNORMAL_MEAN = math.exp(0.6**2 / 2)  # mean over median of the workload's length law
 FloatArray = npt.NDArray[np.float64]
@@ -69,13 +68,9 @@ def full_batch(
             break  # the same batch again: at its fixed point
         alphas = [c.alpha for c, m in zip(mix, n, strict=True) for _ in range(m)]
         ks = choose_ks(
-            alphas,
-            p.step_time,
-            p.k_max,
-            p.max_batched_tokens,
-            round_s=p.draft_round_s,
-            tpot_slo_s=tpot_slo_s,
-            tpot_slo_max_loss=1.0,  # whatever it costs
+            DraftBatch(alphas, p.k_max),
+            StepCosts(p.step_time, p.max_batched_tokens, round_s=p.draft_round_s),
+            TpotGuard(tpot_slo_s, max_loss=1.0),  # whatever it costs
         )
         start = 0
         for i, (c, m) in enumerate(zip(mix, n, strict=True)):

@@ -5,7 +5,7 @@ accepted drafts, drawn from the truncated geometric law of its class's acceptanc
 recovered or bonus token; finished requests leave and free their KV; queued requests whose KV
 has arrived join (up to ``max_batch`` sequences; KV for prompt plus output is reserved on
 joining, so nothing is preempted); then the next step's speculation lengths come from
-``decode.draft_plan.choose_ks`` over the batch's acceptance rates (charging the draft rounds, as
+``speculation.goodput.choose_ks`` over the batch's acceptance rates (charging the draft rounds, as
 the engine does), and the step takes
 ``StepTimeModel.predict(sum(1 + k_i))`` seconds plus ``max k_i`` draft rounds of
 ``draft_round_s`` each (a draft model proposes in sequential rounds). A replica with nothing to
@@ -31,8 +31,14 @@ import numpy.typing as npt
 from bench.routersim.profiles import Profile
 from cluster.routing.score import StepTable
 from cluster.routing.table import ReplicaTable
-from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
-from decode.goodput import expected_tokens
+from speculation.goodput import (
+    GUARD_MAX_LOSS,
+    DraftBatch,
+    StepCosts,
+    TpotGuard,
+    choose_ks,
+    expected_tokens,
+)
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -208,13 +214,11 @@ class DecodePool:
         alphas = [float(a) for a, n in zip(self.alphas, q.tolist(), strict=True) for _ in range(n)]
         ks = np.asarray(
             choose_ks(
-                alphas,
-                self.p.step_time,
-                self.p.k_max,
-                self.p.max_batched_tokens,
-                round_s=self.p.draft_round_s,
-                tpot_slo_s=self.engine_tpot_slo_s,
-                tpot_slo_max_loss=self.engine_slo_max_loss,
+                DraftBatch(alphas, self.p.k_max),
+                StepCosts(
+                    self.p.step_time, self.p.max_batched_tokens, round_s=self.p.draft_round_s
+                ),
+                TpotGuard(self.engine_tpot_slo_s, self.engine_slo_max_loss),
             )
         )
         starts = np.concatenate([[0], np.cumsum(q)])

@@ -1,12 +1,12 @@
 """Step-time profiles the router simulator runs on: this machine's CPU, and an H200 on paper.
 
-Both are ``decode.goodput.StepTimeModel``s (seconds per decode step as a function of the tokens
+Both are ``speculation.goodput.StepTimeModel``s (seconds per decode step as a function of the tokens
 the target scores), the model the engine's adaptive speculation and the router also use.
 
 **cpu** — measured: ``bench/results/engine_step.json`` (``bench/engine_step.py``), the engine's
 own forward over ``k + 1`` tokens per sequence at batch 1 and 8 (2 threads, float32, embedded
 SmolLM2-135M). Shapes with the same token count are averaged and the curve made monotone (a
-running maximum; the engine's ``decode.step_time`` uses an isotonic fit); a point above 1.5x
+running maximum; the engine's ``speculation.step_time`` uses an isotonic fit); a point above 1.5x
 both neighbours is dropped as noise (batch 8, k = 7: 329 ms between 158 and 187). Prefill:
 42 ms + 2.2 ms per prompt token (FACTS.md: transformers' forward, 1 token 42 ms, 32 tokens 109 ms).
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from decode.goodput import StepTimeModel
+from speculation.step_time import StepTimeModel
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

@@ -24,7 +24,7 @@ from bench.routersim.profiles import Profile
 from bench.routersim.workload import Workload
 from cluster.routing.policies import RouteRequest, make_policy
 from cluster.routing.table import ReplicaTable
-from decode.draft_plan import GUARD_MAX_LOSS
+from speculation.goodput import GUARD_MAX_LOSS
 
 FloatArray = npt.NDArray[np.float64]
 

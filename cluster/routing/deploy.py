@@ -7,7 +7,7 @@ from typing import Any
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from cluster.pool_config import DecodeConfig, PrefillConfig
+from cluster.config import DecodeConfig, PrefillConfig
 from cluster.routing.ray_routers import (
     AcceptanceAwareRouter,
     LeastKVRouter,

@@ -15,9 +15,15 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from cluster.routing.score import Outlook, placement, placement_outlook
+from cluster.routing.score import (
+    Outlook,
+    ReplicaStep,
+    ReplicaSteps,
+    placement,
+    placement_outlook,
+)
 from cluster.routing.table import BoolArray, ReplicaTable
-from decode.goodput import expected_tokens
+from speculation.goodput import expected_tokens
 
 FloatArray = npt.NDArray[np.float64]
 Ranks = list[list[int]]
@@ -64,19 +70,16 @@ def record_routed(req: RouteRequest, table: ReplicaTable, row: int, now: float) 
     width = int(max(table.tree_width[row], 1)) if req.greedy else 1
     mid = int(table.model_id[row])
     if mid >= 0 and table.has_stats[row]:
-        k = placement(
-            req.alpha,
-            int(table.k_max[row]),
-            int(table.eff_tokens[row]),
-            float(table.eff_weight[row]),
-            float(table.eff_emitted[row]),
-            bool(table.adaptive[row]),
-            int(table.eff_max_k[row]),
-            float(table.draft_round_s[row]),
-            table.steps[mid],
-            float(table.draft_token_s[row]),
-            width,
-        ).k
+        replica = ReplicaStep(
+            step_tokens=int(table.eff_tokens[row]),
+            tpot_weight=float(table.eff_weight[row]),
+            step_emitted=float(table.eff_emitted[row]),
+            adaptive=bool(table.adaptive[row]),
+            step_max_k=int(table.eff_max_k[row]),
+            draft_round_s=float(table.draft_round_s[row]),
+            draft_token_s=float(table.draft_token_s[row]),
+        )
+        k = placement(req.alpha, int(table.k_max[row]), replica, table.steps[mid], width).k
     blocks = math.ceil((req.prompt_tokens + 1) / max(int(table.block_size[row]), 1))
     joins = bool(table.eff_slots[row] > 0)
     table.add_routed(row, k, expected_tokens(req.alpha, k), blocks, joins, now, width)
@@ -188,29 +191,36 @@ class AcceptanceAware(RoutingPolicy):
 
     def outlook(self, req: RouteRequest, table: ReplicaTable) -> Outlook:
         """The request's predicted fate on every row."""
-        adaptive, k_max = table.adaptive_mask(), table.k_cap()
+        k_max = table.k_cap()
         # tokens per draft level on each row: its tree width for a greedy request (None: 1)
         width = np.maximum(table.tree_width, 1.0) if req.greedy else None
         if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
-            return placement_outlook(
-                req.alpha, k_max, table.eff_tokens, table.eff_weight, table.eff_emitted,
-                adaptive, table.eff_max_k, table.draft_round_s, next(iter(table.steps.values())),
-                table.draft_token_s, width,
-            )  # fmt: skip
+            only = next(iter(table.steps.values()))
+            return placement_outlook(req.alpha, k_max, _replica_steps(table, None), only, width)
         n = table.size
         inf = np.full(n, np.inf)
         out = Outlook(np.zeros(n, np.int64), inf.copy(), inf.copy(), np.ones(n), inf.copy())
         for mid, steps in table.steps.items():
             s = table.model_id == mid
-            part = placement_outlook(
-                req.alpha, k_max, table.eff_tokens[s], table.eff_weight[s],
-                table.eff_emitted[s], adaptive[s], table.eff_max_k[s],
-                table.draft_round_s[s], steps, table.draft_token_s[s],
-                None if width is None else width[s],
-            )  # fmt: skip
+            w = None if width is None else width[s]
+            part = placement_outlook(req.alpha, k_max, _replica_steps(table, s), steps, w)
             for name in ("k", "step_s", "base_s", "expected", "cost_s"):
                 getattr(out, name)[s] = getattr(part, name)
         return out
+
+
+def _replica_steps(table: ReplicaTable, rows: BoolArray | None) -> ReplicaSteps:
+    """The table's effective view of ``rows`` (None: every row), as placements score it."""
+    sel = slice(None) if rows is None else rows
+    return ReplicaSteps(
+        step_tokens=table.eff_tokens[sel],
+        tpot_weight=table.eff_weight[sel],
+        step_emitted=table.eff_emitted[sel],
+        adaptive=table.adaptive_mask()[sel],
+        step_max_k=table.eff_max_k[sel],
+        draft_round_s=table.draft_round_s[sel],
+        draft_token_s=table.draft_token_s[sel],
+    )
 
 
 class SloAware(AcceptanceAware):

@@ -1,14 +1,14 @@
 """Ray Serve request routers running the policies of ``cluster.routing``.
 
 Decode routers (``AcceptanceAwareRouter``, ``SloAwareRouter``, ``LeastKVRouter``,
-``RoundRobinRouter``) keep a
-``ReplicaTable`` in step with the deployment's replicas: Ray Serve hands them each replica's
-``routing_stats`` (what ``DecodeServer.record_routing_stats`` returned, refreshed every
-``request_routing_stats_period_s``) through ``update_replicas``; a snapshot is parsed once, when
-its timestamp changes. ``choose_replicas`` reads the pending ``generate(req, handoff)`` call's
-arguments (its acceptance estimate calibrated by the replicas' published acceptance cells,
-``cluster.routing.calibration``) and returns the policy's ranks; ``on_request_routed`` records
-the request on the chosen row's overlay. Power of two choices is Ray Serve's own default router.
+``RoundRobinRouter``) keep a ``ReplicaTable`` in step with the deployment's replicas: Ray Serve
+hands them each replica's ``routing_stats`` (what ``DecodeServer.record_routing_stats``
+returned, refreshed every ``request_routing_stats_period_s``) through ``update_replicas``; a
+snapshot is parsed once, when its timestamp changes. ``choose_replicas`` reads the pending
+``generate(req, handoff)`` call's arguments (its acceptance estimate calibrated by the
+replicas' published acceptance cells, ``speculation.calibration.CalibrationPool``) and returns
+the policy's ranks; ``on_request_routed`` records the request on the chosen row's overlay.
+Power of two choices is Ray Serve's own default router.
 
 ``PrefixAffinityRouter`` places prefill calls: power of two choices over this router's own count
 of requests in flight per replica, with affinity to the replica that last prefilled the prompt's
@@ -25,14 +25,14 @@ from typing import Any, ClassVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.routing.calibration import CalibrationPool
 from cluster.routing.observe import RouterMetrics, basis_of
 from cluster.routing.policies import RouteRequest, RoutingPolicy, make_policy, two_choices
 from cluster.routing.prefix import PrefixAffinity
 from cluster.routing.request_info import request_of, route_request
 from cluster.routing.table import ReplicaTable
-from decode.routing_stats import RoutingStats
 from kvtransfer.allocator import block_hashes
+from speculation.calibration import CalibrationPool
+from speculation.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
 REMEMBERED = 4096  # decisions kept until Ray Serve reports where the request went

@@ -6,7 +6,7 @@ The ingress calls ``prefill.prefill(req)`` and then ``decode.generate(req, hando
 without one (colocated mode, no prefill) the request's own estimate, or else a prior from its
 temperature: sampling at temperature 1 accepts far fewer drafts than greedy decoding. The
 router then calibrates that estimate by what finished requests like it accepted
-(``cluster.routing.calibration``).
+(``speculation.calibration.CalibrationPool``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from cluster.routing.calibration import CalibrationPool
 from cluster.routing.policies import RouteRequest
-from decode.calibration import calibration_key
-from decode.speculation import DEFAULT_ACCEPTANCE
 from kvtransfer.handoff import KVHandoff
 from models.request import Request
+from speculation.calibration import DEFAULT_ACCEPTANCE, CalibrationPool, calibration_key
 
 
 def acceptance_prior(temperature: float) -> float:

@@ -1,14 +1,15 @@
-"""What placing one request on a decode replica costs, by the goodput model (``decode.goodput``).
+"""What placing one request on a decode replica costs, by the goodput model
+(``speculation.goodput``).
 
 A replica's next step scores ``t`` tokens, takes ``T(t)`` seconds and emits ``G`` tokens; its
-running requests have TPOT weight ``W = sum_i 1 / E(alpha_i, k_i)`` (``decode.routing_stats``).
+running requests have TPOT weight ``W = sum_i 1 / E(alpha_i, k_i)`` (``speculation.routing_stats``).
 A request of acceptance ``alpha`` placed there:
 
 - gets the speculation length the replica's engine would grant it. Adaptive speculation
   (``choose_ks``) admits a draft level while its expected gain ``alpha^m`` beats what the
   level's ``w`` tokens cost at the batch's goodput, ``w * theta`` with
   ``theta = (G / T) * max(T(t + 1) - T(t), c)``, where ``c`` is what a draft token costs there
-  as the replica has measured it (``decode.draft_cost``; 0 until it has) and ``w`` the width of
+  as the replica has measured it (``DraftCost``; 0 until it has) and ``w`` the width of
   the request's draft there: the replica's ``tree_width`` for a greedy request, else 1 (a
   chain); a level deeper than the batch's longest speculation ``m`` also costs a draft round
   ``r`` (below), ``(G / T) * r`` more; so
@@ -41,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from decode.goodput import StepTimeModel, expected_tokens
+from speculation.goodput import expected_tokens
+from speculation.step_time import StepTimeModel
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -72,35 +74,39 @@ def granted_k(alpha: float, k_max: int, theta: FloatArray) -> IntArray:
     return k
 
 
+@dataclass(frozen=True)
+class ReplicaStep:
+    """A replica's next step as a router scores it: its ``RoutingStats`` aggregates plus what
+    the router sent it since (the table's ``eff_*`` columns)."""
+
+    step_tokens: int  # tokens the step scores
+    tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
+    step_emitted: float  # tokens the step emits
+    adaptive: bool  # the engine chooses k per request (else it pins k_max)
+    step_max_k: int  # the longest speculation in the batch: draft rounds per step
+    draft_round_s: float  # one draft round (0: no model drafter)
+    draft_token_s: float = 0.0  # the replica's learned cost of a draft token (0: unknown)
+
+
 def placement(
-    alpha: float,
-    k_max: int,
-    step_tokens: int,
-    tpot_weight: float,
-    step_emitted: float,
-    adaptive: bool,
-    step_max_k: int,
-    draft_round_s: float,
-    model: StepTimeModel | StepTable,
-    draft_token_s: float = 0.0,
-    width: int = 1,
+    alpha: float, k_max: int, r: ReplicaStep, model: StepTimeModel | StepTable, width: int = 1
 ) -> Placement:
     """The cost of placing a request of acceptance ``alpha`` on one replica (scalar form);
     ``width``: tokens per draft level of the request there (its tree's width, else 1)."""
-    target = model.predict(step_tokens)
-    joined = model.predict(step_tokens + 1)
+    target = model.predict(r.step_tokens)
+    joined = model.predict(r.step_tokens + 1)
     k = k_max
-    if adaptive:
-        theta = width * step_emitted / target * max(joined - target, draft_token_s)
-        deeper = step_emitted / target * draft_round_s  # a level beyond step_max_k: a round
+    if r.adaptive:
+        theta = width * r.step_emitted / target * max(joined - target, r.draft_token_s)
+        deeper = r.step_emitted / target * r.draft_round_s  # a level beyond step_max_k: a round
         k = sum(  # alpha^m falls with m, the threshold rises: a prefix of the levels
-            1 for m in range(1, k_max + 1) if alpha**m > theta + (deeper if m > step_max_k else 0)
+            1 for m in range(1, k_max + 1) if alpha**m > theta + (deeper if m > r.step_max_k else 0)
         )
-    base = target + draft_round_s * step_max_k
-    drafts = max(model.predict(step_tokens + 1 + width * k) - joined, draft_token_s * width * k)
-    step = joined + drafts + draft_round_s * max(step_max_k, k)
+    base = target + r.draft_round_s * r.step_max_k
+    drafts = max(model.predict(r.step_tokens + 1 + width * k) - joined, r.draft_token_s * width * k)
+    step = joined + drafts + r.draft_round_s * max(r.step_max_k, k)
     tpot = step / expected_tokens(alpha, k)
-    slow = (step - base) * tpot_weight
+    slow = (step - base) * r.tpot_weight
     return Placement(k, tpot, slow, tpot + SLOWDOWN_WEIGHT * slow)
 
 
@@ -145,33 +151,37 @@ class Outlook:
         return out
 
 
+@dataclass(frozen=True)
+class ReplicaSteps:
+    """``ReplicaStep`` over many replicas at once (one entry per replica)."""
+
+    step_tokens: FloatArray  # [D]
+    tpot_weight: FloatArray  # [D]
+    step_emitted: FloatArray  # [D]
+    adaptive: npt.NDArray[np.bool_]  # [D]
+    step_max_k: FloatArray  # [D]
+    draft_round_s: FloatArray  # [D]
+    draft_token_s: FloatArray | None = None  # [D]; None: unknown everywhere
+
+
 def placement_outlook(
-    alpha: float,
-    k_max: int,
-    step_tokens: FloatArray,
-    tpot_weight: FloatArray,
-    step_emitted: FloatArray,
-    adaptive: npt.NDArray[np.bool_],
-    step_max_k: FloatArray,
-    draft_round_s: FloatArray,
-    steps: StepTable,
-    draft_token_s: FloatArray | None = None,
-    width: FloatArray | None = None,
+    alpha: float, k_max: int, r: ReplicaSteps, steps: StepTable, width: FloatArray | None = None
 ) -> Outlook:
-    """``placement(...)`` over many replicas sharing one step-time model, at once."""
-    t = step_tokens.astype(np.int64)  # [D]
+    """``placement(...)`` over many replicas sharing one step-time model, at once; ``width``:
+    [D] tokens per draft level of the request on each (None: 1)."""
+    t = r.step_tokens.astype(np.int64)  # [D]
     target = steps.at(t)
     joined = steps.at(t + 1)
-    c = np.zeros_like(target) if draft_token_s is None else draft_token_s  # [D]
+    c = np.zeros_like(target) if r.draft_token_s is None else r.draft_token_s  # [D]
     w = np.ones(t.shape, dtype=np.int64) if width is None else width.astype(np.int64)  # [D]
-    theta = w * step_emitted / target * np.maximum(joined - target, c)
+    theta = w * r.step_emitted / target * np.maximum(joined - target, c)
     shallow = granted_k(alpha, k_max, theta)  # levels that need no round of their own
-    m = step_max_k.astype(np.int64)
-    deep = granted_k(alpha, k_max, theta + step_emitted / target * draft_round_s)
-    k = np.where(adaptive, np.where(shallow <= m, shallow, np.maximum(m, deep)), k_max)
-    base = target + draft_round_s * step_max_k
+    m = r.step_max_k.astype(np.int64)
+    deep = granted_k(alpha, k_max, theta + r.step_emitted / target * r.draft_round_s)
+    k = np.where(r.adaptive, np.where(shallow <= m, shallow, np.maximum(m, deep)), k_max)
+    base = target + r.draft_round_s * r.step_max_k
     drafts = np.maximum(steps.at(t + 1 + w * k) - joined, c * w * k)
-    step = joined + drafts + draft_round_s * np.maximum(step_max_k, k)
-    slow = (step - base) * tpot_weight
+    step = joined + drafts + r.draft_round_s * np.maximum(r.step_max_k, k)
+    slow = (step - base) * r.tpot_weight
     e = expected_table(alpha, k_max)[k]
     return Outlook(k, step, base, e, step / e + SLOWDOWN_WEIGHT * slow)

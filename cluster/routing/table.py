@@ -8,24 +8,111 @@ newer snapshot arrives, overlay entries older than it are dropped (the snapshot 
 Rows are assigned by the caller (the Ray Serve router or the simulator) and reused after
 ``clear``. The table never calls out; it is fed and read. Policies read the ``eff_*`` columns
 (snapshot plus overlay), kept current on every change so that a decision adds nothing up.
+The overlay's entries are kept per row (``SentLog``) until a snapshot counts them, and the rows'
+step-time models are shared and tabulated once per distinct model (``StepModels``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from cluster.routing.columns import EFFECTIVE, OVERLAY, STATS, Columns
 from cluster.routing.score import StepTable
-from cluster.routing.sent import Sent, SentLog
-from cluster.routing.step_models import StepModels
-from decode.goodput import StepTimeModel
-from decode.routing_stats import RoutingStats
+from speculation.routing_stats import RoutingStats
+from speculation.step_time import StepTimeModel
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+
+
+class Sent(NamedTuple):
+    """A request this router sent a replica."""
+
+    time: float  # when it was sent (router clock)
+    k: int  # draft levels it is predicted to verify per step
+    expected: float  # tokens it is predicted to emit per step
+    blocks: int  # KV blocks its prompt takes
+    joins: bool  # joins the batch (else the queue)
+    width: int  # tokens per draft level (its tree's width, else 1)
+
+
+class SentLog:
+    """Per row, the requests sent since its snapshot, oldest first."""
+
+    def __init__(self) -> None:
+        self._rows: list[deque[Sent]] = []
+
+    def grow(self, n: int) -> None:
+        """Room for ``n`` more rows."""
+        self._rows.extend(deque() for _ in range(n))
+
+    def add(self, row: int, sent: Sent) -> None:
+        self._rows[row].append(sent)
+
+    def clear(self, row: int) -> None:
+        self._rows[row].clear()
+
+    def __contains__(self, row: int) -> bool:
+        """Whether anything sent to ``row`` is not yet in its snapshot."""
+        return bool(self._rows[row])
+
+    def drop_until(self, row: int, snapshot_time: float) -> Iterator[Sent]:
+        """Remove and yield the requests a snapshot taken at ``snapshot_time`` counts."""
+        log = self._rows[row]
+        while log and log[0].time <= snapshot_time:
+            yield log.popleft()
+
+    def joined_peaks(self, row: int) -> tuple[int, float]:
+        """Among the requests still logged that joined the batch: the largest k and the largest
+        ``1 / expected`` (the slowest one's TPOT per second of step time)."""
+        joined = [s for s in self._rows[row] if s.joins]
+        k = max((s.k for s in joined), default=0)
+        return k, max((1 / s.expected for s in joined), default=0.0)
+
+
+class StepModels:
+    """The step-time models a router scores replicas with: one per distinct model, shared by
+    every replica that publishes it, each tabulated once (``StepTable``) for scoring all rows at
+    a time. Replicas refine their models while serving, so a model no replica uses any more is
+    dropped."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, StepTimeModel] = {}
+        self.steps: dict[int, StepTable] = {}
+        self._ids: dict[tuple[tuple[int, float], ...], int] = {}
+        self._refs: dict[int, int] = {}  # rows using each model
+        self._next = 0
+
+    def index(self, model: StepTimeModel | None) -> int:
+        """The id of ``model`` (-1 for none); equal models share one."""
+        if model is None:
+            return -1
+        i = self._ids.get(model.points)
+        if i is None:
+            i = self._ids[model.points] = self._next
+            self._next += 1
+            self.models[i], self.steps[i] = model, StepTable.of(model)
+            self._refs[i] = 0
+        return i
+
+    def acquire(self, mid: int, rows: int) -> None:
+        """``rows`` more rows use model ``mid``."""
+        if mid >= 0:
+            self._refs[mid] += rows
+
+    def release(self, mid: int, rows: int) -> None:
+        """``rows`` rows stopped using model ``mid``; at none it is dropped."""
+        if mid < 0:
+            return
+        self._refs[mid] -= rows
+        if self._refs[mid] == 0:
+            del self._ids[self.models.pop(mid).points]
+            del self.steps[mid], self._refs[mid]
 
 
 class ReplicaTable(Columns):

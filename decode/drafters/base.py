@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from decode.draft_rounds import DraftRounds
 from models.request import Request
+from speculation.draft_cost import DraftRounds
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Drafter(ABC):
     #: (an EAGLE head's later drafts read its own predicted features): then a seeded sampled
     #: request's tokens depend on its speculation lengths, which must not depend on the batch
     step_dependent: bool = False
-    #: a model drafter's timing of its sequential rounds (``decode.draft_rounds``); None for
+    #: a model drafter's timing of its sequential rounds (``speculation.draft_cost``); None for
     #: drafters without a model forward
     rounds: DraftRounds | None = None
 

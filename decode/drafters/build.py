@@ -7,9 +7,8 @@ from decode.drafters.draft_model import DraftModelDrafter
 from decode.drafters.eagle import EagleDrafter
 from decode.drafters.lookup_first import LookupFirstDrafter
 from decode.drafters.ngram import NgramDrafter
-from models.eagle import EagleRunner
-from models.runner import ModelRunner
 from models.spec import DraftKind, DraftSpec
+from runtime.runner import EagleRunner, ModelRunner
 
 
 def build_drafter(spec: DraftSpec, runner: ModelRunner | EagleRunner | None) -> Drafter | None:

@@ -6,11 +6,11 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.draft_rounds import DraftRounds
 from decode.drafters.base import Drafter, DraftProposal
 from models.request import Request
-from models.runner import ModelRunner, SeqInput
 from models.sampling import Stream, probs_from_logits, sample_token
+from runtime.runner import ModelRunner, SeqInput
+from speculation.draft_cost import DraftRounds
 
 
 class DraftModelDrafter(Drafter):

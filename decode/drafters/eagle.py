@@ -16,13 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from decode.draft_rounds import DraftRounds
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle_tree import grow_trees
-from models.eagle import EagleRunner
 from models.request import Request
-from models.runner import SeqInput, StepResult
 from models.sampling import Stream, probs_from_logits, sample_token
+from runtime.runner import EagleRunner, SeqInput, StepResult
+from speculation.draft_cost import DraftRounds
 
 
 class EagleDrafter(Drafter):

@@ -20,11 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode.draft_rounds import DraftRounds
-from models.eagle import EagleRunner
 from models.request import Request
-from models.runner import SeqInput
 from models.tree import TreeSpan
+from runtime.runner import EagleRunner, SeqInput
+from speculation.draft_cost import DraftRounds
 
 
 @dataclass

@@ -20,7 +20,7 @@ from bench.routersim.sim import SimConfig, simulate_decode
 from bench.routersim.workload import DEFAULT_MIX, generate, mix_with
 from cluster.routing.policies import RouteRequest
 from cluster.routing.table import ReplicaTable
-from decode.draft_plan import GUARD_MAX_LOSS
+from speculation.goodput import GUARD_MAX_LOSS
 
 
 def test_every_request_is_routed_once_and_finishes_once() -> None:

@@ -21,14 +21,20 @@ from cluster.routing.policies import (
 )
 from cluster.routing.prefix import PrefixAffinity, PrefixIndex
 from cluster.routing.request_info import acceptance_prior, route_request
-from cluster.routing.score import placement
+from cluster.routing.score import ReplicaStep, placement
 from cluster.routing.table import ReplicaTable
-from decode.goodput import StepTimeModel, expected_tokens
-from decode.routing_stats import RoutingStats, collect_routing_stats
 from kvtransfer.allocator import block_hashes
 from kvtransfer.handoff import KVCompat, KVHandoff
 from models.request import Request
 from models.sampling import SamplingParams
+from speculation.goodput import expected_tokens
+from speculation.routing_stats import (
+    ReplicaLoad,
+    RoutingStats,
+    SpeculationState,
+    collect_routing_stats,
+)
+from speculation.step_time import StepTimeModel
 
 MODEL = StepTimeModel.linear(0.010, 0.0005)
 NOW = 100.0
@@ -43,10 +49,12 @@ def stats(
     round_s: float = 0.002,
 ) -> RoutingStats:
     return collect_routing_stats(
-        alphas, ks, queued=queued, free_blocks=free, num_blocks=1000, block_size=16,
-        max_batch_size=64, k_max=4, adaptive=True, step_time=MODEL, draft_round_s=round_s,
+        alphas,
+        ks,
+        ReplicaLoad(queued, free, num_blocks=1000, block_size=16, max_batch_size=64),
+        SpeculationState(k_max=4, adaptive=True, step_time=MODEL, draft_round_s=round_s),
         now=at,
-    )  # fmt: skip
+    )
 
 
 def table(*snapshots: RoutingStats, received: float = NOW) -> ReplicaTable:
@@ -106,10 +114,12 @@ def test_refined_step_time_models_replace_each_other_and_mixed_pools_score() -> 
     for i in range(50):  # replica 0 refines its model 50 times
         slower = StepTimeModel.linear(0.010 * (1 + i / 10), 0.0005)
         s = collect_routing_stats(
-            [0.5] * 8, [2] * 8, queued=0, free_blocks=1000, num_blocks=1000, block_size=16,
-            max_batch_size=64, k_max=4, adaptive=True, step_time=slower, draft_round_s=0.002,
+            [0.5] * 8,
+            [2] * 8,
+            ReplicaLoad(0, 1000, num_blocks=1000, block_size=16, max_batch_size=64),
+            SpeculationState(k_max=4, adaptive=True, step_time=slower, draft_round_s=0.002),
             now=NOW,
-        )  # fmt: skip
+        )
         t.set_stats(0, s, NOW)
     assert len(t.models) == len(t.steps) == 2  # replica 0's latest, replica 1's
     p = AcceptanceAware(max_staleness_s=5.0, seed=0)
@@ -266,10 +276,14 @@ def test_a_greedy_request_is_priced_as_the_tree_it_will_draft() -> None:
 
     def snapshot(width: int) -> RoutingStats:
         return collect_routing_stats(
-            [0.6] * 8, [2] * 8, queued=0, free_blocks=1000, num_blocks=1000, block_size=16,
-            max_batch_size=64, k_max=4, adaptive=False, step_time=MODEL, draft_round_s=0.002,
-            now=NOW, tree_width=width,
-        )  # fmt: skip
+            [0.6] * 8,
+            [2] * 8,
+            ReplicaLoad(0, 1000, num_blocks=1000, block_size=16, max_batch_size=64),
+            SpeculationState(
+                k_max=4, adaptive=False, step_time=MODEL, draft_round_s=0.002, tree_width=width
+            ),
+            now=NOW,
+        )
 
     chains, trees = snapshot(1), snapshot(4)
     assert trees.tree_width == 4 and trees.step_tokens == chains.step_tokens  # sampled batch
@@ -278,8 +292,8 @@ def test_a_greedy_request_is_priced_as_the_tree_it_will_draft() -> None:
     greedy, sampled = RouteRequest(0.8, 100, greedy=True), RouteRequest(0.8, 100)
     g_costs, s_costs = p.costs(greedy, t), p.costs(sampled, t)
     assert g_costs[0] == s_costs[0] == s_costs[1]  # chains wherever it runs them
-    want = placement(0.8, 4, 24, trees.tpot_weight, trees.step_emitted, False, 2, 0.002, MODEL,
-                     width=4)  # fmt: skip
+    replica = ReplicaStep(24, trees.tpot_weight, trees.step_emitted, False, 2, 0.002)
+    want = placement(0.8, 4, replica, MODEL, width=4)
     assert g_costs[1] == pytest.approx(want.cost_s) and g_costs[1] > g_costs[0]
     for req, tokens in ((sampled, 1 + 4), (greedy, 1 + 4 * 4)):
         before = float(t.eff_tokens[1])

@@ -22,9 +22,9 @@ from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.routing.policies import SloAware
 from cluster.routing.ray_routers import AcceptanceAwareRouter, PrefixAffinityRouter, SloAwareRouter
-from decode.calibration import calibration_key
-from decode.draft_plan import GUARD_MAX_LOSS
-from decode.routing_stats import RoutingStats
+from speculation.calibration import calibration_key
+from speculation.goodput import GUARD_MAX_LOSS
+from speculation.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
 
 
@@ -173,8 +173,8 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     while time.monotonic() < deadline and router._table.has_stats.sum() < 2:
         time.sleep(0.2)
     table = router._table
-    # a replica that refined its step-time model from its own steps (decode.step_time) publishes
-    # its own; replicas publishing equal models share one entry
+    # a replica that refined its step-time model from its own steps (speculation.step_time)
+    # publishes its own; replicas publishing equal models share one entry
     assert table.size == 2 and table.has_stats.all() and 1 <= len(table.models) <= 2
     assert table.fresh(time.time(), 5.0).all()  # scored by acceptance, not the fallback
     # The replicas' acceptance cells reach the router too: every request here finished, and

@@ -7,11 +7,12 @@ import uuid
 from collections.abc import Sequence
 
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel, expected_tokens
 from kvtransfer.handoff import KVHandoff
 from models.request import Request
 from models.sampling import SamplingParams
 from prefill.worker import PrefillWorker
+from speculation.goodput import expected_tokens
+from speculation.step_time import StepTimeModel
 
 
 def make_request(prompt: Sequence[int], sp: SamplingParams) -> Request:

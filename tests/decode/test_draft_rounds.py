@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from decode.config import DecodeEngineConfig
-from decode.draft_plan import choose_ks
-from decode.draft_rounds import DraftRounds
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel
 from decode.speculation import SpeculationPolicy
 from models.eagle import save_random_eagle
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from speculation.draft_cost import DraftRounds
+from speculation.goodput import DraftBatch, StepCosts, choose_ks
+from speculation.step_time import StepTimeModel
 from tests.decode.engine_utils import make_request, run_all
 
 
@@ -54,11 +54,11 @@ def test_adaptive_speculation_pays_each_round_once_per_step() -> None:
     goodput peaks at 2 levels (2.44 tokens in 20 ms); rounds that held requests run anyway are
     free again."""
     flat = StepTimeModel.linear(0.010, 0.0)
-    assert choose_ks([0.8], flat, 4) == [4]
-    assert choose_ks([0.8], flat, 4, round_s=0.005) == [2]
-    assert choose_ks([0.8], flat, 4, round_s=0.005, paid_rounds=4) == [4]
+    assert choose_ks(DraftBatch([0.8], 4), StepCosts(flat)) == [4]
+    assert choose_ks(DraftBatch([0.8], 4), StepCosts(flat, round_s=0.005)) == [2]
+    assert choose_ks(DraftBatch([0.8], 4), StepCosts(flat, round_s=0.005, paid_rounds=4)) == [4]
     # two requests: the second's levels ride on the first's rounds
-    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005) == [2, 2]
+    assert choose_ks(DraftBatch([0.8, 0.8], 4), StepCosts(flat, round_s=0.005)) == [2, 2]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +114,10 @@ def test_requests_drafted_by_lookup_pay_no_rounds() -> None:
     """Request 1 is drafted by prompt lookup (no rounds); request 0 by the model. At 5 ms a
     round on a flat 10 ms step the model's drafts do not pay, lookup's all do."""
     flat = StepTimeModel.linear(0.010, 0.0)
-    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005, pays_rounds=[True, False]) == [0, 4]
-    assert choose_ks([0.8, 0.8], flat, 4, round_s=0.005) == [2, 2]
+    assert choose_ks(
+        DraftBatch([0.8, 0.8], 4, pays_rounds=[True, False]), StepCosts(flat, round_s=0.005)
+    ) == [0, 4]
+    assert choose_ks(DraftBatch([0.8, 0.8], 4), StepCosts(flat, round_s=0.005)) == [2, 2]
 
 
 @pytest.mark.timeout(300)

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from decode.calibration import Cell, calibrated, calibration_key
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
-from decode.goodput import expected_tokens
-from decode.routing_stats import collect_routing_stats
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from speculation.calibration import Cell, calibrated, calibration_key
+from speculation.goodput import expected_tokens
+from speculation.routing_stats import ReplicaLoad, SpeculationState, collect_routing_stats
 from tests.decode.engine_utils import make_request, run_all
 
 
@@ -76,16 +76,8 @@ def test_finished_requests_calibrate_the_next_ones_of_their_cell(tiny_folder: Pa
 
 
 def test_a_greedy_requests_draft_tree_counts_its_width_in_the_step() -> None:
-    kw = {
-        "queued": 0,
-        "free_blocks": 8,
-        "num_blocks": 8,
-        "block_size": 16,
-        "max_batch_size": 4,
-        "k_max": 4,
-        "adaptive": False,
-        "step_time": None,
-    }
-    chains = collect_routing_stats([0.5, 0.5], [4, 3], **kw)  # type: ignore[arg-type]
-    trees = collect_routing_stats([0.5, 0.5], [4, 3], widths=[4, 1], **kw)  # type: ignore[arg-type]
+    load = ReplicaLoad(queued=0, free_blocks=8, num_blocks=8, block_size=16, max_batch_size=4)
+    spec = SpeculationState(k_max=4, adaptive=False, step_time=None)
+    chains = collect_routing_stats([0.5, 0.5], [4, 3], load, spec)
+    trees = collect_routing_stats([0.5, 0.5], [4, 3], load, spec, widths=[4, 1])
     assert (chains.step_tokens, trees.step_tokens) == (9, 2 + 16 + 3)

@@ -18,7 +18,8 @@ from cluster.config import TandemConfig
 from tests.deploy import crds
 from tests.deploy.paths import DEPLOY, load_yaml
 
-MANIFESTS = sorted((DEPLOY / "kuberay").glob("*.yaml"))
+# every KubeRay manifest here; kustomization.yaml makes the folder a kustomize base
+MANIFESTS = sorted(p for p in (DEPLOY / "kuberay").glob("*.yaml") if p.name != "kustomization.yaml")
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -147,3 +148,12 @@ def test_image_bakes_in_the_apps_models() -> None:
         for c in g["template"]["spec"]["containers"]
     }
     assert len(images) == 1  # one image: the Dockerfile's
+
+
+def test_the_kustomize_base_lists_only_manifests_of_its_own_folder() -> None:
+    """kustomize refuses a resource outside the kustomization's folder; the base must list
+    files that are here, and the RayService (not the hand-run RayCluster beside it)."""
+    base = load_yaml(DEPLOY / "kuberay" / "kustomization.yaml")
+    assert base["kind"] == "Kustomization"
+    names = [m.name for m in MANIFESTS]
+    assert base["resources"] == ["rayservice.yaml"] and set(base["resources"]) <= set(names)

@@ -14,8 +14,7 @@ import pytest
 import ray.autoscaler
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster.config import TandemConfig
-from cluster.pool_config import PoolConfig
+from cluster.config import PoolConfig, TandemConfig
 from tests.deploy.paths import DEPLOY, load_yaml
 
 CLUSTERS = sorted((DEPLOY / "ray-up").glob("*.yaml"))

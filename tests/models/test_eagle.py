@@ -8,9 +8,9 @@ import torch
 
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
-from models.eagle import EagleConfig, EagleHead, EagleRunner, load_eagle, save_eagle
-from models.runner import SeqInput
+from models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from models.weights import load_state_dict
+from runtime.runner import EagleRunner, SeqInput
 
 
 def _random_head(target: Path, draft_vocab: int | None = None) -> EagleHead:

@@ -10,8 +10,8 @@ from transformers import LlamaForCausalLM
 
 from models.attention import kv_pool_shape
 from models.llama import LlamaModel
-from models.runner import SeqInput, run_step
 from models.spec import ModelSpec
+from runtime.runner import SeqInput, run_step
 
 TOL = 1e-4
 BS = 16

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from models.attention import kv_pool_shape
 from models.parallel import TPContext
-from models.runner import SeqInput, StepResult, run_step
 from models.spec import ModelSpec
+from runtime.runner import SeqInput, StepResult, run_step
 from tests.helpers import free_port
 
 BS = 16

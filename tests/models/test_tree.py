@@ -10,9 +10,9 @@ import torch
 
 from models.attention import kv_pool_shape
 from models.llama import LlamaModel
-from models.runner import SeqInput, run_step
 from models.spec import ModelSpec
 from models.tree import TreeSpan, chain_parents, path_moves
+from runtime.runner import SeqInput, run_step
 
 BS = 4  # small blocks, so trees and moves cross block boundaries
 TOL = 1e-4

@@ -5,10 +5,18 @@ import random
 
 import pytest
 
-from decode.draft_plan import GUARD_MAX_LOSS, choose_ks
-from decode.goodput import StepTimeModel, expected_tokens, goodput
 from decode.speculation import SpeculationPolicy
 from models.sampling import SamplingParams
+from speculation.goodput import (
+    GUARD_MAX_LOSS,
+    DraftBatch,
+    StepCosts,
+    TpotGuard,
+    choose_ks,
+    expected_tokens,
+    goodput,
+)
+from speculation.step_time import StepTimeModel
 from tests.decode.engine_utils import make_request, slowest_tpot, step_goodput
 
 
@@ -35,7 +43,7 @@ def test_choose_ks_is_optimal_on_small_batches() -> None:
         StepTimeModel.linear(0.001, 0.010),  # compute-bound: speculation never pays
     ]
     for model, alphas in itertools.product(models, [(0.9,), (0.8, 0.3), (0.95, 0.6, 0.1)]):
-        ks = choose_ks(alphas, model, k_max=4)
+        ks = choose_ks(DraftBatch(alphas, 4), StepCosts(model))
         best = max(
             goodput(alphas, list(c), model) for c in itertools.product(range(5), repeat=len(alphas))
         )
@@ -45,10 +53,10 @@ def test_choose_ks_is_optimal_on_small_batches() -> None:
 def test_speculation_switches_itself_off_when_compute_bound() -> None:
     # Step time proportional to tokens (a saturated replica): any draft only adds cost.
     model = StepTimeModel.linear(0.0, 0.01)
-    assert choose_ks([0.9] * 32, model, k_max=8) == [0] * 32
+    assert choose_ks(DraftBatch([0.9] * 32, 8), StepCosts(model)) == [0] * 32
     # Memory-bound (flat) step: speculate, more for the predictable sequence.
     flat = StepTimeModel.linear(0.05, 0.0001)
-    ks = choose_ks([0.9, 0.2], flat, k_max=8)
+    ks = choose_ks(DraftBatch([0.9, 0.2], 8), StepCosts(flat))
     assert ks[0] > ks[1] >= 0 and ks[0] == 8
 
 
@@ -58,8 +66,8 @@ def test_a_prompt_chunk_in_the_step_does_not_make_drafts_cheaper() -> None:
     changes nothing (charging drafts the whole mixed step's goodput would grant many more)."""
     model = StepTimeModel.linear(0.040, 0.004)
     alphas = [0.3, 0.5, 0.7, 0.9]
-    alone = choose_ks(alphas, model, 4)
-    assert choose_ks(alphas, model, 4, fixed_tokens=500) == alone
+    alone = choose_ks(DraftBatch(alphas, 4), StepCosts(model))
+    assert choose_ks(DraftBatch(alphas, 4), StepCosts(model, fixed_tokens=500)) == alone
     assert sum(alone) < 4 * 4  # the low-acceptance requests get fewer drafts
     assert alone[0] <= alone[-1]
 
@@ -92,11 +100,11 @@ def test_a_draft_tree_is_priced_by_its_width() -> None:
     steep = StepTimeModel.linear(0.010, 0.002)
     flat = StepTimeModel.linear(0.010, 0.00001)
     # 1 + .7 + .49 + .343 over 12 + 3 * 2 ms beats k=2 and k=4; a tree level costs 8 ms
-    assert choose_ks([0.7], steep, 4) == [3]
-    assert choose_ks([0.7], steep, 4, costs=[4]) == [1]
-    assert choose_ks([0.3], steep, 4, costs=[4]) == [0]
-    assert choose_ks([0.7], flat, 4, costs=[4]) == [4]
-    assert choose_ks([0.9], flat, 4, token_budget=9, costs=[4]) == [2]
+    assert choose_ks(DraftBatch([0.7], 4), StepCosts(steep)) == [3]
+    assert choose_ks(DraftBatch([0.7], 4, widths=[4]), StepCosts(steep)) == [1]
+    assert choose_ks(DraftBatch([0.3], 4, widths=[4]), StepCosts(steep)) == [0]
+    assert choose_ks(DraftBatch([0.7], 4, widths=[4]), StepCosts(flat)) == [4]
+    assert choose_ks(DraftBatch([0.9], 4, widths=[4]), StepCosts(flat, token_budget=9)) == [2]
     greedy = make_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=50))
     sampled = make_request([1, 2, 3], SamplingParams(temperature=0.8, max_tokens=50))
     pinned = SpeculationPolicy(4, None, tree_width=4)
@@ -117,14 +125,18 @@ def test_a_tpot_slo_keeps_drafts_from_pushing_anyone_past_it(seed: int) -> None:
     model = StepTimeModel.linear(0.010, rng.uniform(2e-5, 2e-4))
     round_s = rng.choice([0.0, 0.0015])
     slo = model.predict(n) * rng.uniform(0.9, 1.6)
-    free = choose_ks(alphas, model, 4, round_s=round_s)
-    held = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo, tpot_slo_max_loss=1.0)
+    free = choose_ks(DraftBatch(alphas, 4), StepCosts(model, round_s=round_s))
+    held = choose_ks(
+        DraftBatch(alphas, 4), StepCosts(model, round_s=round_s), TpotGuard(slo_s=slo, max_loss=1.0)
+    )
     limit = max(slo, model.predict(n))
     assert slowest_tpot(alphas, held, model, round_s) <= limit * (1 + 1e-12)
     if slowest_tpot(alphas, free, model, round_s) <= limit:
         assert held == free
     assert goodput(alphas, held, model) >= goodput(alphas, [0] * n, model) * (1 - 1e-12)
-    bounded = choose_ks(alphas, model, 4, round_s=round_s, tpot_slo_s=slo)
+    bounded = choose_ks(
+        DraftBatch(alphas, 4), StepCosts(model, round_s=round_s), TpotGuard(slo_s=slo)
+    )
     kept = step_goodput(alphas, held, model, round_s) / step_goodput(alphas, free, model, round_s)
     assert bounded == (held if kept >= 1 - GUARD_MAX_LOSS else free)
 
@@ -136,11 +148,16 @@ def test_an_slo_stops_drafts_that_would_make_a_creative_request_miss_it() -> Non
     as the creative requests stay within it, and a generous SLO changes nothing."""
     model = StepTimeModel.linear(0.010, 0.035e-3)
     alphas = [0.85] * 60 + [0.3] * 120
-    free = choose_ks(alphas, model, 4, round_s=0.00145)
+    free = choose_ks(DraftBatch(alphas, 4), StepCosts(model, round_s=0.00145))
     assert max(free) >= 1 and slowest_tpot(alphas, free, model, 0.00145) > 0.0175
-    held = choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=0.0175)
+    held = choose_ks(
+        DraftBatch(alphas, 4), StepCosts(model, round_s=0.00145), TpotGuard(slo_s=0.0175)
+    )
     assert slowest_tpot(alphas, held, model, 0.00145) <= 0.0175
-    assert choose_ks(alphas, model, 4, round_s=0.00145, tpot_slo_s=1.0) == free
+    assert (
+        choose_ks(DraftBatch(alphas, 4), StepCosts(model, round_s=0.00145), TpotGuard(slo_s=1.0))
+        == free
+    )
 
 
 def test_the_speculation_policy_keeps_to_its_tpot_slo() -> None:

@@ -1,77 +1,40 @@
-"""A tensor-parallel group: rank 0 in the replica's process, ranks 1.. as Ray actors.
+"""KV transfer over a tensor-parallel group: every rank pulls its own KV heads.
 
-Every rank holds its shard of the target's weights (``models.parallel`` layers load their own
-rows or columns) and of the KV pool (its KV heads), and a NIXL agent over that pool. The ranks
-form a torch.distributed process group of their own (gloo on CPU, NCCL on CUDA) through a
-TCP store on rank 0's node; layers issue the collectives. Rank 0 drives: for each forward it
-sends the step's batch to the other ranks and runs its own part, and for each KV pull it asks
-every rank to read its heads from the matching source rank. The draft model stays on rank 0.
-
-Actors go into the replica's placement group (bundle ``r`` for rank ``r``) when there is one,
-so Ray Serve places a whole group on one node.
+Each rank of a TP group holds its heads of the KV pool and a NIXL agent over them. A handoff's
+sources are the prefill group's rank agents; each decode rank reads its heads from the matching
+source rank (``kvtransfer.resharding`` when the TP sizes differ). ``RankPulls`` is one rank's
+side: its transport, the pulls it has started and their outcomes, and a progress thread that
+collects the exports read from it (leases to end). ``GroupTransport`` is rank 0's view of the
+whole group behind the one ``KVTransport`` interface: a pull is done when every rank's read is,
+and an export is complete when every rank was read. Ranks 1.. are remote (Ray actor handles
+whose methods are ``RankPulls``'): the TP group (``runtime.tp_group``) owns them.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import ray
-import torch
-import torch.distributed as dist
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvtransfer.handoff import KVHandoff, KVSource
 from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.pool import KVPool, pool_spec_for
-from kvtransfer.shard import Shard, ShardSpec, draft_shape, load_draft, target_shape
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
-from models.parallel import TPContext
-from models.runner import LocalRunner, ModelRunner, SeqInput, StepResult
 
 log = logging.getLogger(__name__)
-REMOTE_COMPLETIONS_PERIOD_S = 0.01
+REMOTE_COMPLETIONS_PERIOD_S = 0.01  # how often rank 0 asks the other ranks for completed exports
 
 
-def _process_group(spec: ShardSpec, rank: int, host: str, port: int) -> Any:
-    """A process group of the TP ranks only, independent of any default group."""
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, spec.tp_size, is_master=rank == 0, use_libuv=False
-    )
-    if spec.device.startswith("cuda"):
-        nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
-        return nccl(store, rank, spec.tp_size)
-    return dist.ProcessGroupGloo(store, rank, spec.tp_size, timedelta(minutes=5))
+class RankPulls:
+    """One TP rank's pulls and exports over its own NIXL transport (thread-safe)."""
 
-
-def _rank_pool(spec: ShardSpec, rank: int) -> KVPool:
-    draft = draft_shape(spec.draft.model) if rank == 0 else None
-    layout = pool_spec_for(
-        spec.num_blocks, spec.block_size, target_shape(spec.target), draft, spec.tp_size
-    )
-    return KVPool(layout, spec.device)
-
-
-class RankWorker:
-    """Rank ``r >= 1`` of a TP group (run as a Ray actor)."""
-
-    def __init__(self, spec: ShardSpec, rank: int, host: str, port: int) -> None:
-        if spec.num_threads > 0:
-            torch.set_num_threads(spec.num_threads)
-        self.group = _process_group(spec, rank, host, port)
-        tp = TPContext(rank, spec.tp_size, self.group)
-        self.pool = _rank_pool(spec, rank)
-        self.runner = LocalRunner(
-            spec.target.load(spec.device, tp), self.pool.tensor("target"), spec.block_size
-        )
-        self.transport = NixlTransport(self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size)
+    def __init__(self, transport: NixlTransport) -> None:
+        self.transport = transport
         self.pulls: dict[str, PullHandle] = {}
         self.failed: set[str] = set()
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -92,10 +55,9 @@ class RankWorker:
     def source(self) -> KVSource:
         return self.transport.source()
 
-    def run(self, batch: Sequence[SeqInput]) -> None:
-        self.runner.run(batch)
-
     def start_pull(self, handoff: KVHandoff, blocks: Sequence[int]) -> int:
+        """Start reading this rank's heads of ``handoff`` into ``blocks``; the bytes it reads
+        (0 when it could not start: ``poll`` then reports the pull failed)."""
         with self._lock:
             try:
                 pull = self.transport.start_pull(handoff, blocks)
@@ -107,6 +69,7 @@ class RankWorker:
             return pull.nbytes
 
     def poll(self, request_ids: Sequence[str]) -> dict[str, str]:
+        """The ``PullState`` value of each pull that has one; finished pulls are released."""
         out = {}
         with self._lock:
             for rid in request_ids:
@@ -125,6 +88,7 @@ class RankWorker:
         return out
 
     def completed(self) -> list[str]:
+        """Request ids whose export from this rank was read since the last call."""
         out = []
         while not self._done.empty():
             out.append(self._done.get_nowait())
@@ -137,30 +101,17 @@ class _Token:
     remote_bytes: int
 
 
-class TPRunner(ModelRunner):
-    """Runs a step on every rank: the batch goes to ranks 1.. while rank 0 computes."""
-
-    def __init__(self, local: LocalRunner, actors: Sequence[Any]) -> None:
-        self.local = local
-        self.actors = list(actors)
-
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        refs = [a.run.remote(list(batch)) for a in self.actors]
-        out = self.local.run(batch)
-        ray.get(refs)
-        return out
-
-
 class GroupTransport(KVTransport):
     """NIXL over every rank: a handoff's sources are the ranks' agents; each rank reads its own
     heads; a pull is done when every rank's read is; a lease ends when every rank was read."""
 
     name = "nixl"
 
-    def __init__(self, local: NixlTransport, actors: Sequence[Any]) -> None:
+    def __init__(self, local: NixlTransport, ranks: Sequence[Any]) -> None:
+        """``local``: rank 0's transport; ``ranks``: handles of ranks 1.. (``RankPulls``)."""
         super().__init__()
         self.local = local
-        self.actors = list(actors)
+        self.actors = list(ranks)
         self._sources = (local.source(), *ray.get([a.source.remote() for a in self.actors]))
         self._reported: dict[str, set[int]] = {}  # request id -> ranks whose read was reported
         self._last_remote = 0.0
@@ -231,40 +182,3 @@ class GroupTransport(KVTransport):
 
     def close(self) -> None:
         self.local.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def build_tp_shard(spec: ShardSpec) -> Shard:
-    host = ray.util.get_node_ip_address()
-    port = _free_port()
-    pg = ray.util.get_current_placement_group()
-    actors: list[Any] = []
-    for rank in range(1, spec.tp_size):
-        opts: dict[str, Any] = {"num_cpus": 0}
-        if pg is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, rank)
-        if spec.device.startswith("cuda"):
-            opts["num_gpus"] = 1
-        actor_cls = ray.remote(RankWorker)
-        actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
-    group = _process_group(spec, 0, host, port)  # waits for every rank to join
-    tp = TPContext(0, spec.tp_size, group)
-    ray.get([a.source.remote() for a in actors])  # every rank loaded and registered
-    pool = _rank_pool(spec, 0)
-    local = LocalRunner(spec.target.load(spec.device, tp), pool.tensor("target"), spec.block_size)
-    draft = load_draft(spec, pool)
-    rank0 = NixlTransport(pool, role=spec.role, rank=0, tp_size=spec.tp_size)
-    transport = GroupTransport(rank0, actors)
-    shard = Shard(TPRunner(local, actors), draft, pool, transport, spec.tp_size)
-    shard.closers.append(lambda: _kill(actors))
-    return shard
-
-
-def _kill(actors: Sequence[Any]) -> None:
-    for a in actors:
-        ray.kill(a)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from cluster.distill_data import Corpus
+from distill.data import Corpus
+from distill.objective import LossParts, LossWeights, distill_loss, trainable_parameters
+from distill.objective import unrolled_forward as head_forward
 from models.config import LlamaConfig
 from models.eagle import EagleConfig, EagleHead
-from models.eagle_train import LossParts, LossWeights, distill_loss, trainable_parameters
-from models.eagle_train import unrolled_forward as head_forward
 
 
 @dataclass(frozen=True)

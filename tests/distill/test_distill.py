@@ -12,16 +12,16 @@ import torch
 
 from bench.draft_topk import topk_agreement
 from cluster.cli import main
-from cluster.distill_card import shortfall
-from cluster.distill_data import load_corpus
-from cluster.distill_train import TrainConfig, make_head, train
-from cluster.sharegpt import Conversation, held_out
+from distill.card import shortfall
+from distill.data import load_corpus
+from distill.objective import unrolled_forward
+from distill.sharegpt import Conversation, held_out
+from distill.train import TrainConfig, make_head, train
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
-from models.eagle import EagleHead, EagleRunner, load_eagle
-from models.eagle_train import unrolled_forward
-from models.runner import SeqInput
+from models.eagle import EagleHead, load_eagle
 from models.weights import load_state_dict
+from runtime.runner import EagleRunner, SeqInput
 
 WORDS = [
     "the",

@@ -4,12 +4,12 @@ At a held-out position ``s`` whose next-but-one token the assistant generated, t
 distribution of ``x_{s+2}`` is ``p = softmax(LM head(f_{s+1}))`` and the head's is ``q``; the
 chance the speculative rule accepts the head's token is ``sum_x min(p(x), q(x))`` under the
 request's sampling transform (argmax agreement at temperature 0). At depth ``d`` the head drafts
-from its own previous predictions (``models.eagle_train.unrolled_forward``), as the drafter does
+from its own previous predictions (``distill.objective.unrolled_forward``), as the drafter does
 for its d-th token; the transcript's tokens stand in for the accepted ones.
 
 ``chain_tokens(k)`` — ``1 + sum_d prod_{j <= d} a_j`` — is the expected tokens per target
 forward with ``k`` drafts if acceptances at successive depths are independent;
-``decode.goodput.expected_tokens(a_1, k)`` assumes every depth accepts like the first.
+``speculation.goodput.expected_tokens(a_1, k)`` assumes every depth accepts like the first.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.distill_data import Corpus
-from decode.goodput import expected_tokens
+from distill.data import Corpus
+from distill.objective import teacher_forced_overlap, unrolled_forward
 from models.eagle import EagleHead
-from models.eagle_train import teacher_forced_overlap, unrolled_forward
+from speculation.goodput import expected_tokens
 
 
 @dataclass(frozen=True)

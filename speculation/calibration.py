@@ -1,17 +1,17 @@
 """Acceptance calibration: what requests like this one actually accepted.
 
-Prefill's probe scores the drafter on the prompt's last positions — mostly the chat template —
-so it says little about whether the *output* will copy (measured: probes 0.00–0.29 for requests
-that went on to accept 0.86 and 0.10 of their drafts alike). The sampling temperature says
-more, and the two together say most. A replica therefore keeps, per **cell** (temperature bin ×
-probe bin), the draft tokens its finished requests drafted and had accepted, and a new
-request's estimate is its cell's realised rate, shrunk toward the uncalibrated estimate (the
-probe, or the prior) by ``PRIOR_TOKENS`` draft tokens of weight. A cell forgets gradually: it
-keeps about ``WINDOW_TOKENS`` draft tokens, so it follows a workload that changes.
+Prefill's probe scores the drafter on the prompt's last positions (mostly the chat template),
+so on its own it says little about whether the *output* will copy; the sampling temperature
+says more, and the two together say most. A replica therefore keeps, per **cell**
+(temperature bin x probe bin), the draft tokens its finished requests drafted and had accepted
+(``AcceptanceCalibration``), and a new request's estimate is its cell's realised rate, shrunk
+toward the uncalibrated estimate (the probe, or the prior) by ``PRIOR_TOKENS`` draft tokens of
+weight. A cell forgets gradually: it keeps about ``WINDOW_TOKENS`` draft tokens, so it follows
+a workload that changes.
 
-Replicas publish their cells in ``RoutingStats``; the router sums them over replicas
-(``cluster.routing.calibration``) and calibrates with the same rule (``calibrated``), so the
-router and the engine start a request from the same estimate.
+Replicas publish their cells in ``RoutingStats``; a router sums them over replicas
+(``CalibrationPool``) and calibrates with the same rule (``calibrated``), so the router and the
+engine start a request from the same estimate.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ TEMPERATURE_EDGES = (0.5, 1.0)  # bins: greedy | (0, 0.5] | (0.5, 1.0] | above 1
 PROBE_BINS = 5  # probe bins of width 1/5; bin 0 holds requests without a probe
 PRIOR_TOKENS = 32.0  # weight of the uncalibrated estimate, in draft tokens
 WINDOW_TOKENS = 4096.0  # draft tokens a cell remembers (older ones fade proportionally)
+DEFAULT_ACCEPTANCE = 0.5  # a replica's prior before it has verified anything
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,44 @@ def cells_from(rows: Iterable[Iterable[float]]) -> tuple[Cell, ...]:
         t, p, d, a = row
         out.append(Cell(int(t), int(p), float(d), float(a)))
     return tuple(out)
+
+
+class CalibrationPool:
+    """Every replica's cells, summed (a router's view of a deployment).
+
+    Replicas of one deployment run the same target and drafter, so what a cell's requests
+    accepted on one replica predicts what they accept on another. The pool keeps each
+    replica's last published cells and their per-cell sums, updated when a snapshot arrives or
+    a replica leaves."""
+
+    def __init__(self) -> None:
+        self._by_row: dict[int, tuple[Cell, ...]] = {}
+        self._sums: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def put(self, row: int, cells: tuple[Cell, ...]) -> None:
+        """Row ``row`` published ``cells`` (replacing what it published before)."""
+        self._add(self._by_row.get(row, ()), -1.0)
+        self._by_row[row] = cells
+        self._add(cells, 1.0)
+
+    def clear(self, row: int) -> None:
+        """The replica at ``row`` left."""
+        self._add(self._by_row.pop(row, ()), -1.0)
+
+    def _add(self, cells: tuple[Cell, ...], sign: float) -> None:
+        for c in cells:
+            d, a = self._sums.get(c.key, (0.0, 0.0))
+            d, a = d + sign * c.drafted, a + sign * c.accepted
+            if d <= 1e-9:
+                self._sums.pop(c.key, None)
+            else:
+                self._sums[c.key] = (d, max(a, 0.0))
+
+    def keys(self) -> set[tuple[int, int]]:
+        """The cells some replica has published counts for."""
+        return set(self._sums)
+
+    def estimate(self, key: tuple[int, int], fallback: float) -> float:
+        """The acceptance estimate of a request of cell ``key`` (``fallback``: uncalibrated)."""
+        d, a = self._sums.get(key, (0.0, 0.0))
+        return calibrated(d, a, fallback)

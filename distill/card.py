@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.distill_eval import Acceptance
+from distill.evaluate import Acceptance
 
 KS = (1, 2, 3, 4, 5)
 
@@ -66,7 +66,7 @@ def render_readme(card: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "E[tokens/forward] counts the bonus token; `decode.goodput.expected_tokens(a_1, k)` "
+        "E[tokens/forward] counts the bonus token; `speculation.goodput.expected_tokens(a_1, k)` "
         "assumes every depth accepts like the first, the last column multiplies the measured "
         "per-depth rates. Teacher forcing scores the head on human-written ShareGPT replies; "
         "decoding drafts the target's own output, which is easier to predict.",

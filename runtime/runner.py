@@ -1,4 +1,9 @@
-"""One forward step of a model over a ragged batch of sequences in a paged KV pool."""
+"""One forward step of a model over a ragged batch of sequences in a paged KV pool.
+
+``SeqInput`` and ``StepResult`` are a step's typed input and output; ``ModelRunner`` runs a
+target on one process (``LocalRunner``) or over a TP group (``runtime.tp_group.TPRunner``);
+``EagleRunner`` runs an EAGLE head, which also reads the target's features.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention import SeqSlice, build_attention_metadata
+from models.eagle import EagleHead
 from models.llama import LlamaModel
 from models.tree import TreeSpan, move_slots
 
@@ -89,3 +95,38 @@ class LocalRunner(ModelRunner):
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
         return run_step(self.model, self.kv_pool, self.block_size, batch)
+
+
+class EagleRunner:
+    """Runs an EAGLE head over its paged KV: like ``LocalRunner``, plus the target's features."""
+
+    def __init__(self, head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> None:
+        self.head = head
+        self.kv_pool = kv_pool  # [1, 2, Hkv, num_blocks, block_size, head_dim]
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def run(self, batch: Sequence[SeqInput], features: torch.Tensor) -> StepResult:
+        """features: [T, H], one per new token of the batch, in batch order."""
+        dev = self.head.device
+        meta = build_attention_metadata(
+            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
+            self.block_size,
+            dev,
+            self.head.rope.cos,
+            self.head.rope.sin,
+        )
+        ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
+        hidden = self.head(ids, features.to(dev), self.kv_pool, meta)  # [T, H]
+        rows: list[int] = []
+        start = 0
+        for s in batch:
+            rows.extend(start + p for p in s.logit_positions)
+            start += len(s.token_ids)
+        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+        return StepResult(
+            hidden=picked,
+            logits=self.head.logits(picked),
+            rows_per_seq=tuple(len(s.logit_positions) for s in batch),
+            all_hidden=hidden,
+        )

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from decode.config import DecodeEngineConfig
-from decode.draft_plan import choose_ks
 from decode.engine import DecodeEngine
-from decode.goodput import StepTimeModel
-from decode.speculation import DEFAULT_ACCEPTANCE, EMA, SpeculationPolicy
-from decode.step_time import StepTimeTracker, isotonic
+from decode.speculation import EMA, SpeculationPolicy
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from speculation.calibration import DEFAULT_ACCEPTANCE
+from speculation.goodput import DraftBatch, StepCosts, choose_ks
+from speculation.step_time import StepTimeModel, StepTimeTracker, isotonic
 from tests.decode.engine_utils import make_request, run_all, slowest_tpot
 
 TRUE = StepTimeModel(((1, 0.050), (4, 0.060), (8, 0.090), (16, 0.150)))
@@ -149,7 +149,10 @@ def test_an_engine_with_a_tpot_slo_drafts_no_one_past_it(tiny_folder: Path) -> N
                 continue
             alphas, base = list(s.alphas), model.predict(s.running)
             assert slowest_tpot(alphas, list(s.ks), model) <= base * (1 + 1e-12)
-            guarded += slowest_tpot(alphas, choose_ks(alphas, model, 3), model) > base
+            guarded += (
+                slowest_tpot(alphas, choose_ks(DraftBatch(alphas, 3), StepCosts(model)), model)
+                > base
+            )
         assert guarded > 0  # throughput alone would have pushed the unlikely request
     finally:
         engine.close()

@@ -1,9 +1,10 @@
 """What a prefill worker or decode engine computes with: its *shard* of the cluster.
 
-A shard is the target model over every tensor-parallel rank of the replica, the draft model
-(co-hosted on rank 0), rank 0's KV pool, and a transport that covers every rank's pool. With
-``tp_size == 1`` everything lives in this process; with more, ranks 1.. are Ray actors
-(``kvtransfer.tp_group``) and the same interfaces hide them.
+A shard is the target model over every tensor-parallel rank of the replica, the draft model or
+EAGLE head (co-hosted on rank 0), rank 0's KV pool, and a transport that covers every rank's
+pool. With ``tp_size == 1`` everything lives in this process; with more, ranks 1.. are Ray
+actors (``runtime.tp_group``) and the same interfaces hide them. ``runtime.build.build_shard``
+makes either.
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from kvtransfer.pool import KVPool, pool_spec_for
-from kvtransfer.select import make_transport
 from kvtransfer.transport import KVTransport
 from models.config import DTYPES
-from models.eagle import EagleRunner, load_eagle
-from models.runner import LocalRunner, ModelRunner
+from models.eagle import load_eagle
+from models.parallel import TPContext
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from runtime.runner import EagleRunner, LocalRunner, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -52,39 +51,25 @@ class Shard:
         self.transport.close()
 
 
-def draft_shape(model: ModelSpec | None) -> tuple[int, int, int, str] | None:
-    if model is None:
-        return None
+def _kv_shape(model: ModelSpec) -> tuple[int, int, int, str]:
     c = model.config()
     return (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
 
 
-def target_shape(model: ModelSpec) -> tuple[int, int, int, str]:
-    c = model.config()
-    return (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
-
-
-def build_shard(spec: ShardSpec) -> Shard:
-    """Load the models and allocate and register the pools: locally, or over a TP group."""
-    if spec.num_threads > 0:
-        torch.set_num_threads(spec.num_threads)
-    if spec.tp_size > 1:
-        from kvtransfer.tp_group import build_tp_shard
-
-        return build_tp_shard(spec)
-    pool = KVPool(
-        pool_spec_for(
-            spec.num_blocks,
-            spec.block_size,
-            target_shape(spec.target),
-            draft_shape(spec.draft.model),
-        ),
-        spec.device,
+def rank_pool(spec: ShardSpec, rank: int) -> KVPool:
+    """Rank ``rank``'s KV pool: its heads of the target and, on rank 0, the draft's group."""
+    draft = spec.draft.model
+    draft_shape = _kv_shape(draft) if rank == 0 and draft is not None else None
+    layout = pool_spec_for(
+        spec.num_blocks, spec.block_size, _kv_shape(spec.target), draft_shape, spec.tp_size
     )
-    target = LocalRunner(spec.target.load(spec.device), pool.tensor("target"), spec.block_size)
-    draft = load_draft(spec, pool)
-    transport, why = make_transport(spec.transport, pool, spec.role)
-    return Shard(target, draft, pool, transport, tp_size=1, fallback_reason=why)
+    return KVPool(layout, spec.device)
+
+
+def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
+    """This rank's shard of the target (``tp`` None: the whole model) over its pool."""
+    model = spec.target.load(spec.device, tp)
+    return LocalRunner(model, pool.tensor("target"), spec.block_size)
 
 
 def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:

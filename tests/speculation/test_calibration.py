@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.routing.calibration import CalibrationPool
 from cluster.routing.policies import RouteRequest
 from cluster.routing.request_info import route_request
-from decode.calibration import (
+from kvtransfer.handoff import KVCompat, KVHandoff
+from models.request import Request
+from models.sampling import SamplingParams
+from speculation.calibration import (
     PRIOR_TOKENS,
     WINDOW_TOKENS,
     AcceptanceCalibration,
+    CalibrationPool,
     Cell,
     calibrated,
     calibration_key,
 )
-from decode.routing_stats import RoutingStats, collect_routing_stats
-from kvtransfer.handoff import KVCompat, KVHandoff
-from models.request import Request
-from models.sampling import SamplingParams
+from speculation.routing_stats import (
+    ReplicaLoad,
+    RoutingStats,
+    SpeculationState,
+    collect_routing_stats,
+)
 
 
 def test_cells_split_by_temperature_and_probe() -> None:
@@ -86,9 +91,11 @@ def test_the_router_calibrates_the_probe_by_temperature_and_probe_bin() -> None:
 def test_cells_travel_in_the_routing_stats() -> None:
     cells = (Cell(0, 1, 123.456, 100.0), Cell(3, 0, 7.0, 0.0))
     stats = collect_routing_stats(
-        [0.5], [2], queued=0, free_blocks=1, num_blocks=2, block_size=16, max_batch_size=4,
-        k_max=4, adaptive=True, step_time=None, calibration=cells,
-    )  # fmt: skip
+        [0.5],
+        [2],
+        ReplicaLoad(queued=0, free_blocks=1, num_blocks=2, block_size=16, max_batch_size=4),
+        SpeculationState(k_max=4, adaptive=True, step_time=None, calibration=cells),
+    )
     back = RoutingStats.from_dict(stats.to_dict())
     assert back.calibration == (Cell(0, 1, 123.46, 100.0), Cell(3, 0, 7.0, 0.0))
     bad = stats.to_dict() | {"calibration": [[0, 1, 5.0]]}

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from cluster.sharegpt import Conversation, held_out, iter_conversations
+from distill.sharegpt import Conversation, held_out, iter_conversations
 from models.attention import SeqSlice, build_attention_metadata, kv_pool_shape
 from models.llama import LlamaModel
 from models.tokenizer import Tokenizer
@@ -66,7 +66,7 @@ def encode(tok: Tokenizer, conv: Conversation, max_len: int) -> Encoded | None:
 class SplitSpec:
     """Which conversations a cache holds (recorded in the manifest and the model card)."""
 
-    held_out_per_mille: int  # sha256(base id) mod 1000 below this: held out (cluster.sharegpt)
+    held_out_per_mille: int  # sha256(base id) mod 1000 below this: held out (distill.sharegpt)
     held_out: bool  # this cache is the held-out side
     count: int  # the first ``count`` usable conversations of that side, in file order
     max_len: int  # tokens per conversation, at most

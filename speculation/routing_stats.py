@@ -8,9 +8,9 @@ cut to ``MAX_LISTED``:
 
 - ``step_tokens``: tokens the next step scores, ``sum(1 + w_i * k_i)``, ``w_i`` the width of
   request i's draft tree (``draft.tree_width`` for a greedy request, else 1: a chain);
-- ``tpot_weight``: ``sum(1 / E(alpha_i, k_i))`` with ``E`` from ``decode.goodput``. Request i's
-  time per output token is ``step_time / E_i``, so when the step time grows by ``d`` seconds the
-  running requests' TPOTs grow by ``d * tpot_weight`` in sum;
+- ``tpot_weight``: ``sum(1 / E(alpha_i, k_i))`` with ``E`` from ``speculation.goodput``.
+  Request i's time per output token is ``step_time / E_i``, so when the step time grows by
+  ``d`` seconds the running requests' TPOTs grow by ``d * tpot_weight`` in sum;
 - ``slowest_weight``: ``max(1 / E(alpha_i, k_i))``, so the slowest running request's TPOT is
   ``step_time * slowest_weight``: what a router that keeps requests within a TPOT SLO must not
   push over it (0 for an empty batch);
@@ -19,17 +19,17 @@ cut to ``MAX_LISTED``:
 - ``step_max_k`` and ``draft_round_s``: a model drafter (an EAGLE head, a draft model)
   proposes in ``max_i k_i`` sequential rounds over the batch, each costing about
   ``draft_round_s`` whoever drafts in it, a per-step cost the tokens-only step-time model does
-  not see (the replica times its rounds, ``decode.draft_rounds``, and leaves them out of the
-  step-time model it learns; 0 for n-gram lookup);
+  not see (the replica times its rounds, ``speculation.draft_cost.DraftRounds``, and leaves
+  them out of the step-time model it learns; 0 for n-gram lookup);
 - ``draft_token_s``: what one more draft token adds to the target's step at this batch size,
-  rounds apart, as the replica has learned it from its own steps (``decode.draft_cost``; 0
+  rounds apart, as the replica has learned it from its own steps (``DraftCost``; 0
   until it has). Adaptive speculation charges drafts at least that plus their share of the
   rounds; the router charges that and adds the rounds per step, so where rounds are dear it
   may predict a k above what the engine grants;
 - ``tree_width``: tokens per draft level a greedy request would put in a step here (the
   width of its draft tree, ``draft.tree_width``; 1: chains), so the router prices a new greedy
   request's drafts as the replica will run them;
-- ``calibration``: the replica's acceptance cells (``decode.calibration``): what its finished
+- ``calibration``: the replica's acceptance cells (``speculation.calibration``): what its finished
   requests accepted per temperature and probe bin. Routers sum them over replicas to turn a new
   request's probe into the estimate its engine will start it from.
 """
@@ -41,8 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from decode.calibration import Cell, cells_from
-from decode.goodput import StepTimeModel, expected_tokens
+from speculation.calibration import Cell, cells_from
+from speculation.goodput import expected_tokens
+from speculation.step_time import StepTimeModel
 
 ROUTING_STATS_VERSION = 5
 MAX_LISTED = 256  # per-request acceptance estimates and ks published at most
@@ -64,7 +65,7 @@ class RoutingStats:
     tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
     slowest_weight: float  # max over the batch of 1 / E(alpha_i, k_i) (0: empty)
     step_emitted: float  # sum over the batch of E(alpha_i, k_i)
-    adaptive: bool  # k chosen per request for goodput (decode.draft_plan.choose_ks), else pinned
+    adaptive: bool  # k chosen per request for goodput (speculation.goodput.choose_ks), else pinned
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
     draft_round_s: float  # measured cost of one draft round (0: drafting has no model forward)
     draft_token_s: float  # learned cost of one more draft token at this batch size (0: unknown)
@@ -123,50 +124,62 @@ class RoutingStats:
         return StepTimeModel(self.step_time) if self.step_time else None
 
 
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """A replica's capacity and what waits for it."""
+
+    queued: int  # waiting for KV blocks or a pull, or running beyond max_batch_size
+    free_blocks: int
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+
+
+@dataclass(frozen=True)
+class SpeculationState:
+    """A replica's speculation settings and what it has learned (``RoutingStats`` fields)."""
+
+    k_max: int
+    adaptive: bool
+    step_time: StepTimeModel | None
+    draft_round_s: float = 0.0
+    draft_token_s: float = 0.0
+    calibration: tuple[Cell, ...] = ()
+    tree_width: int = 1  # what a new greedy request's draft-tree width would be
+
+
 def collect_routing_stats(
     alphas: Sequence[float],
     ks: Sequence[int],
-    *,
-    queued: int,
-    free_blocks: int,
-    num_blocks: int,
-    block_size: int,
-    max_batch_size: int,
-    k_max: int,
-    adaptive: bool,
-    step_time: StepTimeModel | None,
-    draft_round_s: float = 0.0,
-    draft_token_s: float = 0.0,
-    calibration: tuple[Cell, ...] = (),
-    now: float | None = None,
+    load: ReplicaLoad,
+    spec: SpeculationState,
     widths: Sequence[int] | None = None,
-    tree_width: int = 1,
+    now: float | None = None,
 ) -> RoutingStats:
-    """Summarise a batch (one acceptance estimate and one k per request) for the router;
-    ``widths``: each request's draft-tree width (None: chains); ``tree_width``: what a new
-    greedy request's would be."""
+    """Summarise a batch (one acceptance estimate, one k and one draft-tree width per request;
+    ``widths`` None: chains) for the router."""
     w = [1] * len(ks) if widths is None else widths
     emitted = [expected_tokens(a, k) for a, k in zip(alphas, ks, strict=True)]
     return RoutingStats(
         time=time.time() if now is None else now,
         running=len(alphas),
-        queued=queued,
-        free_blocks=free_blocks,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_batch_size=max_batch_size,
-        k_max=k_max,
+        queued=load.queued,
+        free_blocks=load.free_blocks,
+        num_blocks=load.num_blocks,
+        block_size=load.block_size,
+        max_batch_size=load.max_batch_size,
+        k_max=spec.k_max,
         step_tokens=sum(1 + wi * k for wi, k in zip(w, ks, strict=True)),
         tpot_weight=sum(1.0 / e for e in emitted),
         slowest_weight=max((1.0 / e for e in emitted), default=0.0),
         step_emitted=sum(emitted),
-        adaptive=adaptive,
+        adaptive=spec.adaptive,
         step_max_k=max(ks, default=0),
-        draft_round_s=draft_round_s,
-        draft_token_s=draft_token_s,
+        draft_round_s=spec.draft_round_s,
+        draft_token_s=spec.draft_token_s,
         alphas=tuple(alphas[:MAX_LISTED]),
         ks=tuple(ks[:MAX_LISTED]),
-        step_time=step_time.points if step_time is not None else (),
-        calibration=calibration,
-        tree_width=tree_width,
+        step_time=spec.step_time.points if spec.step_time is not None else (),
+        calibration=spec.calibration,
+        tree_width=spec.tree_width,
     )

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from decode.draft_cost import DraftCost
-from decode.draft_plan import choose_ks
-from decode.goodput import StepTimeModel
+from speculation.draft_cost import DraftCost
+from speculation.goodput import DraftBatch, StepCosts, choose_ks
+from speculation.step_time import StepTimeModel
 
 
 def test_draft_cost_is_the_slope_of_step_time_in_drafts_per_batch_size() -> None:
@@ -41,6 +41,8 @@ def test_speculation_charges_the_learned_draft_cost_when_it_is_higher() -> None:
     """The model's slope says drafts are nearly free; steps say otherwise."""
     flat = StepTimeModel(((1, 0.05), (32, 0.17), (64, 0.18)))  # 0.3 ms per token past 32
     alphas = [0.55] * 32
-    assert sum(choose_ks(alphas, flat, 4)) > 0
-    assert sum(choose_ks(alphas, flat, 4, per_draft_s=0.0033)) == 0
-    assert choose_ks(alphas, flat, 4, per_draft_s=0.0001) == choose_ks(alphas, flat, 4)
+    assert sum(choose_ks(DraftBatch(alphas, 4), StepCosts(flat))) > 0
+    assert sum(choose_ks(DraftBatch(alphas, 4), StepCosts(flat, per_draft_s=0.0033))) == 0
+    assert choose_ks(DraftBatch(alphas, 4), StepCosts(flat, per_draft_s=0.0001)) == choose_ks(
+        DraftBatch(alphas, 4), StepCosts(flat)
+    )

@@ -1,0 +1,86 @@
+"""Measuring a worker's step-time model at start-up (``speculation.step_time.StepTimeModel``).
+
+The target's forward is timed over a grid of shapes (sequences x tokens each) in scratch
+blocks; the shapes are interleaved across repeats and each keeps its fastest run, so a burst of
+load from another process inflates one sample, not one shape. The result is cached on disk per
+model, dtype, device, TP size and thread count, so replicas after the first start without
+measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvtransfer.allocator import BlockAllocator
+from runtime.runner import ModelRunner, SeqInput
+from speculation.step_time import StepTimeModel, isotonic
+
+log = logging.getLogger(__name__)
+CONTEXT = 128  # tokens of context the calibration steps attend over
+METHOD = 4  # bumped when measurement or fit change, so cached models are re-measured
+
+
+def calibration_points(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:
+    """(sequences, tokens each) shapes spanning the steps this replica will run."""
+    shapes = set()
+    batch = 1
+    while batch <= max_batch:
+        for width in (1, 2, 3, 5, max_width):
+            if width <= max_width and batch * width <= token_budget:
+                shapes.add((batch, width))
+        batch *= 2
+    return sorted(shapes, key=lambda s: s[0] * s[1])
+
+
+def measure_step_time(
+    runner: ModelRunner,
+    allocator: BlockAllocator,
+    block_size: int,
+    shapes: Sequence[tuple[int, int]],
+    repeats: int = 3,
+) -> StepTimeModel:
+    """Time the target's forward over each shape (fastest of ``repeats``, shapes interleaved),
+    in scratch blocks; shapes whose KV would not fit in the free pool are left out."""
+    per_seq = math.ceil((CONTEXT + max(w for _, w in shapes)) / block_size)
+    shapes = [s for s in shapes if s[0] * per_seq <= allocator.num_free] or [(1, 1)]
+    largest = max(b for b, _ in shapes)
+    blocks = allocator.allocate(largest * per_seq)
+    try:
+        tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(largest)]
+        runner.run([SeqInput(t, 0, [1] * CONTEXT, []) for t in tables])
+        fastest: dict[tuple[int, int], float] = {}
+        for _ in range(repeats):
+            for batch, width in shapes:
+                step = [
+                    SeqInput(t, CONTEXT, [1] * width, list(range(width))) for t in tables[:batch]
+                ]
+                t0 = time.perf_counter()
+                runner.run(step)
+                dt = time.perf_counter() - t0
+                fastest[(batch, width)] = min(dt, fastest.get((batch, width), math.inf))
+    finally:
+        allocator.free(blocks)
+    by_tokens: dict[int, list[float]] = {}
+    for (batch, width), dt in fastest.items():
+        by_tokens.setdefault(batch * width, []).append(dt)
+    points = [(n, statistics.mean(v)) for n, v in sorted(by_tokens.items())]
+    return StepTimeModel(isotonic(points))
+
+
+def cached_step_time(path: Path | None, measure: Callable[[], StepTimeModel]) -> StepTimeModel:
+    """Load a measured model from ``path``, or measure (``measure()``) and store it there."""
+    if path is not None and path.exists():
+        pts = json.loads(path.read_text())
+        return StepTimeModel(tuple((int(n), float(t)) for n, t in pts))
+    model = measure()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.points))
+    log.info("step-time model: %s", model.points)
+    return model
