@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: serve test lint typecheck unit install clean bench
+.PHONY: serve test lint typecheck unit install clean
 
 $(STAMP): pyproject.toml tools/install_torch.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import ray
-from ray import serve
 
 from bench.copy_prompts import COPY_PROMPTS
 from bench.http_client import Timing, timed_chat
+from bench.local_app import local_app
 from bench.sharegpt import first_prompts
-from cluster.builder import build_app, resolve_models
+from cluster.builder import resolve_models
 from cluster.config import TandemConfig
-from cluster.local_cluster import start_ray
 
 RESULTS = Path(__file__).parent / "results"
 EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
@@ -71,11 +69,8 @@ def run_config(
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Per prompt set: the summary, and the texts (greedy: to compare across drafters)."""
     cfg = _config(draft, port)
-    start_ray(cfg, num_cpus=2)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(cfg), name="tandem", route_prefix="/")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=600)
+    with local_app(cfg, num_cpus=2) as base_url:
+        client = openai.OpenAI(base_url=base_url, api_key="x", timeout=600)
         model = resolve_models(cfg).name
         timed_chat(client, model, "Hello!", 8, temperature=0)  # warm-up
         out: dict[str, Any] = {}
@@ -86,9 +81,6 @@ def run_config(
             texts[name] = [t.text for t in ts]
             print(f"  {draft:12s} {name:9s} {out[name]}", flush=True)
         return out, texts
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def main() -> None:

@@ -149,12 +149,8 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
     """A local tandem cluster for the run: (its /v1 base URL, its configuration)."""
-    import ray
-    from ray import serve
-
-    from cluster.builder import build_app
+    from bench.local_app import local_app
     from cluster.config import TandemConfig
-    from cluster.local_cluster import start_ray
 
     cpus = os.cpu_count() or 1
     base = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
@@ -174,14 +170,8 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
         overrides["decode.routing"] = args.routing
     overrides |= parse_sets(args.set)
     cfg = base.with_overrides(**overrides)
-    start_ray(cfg, num_cpus=cpus)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": cfg.http.port})
-        serve.run(build_app(cfg), name="tandem", route_prefix="/")
-        yield f"http://127.0.0.1:{cfg.http.port}/v1", cfg.model_dump(mode="json")
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_app(cfg, num_cpus=cpus) as base_url:
+        yield base_url, cfg.model_dump(mode="json")
 
 
 def decode_router_view(port: int | None, requests: int) -> dict[str, Any] | None:

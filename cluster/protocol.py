@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies (the part of the API tandem implements).
 
 Constraints live on the fields, so a bad value is rejected with the field's name before any
-work is done. Options tandem does not implement are rejected rather than silently ignored.
+work is done. The options declared here but not implemented (``n`` above 1, penalties,
+``echo``, ``logprobs``) are refused by name when set. Fields not declared at all are ignored
+(``extra="ignore"``): a client sending e.g. ``tools`` or ``response_format`` gets no error.
 """
 
 from __future__ import annotations

@@ -77,9 +77,8 @@ class AttentionGroup:
     A step's sequences are grouped by how many new tokens they bring and by how many KV blocks
     they attend over, each in powers of two (1, 2, 3-4, 5-8, ...): a prompt chunk does not pad
     every one-token decode in the step to its length, a k + 1 verification the decodes beside
-    it, nor the longest context every short one (measured on 2 CPU cores, 32 decodes with
-    contexts of 100-900 tokens: 830 ms in one group, 298 ms grouped). Padding wastes at most
-    half of a group's query rows and half of its context.
+    it, nor the longest context every short one. Padding wastes at most half of a group's
+    query rows and half of its context.
     """
 
     rows: torch.Tensor | None  # [t] the group's tokens among the step's T; None: all, in order
