@@ -209,7 +209,8 @@ class DecodeConfig(PoolConfig):
         "up; where keeping to the SLO would cost more, the step drafts for throughput. Under "
         "open-loop load lost throughput lengthens every step (requests that do not draft stay "
         "longer and the batch grows): where drafts cost little beside the step (prompt lookup "
-        "on a CPU) an unbounded guard takes every request past the SLO. 1 always keeps to the SLO; 0 keeps to it only where that costs nothing.",
+        "on a CPU) an unbounded guard takes every request past the SLO. 1 always keeps to the "
+        "SLO; 0 keeps to it only where that costs nothing.",
     )
     routing_stats_period_s: float = Field(
         1.0,
