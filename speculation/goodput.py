@@ -15,10 +15,12 @@ a token budget, the draft rounds a model drafter runs, and optionally a TPOT SLO
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from speculation.step_time import StepTimeModel
 
@@ -108,14 +110,15 @@ def choose_ks(batch: DraftBatch, step: StepCosts, guard: TpotGuard = NO_GUARD) -
     open-loop load, throughput given up is time every request stays longer.)
     """
     n = len(batch.alphas)
-    caps = [batch.caps] * n if isinstance(batch.caps, int) else list(batch.caps)
-    if n == 0 or max(caps) <= 0:
+    caps = np.clip(np.broadcast_to(np.asarray(batch.caps, dtype=np.int64), (n,)), 0, None)
+    if n == 0 or caps.max() <= 0:
         return [0] * n
-    cost = [1] * n if batch.widths is None else list(batch.widths)
-    full = sum(c * w for c, w in zip(caps, cost, strict=True))
+    cost = np.ones(n, np.int64) if batch.widths is None else np.asarray(batch.widths, np.int64)
+    full = int(caps @ cost)
     room = full if step.token_budget is None else min(full, step.token_budget - n)
-    payer = [True] * n if batch.pays_rounds is None else list(batch.pays_rounds)
-    plan = _Batch([min(max(a, 0.0), 1.0) for a in batch.alphas], caps, cost, payer, room)
+    payer = np.ones(n, bool) if batch.pays_rounds is None else np.asarray(batch.pays_rounds, bool)
+    alphas = np.clip(np.asarray(batch.alphas, dtype=np.float64), 0.0, 1.0)
+    plan = _Batch(alphas, caps, cost, payer, room)
     steps = _Steps.of(step.model, n, step.fixed_tokens, step.per_draft_s, guard.slo_s)
     kept, free = _best_plans(plan, step, steps)
     if guard.max_loss >= 1 or kept.goodput >= (1 - guard.max_loss) * free.goodput:
@@ -127,10 +130,10 @@ def choose_ks(batch: DraftBatch, step: StepCosts, guard: TpotGuard = NO_GUARD) -
 class _Batch:
     """``DraftBatch`` resolved: estimates clamped to [0, 1], every per-sequence list filled."""
 
-    alphas: list[float]
-    caps: list[int]
-    cost: list[int]  # tokens per draft level
-    payer: list[bool]
+    alphas: npt.NDArray[np.float64]  # [n] in [0, 1]
+    caps: npt.NDArray[np.int64]  # [n] >= 0
+    cost: npt.NDArray[np.int64]  # [n] tokens per draft level
+    payer: npt.NDArray[np.bool_]  # [n] drafted by the model (runs its rounds)
     room: int  # draft tokens the step may take
 
 
@@ -149,10 +152,10 @@ def _best_plans(b: _Batch, step: StepCosts, steps: _Steps) -> tuple[_Plan, _Plan
         return _by_gain(b, steps, 0.0)
     # Rounds are paid per step, by the deepest drafting payer: for each depth D the payers may
     # reach, the best drafts cost tokens only (plus D rounds); the best D wins.
-    top = max((c for c, p in zip(b.caps, b.payer, strict=True) if p), default=0)
+    top = int(b.caps[b.payer].max()) if b.payer.any() else 0
     kept = free = _Plan([0] * len(b.alphas), -1.0)
     for depth in range(min(step.paid_rounds, top), top + 1):
-        capped = [min(c, depth) if p else c for c, p in zip(b.caps, b.payer, strict=True)]
+        capped = np.where(b.payer, np.minimum(b.caps, depth), b.caps)
         rounds_s = step.round_s * max(depth - step.paid_rounds, 0)
         k, f = _by_gain(_Batch(b.alphas, capped, b.cost, b.payer, b.room), steps, rounds_s)
         kept = k if k.goodput > kept.goodput else kept
@@ -185,83 +188,102 @@ class _Steps:
         limit = math.inf if tpot_slo_s is None else max(tpot_slo_s, mixed)
         return cls(model, n, fixed_tokens, per_draft_s, model.predict(n), mixed, limit)
 
-    def added(self, drafts: int) -> float:
-        """What ``drafts`` draft tokens add to the decodes' step."""
-        added = self.model.predict(self.n + self.fixed_tokens + drafts) - self.mixed_s
-        return added if self.per_draft_s is None else max(added, self.per_draft_s * drafts)
+    def added_many(self, drafts: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        """[J] what each count of draft tokens adds to the decodes' step."""
+        added = self.model.predict_many(self.n + self.fixed_tokens + drafts) - self.mixed_s
+        if self.per_draft_s is None:
+            return added
+        out: npt.NDArray[np.float64] = np.maximum(added, self.per_draft_s * drafts)
+        return out
 
 
 def _by_gain(b: _Batch, steps: _Steps, rounds_s: float) -> tuple[_Plan, _Plan]:
     """The drafts ``choose_ks`` takes by gain per token, with ``rounds_s`` of draft rounds
     charged to any step that drafts: the best prefix of that order that keeps to the SLO, and
-    the best one overall (one pass finds both)."""
-    alphas, caps, cost = b.alphas, b.caps, b.cost
-    n = len(alphas)
-    heap = [(-a / cost[i], i) for i, a in enumerate(alphas) if caps[i] > 0]  # gain per token
-    heapq.heapify(heap)
-    emitted = float(n)
-    decodes = steps.decodes_s
-    best, best_extra = emitted / decodes, 0
-    top, top_extra = best, 0  # the best prefix whatever the SLO
-    order: list[int] = []
-    depth = [0] * n
-    slowest = _Slowest(n, math.isfinite(steps.tpot_limit_s))
-    tokens = 0  # draft tokens in the step so far
-    while heap:
-        _, i = heapq.heappop(heap)
-        if tokens + cost[i] > b.room:
-            continue  # its deeper levels cost as much: it is done
-        order.append(i)
-        depth[i] += 1
-        tokens += cost[i]
-        gain = alphas[i] ** depth[i]
-        emitted += gain
-        slowest.drafted(i, gain, depth[i] == 1)
-        step_s = decodes + steps.added(tokens) + rounds_s
-        trial = emitted / step_s
-        if trial > top:
-            top, top_extra = trial, len(order)
-        if trial > best and slowest.within(steps.mixed_s - decodes + step_s, steps.tpot_limit_s):
-            best, best_extra = trial, len(order)
-        if depth[i] < caps[i]:
-            heapq.heappush(heap, (-(alphas[i] ** (depth[i] + 1)) / cost[i], i))
-    return _Plan(_ks(n, order[:best_extra]), best), _Plan(_ks(n, order[:top_extra]), top)
+    the best one overall.
+
+    Level ``d`` of sequence ``i`` gains ``a_i^d`` for ``cost_i`` tokens; gains fall with ``d``,
+    so taking levels by gain per token is one sort of every (sequence, level), ties broken by
+    sequence then level. A sequence whose next level does not fit the room left drops out, its
+    deeper levels with it. Every prefix of the order is then priced at once.
+    """
+    n = len(b.alphas)
+    caps = np.asarray(b.caps, dtype=np.int64)  # [n]
+    cost = np.asarray(b.cost, dtype=np.int64)  # [n]
+    alphas = np.asarray(b.alphas, dtype=np.float64)  # [n]
+    seq = np.repeat(np.arange(n), np.maximum(caps, 0))  # [L] every (sequence, level)
+    level = (
+        np.arange(seq.size) - np.repeat(np.cumsum(caps.clip(0)) - caps.clip(0), caps.clip(0)) + 1
+    )
+    gain = alphas[seq] ** level  # [L] a_i^d
+    order = np.lexsort((level, seq, -gain / cost[seq]))  # by gain per token, then i, then d
+    seq, gain = seq[order], gain[order]
+    taken = _fitting(seq, cost, b.room)  # [J] positions in the order that are taken
+    seq, gain = seq[taken], gain[taken]
+    tokens = np.cumsum(cost[seq])  # [J] draft tokens after each level
+    emitted = np.cumsum(np.concatenate(([float(n)], gain)))  # [J + 1]
+    drafting_s = (steps.decodes_s + steps.added_many(tokens)) + rounds_s  # [J]
+    step_s = np.concatenate(([steps.decodes_s], drafting_s))  # [J + 1]
+    trial = emitted / step_s  # [J + 1] goodput of each prefix (0: no drafts)
+    top = int(np.argmax(trial))  # first of the best prefixes whatever the SLO
+    within = _within(seq, gain, n, steps.mixed_s - steps.decodes_s + step_s, steps.tpot_limit_s)
+    within[0] = True  # no drafts: the step as it is, whatever its TPOT
+    best = int(np.argmax(np.where(within, trial, -np.inf)))
+    return (
+        _Plan(_ks(n, seq[:best]), float(trial[best])),
+        _Plan(_ks(n, seq[:top]), float(trial[top])),
+    )
 
 
-def _ks(n: int, levels: Sequence[int]) -> list[int]:
+def _fitting(
+    seq: npt.NDArray[np.int64], cost: npt.NDArray[np.int64], room: int
+) -> npt.NDArray[np.int64]:
+    """Positions of the ordered levels ``seq`` that fit ``room`` tokens: in order, a level is
+    taken while it fits, and a sequence whose level does not fit is dropped for good."""
+    if room <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if np.all(cost == cost[0]):  # one width: the levels that fit are a prefix
+        return np.arange(min(seq.size, room // int(cost[0])))
+    kept, dropped, tokens = [], set(), 0
+    for j, i in enumerate(seq.tolist()):
+        if i in dropped:
+            continue
+        c = int(cost[i])
+        if tokens + c > room:
+            dropped.add(i)
+            continue
+        kept.append(j)
+        tokens += c
+    return np.asarray(kept, dtype=np.int64)
+
+
+def _within(
+    seq: npt.NDArray[np.int64],
+    gain: npt.NDArray[np.float64],
+    n: int,
+    step_s: npt.NDArray[np.float64],
+    limit_s: float,
+) -> npt.NDArray[np.bool_]:
+    """[J + 1] whether every sequence's time per output token in a step of ``step_s`` (one per
+    prefix of the taken levels ``seq``, gaining ``gain``) is at most ``limit_s``. A sequence
+    expects one token plus its levels' gains; one not yet drafted, one."""
+    if not np.isfinite(limit_s):
+        return np.ones(step_s.shape, dtype=bool)
+    fewest = np.ones(step_s.shape)  # [J + 1] the fewest tokens any sequence expects
+    first = np.full(n, seq.size + 1)  # the prefix length at each sequence's first level
+    np.minimum.at(first, seq, np.arange(1, seq.size + 1))
+    everyone = int(first.max())  # the prefix from which every sequence has drafted
+    if everyone <= seq.size:
+        grid = np.zeros((seq.size + 1, n))  # [J + 1, n] each level's gain, by sequence
+        grid[0] = 1.0  # every sequence expects its own token
+        grid[np.arange(1, seq.size + 1), seq] = gain
+        expected = np.cumsum(grid, axis=0)  # [J + 1, n]: 1 + its gains so far
+        fewest[everyone:] = expected[everyone:].min(axis=1)
+    out: npt.NDArray[np.bool_] = step_s / fewest <= limit_s
+    return out
+
+
+def _ks(n: int, levels: npt.NDArray[np.int64]) -> list[int]:
     """Speculation lengths from the sequences that took each draft level, in order."""
-    ks = [0] * n
-    for i in levels:
-        ks[i] += 1
-    return ks
-
-
-class _Slowest:
-    """The fewest tokens any sequence expects to emit in the step, as drafts are added one
-    level at a time (a lazy min-heap; nothing is tracked when ``active`` is false)."""
-
-    def __init__(self, n: int, active: bool) -> None:
-        self.active = active
-        self.undrafted = n  # sequences with no draft yet: each expects one token
-        self.expected = [1.0] * n if active else []
-        self.heap: list[tuple[float, int]] = []
-
-    def drafted(self, i: int, gain: float, first: bool) -> None:
-        """Sequence ``i`` took one more draft level (its ``first``), expecting ``gain`` more
-        tokens."""
-        if not self.active:
-            return
-        self.undrafted -= first
-        self.expected[i] += gain
-        heapq.heappush(self.heap, (self.expected[i], i))
-
-    def within(self, step_s: float, limit_s: float) -> bool:
-        """Whether every sequence's time per output token in a step of ``step_s`` is at most
-        ``limit_s``."""
-        if not self.active:
-            return True
-        if self.undrafted:
-            return step_s <= limit_s
-        while self.heap[0][0] != self.expected[self.heap[0][1]]:
-            heapq.heappop(self.heap)  # an older level of a sequence drafted deeper since
-        return step_s / self.heap[0][0] <= limit_s
+    out: list[int] = np.bincount(levels, minlength=n).tolist()
+    return out

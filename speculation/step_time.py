@@ -57,12 +57,20 @@ class StepTimeModel:
 
     def predict_many(self, tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """``predict`` over an array of token counts at once (the router scores every replica
-        in one call): the same interpolation, clamping and extrapolation."""
+        in one call, the planner every step size): the same arithmetic, so the same floats."""
         x = np.asarray(tokens, dtype=np.float64)
         xs, ys = self._arrays
-        (x0, y0), (x1, y1) = self.points[-2] if len(self.points) > 1 else (0, 0.0), self.points[-1]
-        slope = (y1 - y0) / (x1 - x0)
-        out: npt.NDArray[np.float64] = np.interp(x, xs, ys) + slope * np.maximum(x - x1, 0.0)
+        i = np.searchsorted(xs, x, side="left")  # bisect_left
+        if xs.size > 1:
+            j = np.clip(i, 1, xs.size - 1)
+            x0, y0, x1, y1 = xs[j - 1], ys[j - 1], xs[j], ys[j]
+        else:  # one point: proportional beyond it, as from the origin
+            x0, y0, x1, y1 = np.zeros_like(x), np.zeros_like(x), xs[[0]], ys[[0]]
+        inside = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        beyond = y1 + (y1 - y0) / (x1 - x0) * (x - x1)
+        out: npt.NDArray[np.float64] = np.where(
+            x <= xs[0], ys[0], np.where(i < xs.size, inside, beyond)
+        )
         return out
 
     @functools.cached_property

@@ -86,7 +86,7 @@ def test_the_simulated_pool_keeps_to_the_slo_below_its_capacity_and_not_above() 
 def test_command_line_writes_the_table_and_the_check(tmp_path: Path) -> None:
     out = tmp_path / "cap.json"
     args = ["--slos", "0.016", "0.02", "--check-shares", "0.9", "--check-replicas", "2"]
-    args += ["--check-requests", "1500", "--check-policies", "power_of_two", "--seeds", "1"]
+    args += ["--check-requests", "400", "--check-policies", "power_of_two", "--seeds", "1"]
     assert slo_capacity_cli.main([*args, "--out", str(out)]) == out
     doc = json.loads(out.read_text())
     tight, loose = doc["capacities"]
