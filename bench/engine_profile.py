@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_check import _tiny
-from bench.gpu_kv import sync_device
+from runtime.runner import synchronize
 
 SHAPES = {"tiny": (2, 128, 4, 2, 4096), "1b": (16, 2048, 32, 8, 32000)}
 
@@ -36,7 +36,7 @@ def _python_profile(engine: Any, steps: int, device: str) -> dict[str, float]:
     pr.enable()
     for _ in range(steps):
         engine.step()
-    sync_device(device)
+    synchronize(device)
     pr.disable()
     stats: dict[Any, Any] = getattr(pstats.Stats(pr), "stats")  # noqa: B009 (untyped attribute)
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]
@@ -79,7 +79,7 @@ def main() -> None:
         engine.add(Request(uuid.uuid4().hex, prompt, params), None)
     for _ in range(args.steps):  # prompts, then warm decode steps
         engine.step()
-    sync_device(args.device)
+    synchronize(args.device)
     activities = [ProfilerActivity.CPU]
     if args.device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
@@ -87,7 +87,7 @@ def main() -> None:
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             engine.step()
-        sync_device(args.device)
+        synchronize(args.device)
     wall_ms = 1000 * (time.perf_counter() - t0) / args.steps
     events = prof.key_averages()
     top_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from bench.gpu_kv import kv_transfer, sync_device
+from bench.gpu_kv import kv_transfer
+from runtime.runner import synchronize
 
 
 def _tiny(
@@ -184,10 +185,10 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
             times = []
             for _ in range(7):
-                sync_device(dev)
+                synchronize(dev)
                 t0 = time.perf_counter()
                 run_step(model, pool, 16, batch_in)
-                sync_device(dev)
+                synchronize(dev)
                 times.append(time.perf_counter() - t0)
             return 1000 * statistics.median(times)
 
@@ -228,25 +229,25 @@ def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
             )
             for _ in range(batch)
         ]
-        sync_device(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         for r in reqs:
             engine.add(r, None)
         n = 0
         while engine.has_work:
             n += sum(len(o.new_token_ids) for o in engine.step())
-        sync_device(dev)
+        synchronize(dev)
         out["engine_tok_s"][batch] = n / (time.perf_counter() - t0)
     engine.close()
     ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     ref = ref.to(dev).eval()
     ids = torch.randint(3, vocab, (1, plen), generator=g).to(dev)
     for _ in range(2):  # warm-up, then timed
-        sync_device(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         with torch.no_grad():
             gen = ref.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        sync_device(dev)
+        synchronize(dev)
         hf = (gen.shape[1] - plen) / (time.perf_counter() - t0)
     out["transformers_tok_s_batch1"] = hf
     out["engine_over_transformers_batch1"] = out["engine_tok_s"][1] / hf

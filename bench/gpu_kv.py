@@ -9,10 +9,7 @@ from typing import Any
 
 import torch
 
-
-def sync_device(dev: str) -> None:
-    if dev.startswith("cuda"):
-        torch.cuda.synchronize()
+from runtime.runner import synchronize
 
 
 def kv_transfer(dev: str) -> dict[int, Any]:
@@ -45,10 +42,10 @@ def kv_transfer(dev: str) -> dict[int, Any]:
         x, y = a.tensor("target"), b.tensor("target")
         ctimes = []
         for _ in range(5):
-            sync_device(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             y[:, :, :, :n].copy_(x[:, :, :, :n])
-            sync_device(dev)
+            synchronize(dev)
             ctimes.append(time.perf_counter() - t0)
         t_nixl, t_copy = statistics.median(times), statistics.median(ctimes)
         out[n] = {

@@ -219,6 +219,7 @@ class DecodeEngine:
             r.stats.num_emitted_tokens += len(em.tokens)
             if self.speculation is not None:
                 self.speculation.learn(r, em.num_drafted, em.num_accepted)
+        decoding = bool(r.output_token_ids)  # not the first token, which is never drafted
         new: list[int] = []
         reason: FinishReason | None = None
         for tok in em.tokens:
@@ -234,6 +235,8 @@ class DecodeEngine:
             self.running.pop(r.request_id)
             self._finish(r, reason, None, tuple(new), em)
         else:
+            if decoding and not em.num_drafted and self.speculation is not None:
+                self.speculation.rest(r)  # it goes on, having verified nothing this step
             self._outbox.append(
                 StepOutput(
                     r.request_id,

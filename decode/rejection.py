@@ -59,16 +59,17 @@ def rejection_sample(
     """
     b = len(rows)
     dev = target_probs.device
+    _check_drafts(rows, num_drafts)
     ws = torch.tensor(list(rows), dtype=torch.long, device=dev)  # [B]
     ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
-    if bool(((ts != ws) & (ts != ws - 1)).any()):
-        raise ValueError("each sequence must bring w or w - 1 drafts for its w rows")
     row_start = torch.cumsum(ws, 0) - ws  # [B]
     draft_start = torch.cumsum(ts, 0) - ts  # [B]
-    tmax = int(ts.max()) if b else 0
+    tmax = int(max(num_drafts, default=0))
     n = torch.zeros(b, dtype=torch.long, device=dev)
     if tmax > 0:
-        seq_of = torch.repeat_interleave(torch.arange(b, device=dev), ts)  # [N]
+        seq_of = torch.repeat_interleave(  # [N]
+            torch.arange(b, device=dev), ts, output_size=sum(num_drafts)
+        )
         pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]  # [N]
         p_tok = target_probs[row_start[seq_of] + pos_in].gather(1, draft_tokens.unsqueeze(1))
         p_tok = p_tok.squeeze(1)  # [N]
@@ -85,7 +86,7 @@ def rejection_sample(
     has_final = n < ws
     p_final = target_probs[row_start + n.clamp(max=ws - 1)]  # [B, V]
     rejected = n < ts  # [B]
-    if bool(rejected.any()):
+    if tmax > 0:  # where some draft was tested, some may be rejected
         idx = (draft_start + n).clamp(max=max(int(draft_tokens.numel()) - 1, 0))
         if draft_probs is not None:
             q_rej = draft_probs[idx]  # [B, V]
@@ -99,3 +100,53 @@ def rejection_sample(
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
     return Verification(num_accepted=n, has_final=has_final, final_dist=p_final)
+
+
+@dataclass(frozen=True)
+class GreedyVerification:
+    num_accepted: torch.Tensor  # [B] leading drafts equal to the target's argmax
+    has_final: torch.Tensor  # [B] bool: the target's token follows the accepted ones
+    final_token: torch.Tensor  # [B] that token (rows where has_final is False: unused)
+
+
+def verify_greedy(
+    target_tokens: torch.Tensor,
+    rows: Sequence[int],
+    draft_tokens: torch.Tensor,
+    num_drafts: Sequence[int],
+) -> GreedyVerification:
+    """``rejection_sample`` for greedy sequences, whose distributions are one-hot: a draft is
+    accepted iff it is the target's argmax there, and the final token is the argmax after the
+    accepted ones; no distribution over the vocabulary is built.
+
+    target_tokens: [sum(w_i)] the argmax of each row; the other arguments as in
+    ``rejection_sample``.
+    """
+    b = len(rows)
+    dev = target_tokens.device
+    _check_drafts(rows, num_drafts)
+    ws = torch.tensor(list(rows), dtype=torch.long, device=dev)  # [B]
+    ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
+    row_start = torch.cumsum(ws, 0) - ws  # [B]
+    draft_start = torch.cumsum(ts, 0) - ts  # [B]
+    n = torch.zeros(b, dtype=torch.long, device=dev)
+    tmax = int(max(num_drafts, default=0))
+    if tmax > 0:
+        seq_of = torch.repeat_interleave(  # [N]
+            torch.arange(b, device=dev), ts, output_size=sum(num_drafts)
+        )
+        pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]  # [N]
+        match = target_tokens[row_start[seq_of] + pos_in] == draft_tokens  # [N]
+        grid = torch.zeros(b, tmax, dtype=torch.long, device=dev)
+        grid[seq_of, pos_in] = match.long()
+        n = grid.cumprod(dim=1).sum(dim=1)  # [B]
+    final = target_tokens[row_start + n.clamp(max=ws - 1)]  # [B]
+    return GreedyVerification(num_accepted=n, has_final=n < ws, final_token=final)
+
+
+def _check_drafts(rows: Sequence[int], num_drafts: Sequence[int]) -> None:
+    """Checked on the host, so verification never waits for the device to answer."""
+    if len(rows) != len(num_drafts) or any(
+        t not in (w, w - 1) for w, t in zip(rows, num_drafts, strict=True)
+    ):
+        raise ValueError("each sequence must bring w or w - 1 drafts for its w rows")

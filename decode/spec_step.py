@@ -15,16 +15,16 @@ compacted into place at the start of the request's next step.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
-from decode.rejection import rejection_sample
+from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
 from models.request import Request
-from models.sampling import Stream, accept_uniforms, probs_from_logits, sample_token
+from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
 from models.tree import TreeSpan, chain_parents, path_moves
 from runtime.runner import ModelRunner, SeqInput, StepResult
 
@@ -45,32 +45,32 @@ NO_DRAFT = DraftProposal((), None)
 def _propose(
     drafter: Drafter | None, reqs: Sequence[Request], samples: Sequence[bool], ks: Sequence[int]
 ) -> list[DraftProposal]:
+    """Each sampling request's proposal for the ``k + 1`` positions after its known tokens.
+
+    A request granted ``k = 0`` verifies no draft, so a model drafter is not run for it (no
+    draft round): it gets only what costs no forward (``Drafter.propose_free``: lookup), which
+    keeps its acceptance estimate learning where lookup matches. The exception is a
+    client-seeded sampled request: a position's token depends on whether a draft was offered
+    there, and offering one at every position keeps its tokens independent of the k the
+    planner picked.
+    """
     # Position 0 (the first token of a prompt computed here) is never drafted: prefill samples
     # it plainly too, so both modes produce it by the same rule.
-    ask = [i for i, r in enumerate(reqs) if samples[i] and r.output_token_ids]
     out = [NO_DRAFT] * len(reqs)
-    if drafter is not None and ask:
-        got = drafter.propose([reqs[i] for i in ask], [ks[i] + 1 for i in ask])
-        for i, prop in zip(ask, got, strict=True):
-            out[i] = prop
+    if drafter is None:
+        return out
+    full: list[int] = []
+    free: list[int] = []
+    for i, r in enumerate(reqs):
+        if samples[i] and r.output_token_ids:
+            seeded = r.sampling.seeded and not r.sampling.greedy
+            (full if ks[i] > 0 or seeded else free).append(i)
+    for ask, propose in ((full, drafter.propose), (free, drafter.propose_free)):
+        if ask:
+            got = propose([reqs[i] for i in ask], [ks[i] + 1 for i in ask])
+            for i, prop in zip(ask, got, strict=True):
+                out[i] = prop
     return out
-
-
-def _draft_probs(
-    proposals: Sequence[DraftProposal], tested: Sequence[Sequence[int]], p: torch.Tensor
-) -> torch.Tensor | None:
-    """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot. A
-    batch mixing both (lookup-first drafting) gives its one-hot drafts one-hot rows."""
-    if all(prop.probs is None for prop in proposals):
-        return None
-    rows = []
-    for prop, t in zip(proposals, tested, strict=True):
-        if prop.probs is not None:
-            rows.append(prop.probs[: len(t)].to(p.device))
-        elif t:
-            ids = torch.tensor(list(t), dtype=torch.long, device=p.device)
-            rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
-    return torch.cat(rows) if rows else None
 
 
 def decode_step(
@@ -82,7 +82,7 @@ def decode_step(
 ) -> list[Emission]:
     """Advance every request by one step; ``ks[i]`` extra positions may be verified for it."""
     pending = [
-        r.all_token_ids[r.num_computed : r.num_computed + n]
+        r.token_slice(r.num_computed, r.num_computed + n)
         for r, n in zip(reqs, new_tokens, strict=True)
     ]
     samples = [r.num_computed + n == r.num_tokens for r, n in zip(reqs, new_tokens, strict=True)]
@@ -110,48 +110,21 @@ def decode_step(
             reqs[i].num_computed += new_tokens[i]
     if not sampled:
         return emissions
-    row_params = [reqs[i].sampling for i in sampled for _ in range(widths[i])]
-    p = probs_from_logits(out.logits, row_params)  # [sum(w_i), V] over sampled sequences
-    # row of each sampled sequence's first distribution in p
+    # row of each sampled sequence's first distribution in out.logits
     starts = itertools.accumulate((widths[i] for i in sampled), initial=0)
     first_row = dict(zip(sampled, starts, strict=False))  # starts has one more: the end
     chains = [i for i in sampled if proposals[i].parents is None]
-    for i in sampled:
-        if proposals[i].parents is not None:
-            rows = p[first_row[i] : first_row[i] + widths[i]]  # [w_i, V]
-            emissions[i] = _accept_tree(
-                drafter, reqs[i], proposals[i], rows, out, offsets[i], pending[i]
-            )
-    if not chains:
-        return emissions
-    if len(chains) < len(sampled):
-        keep = [first_row[i] + j for i in chains for j in range(widths[i])]
-        p = p[torch.tensor(keep, dtype=torch.long, device=p.device)]  # [sum over chains, V]
-    tested = [proposals[i].tokens[: widths[i]] for i in chains]
-    flat = [t for toks in tested for t in toks]
-    draft_tokens = torch.tensor(flat, dtype=torch.long, device=p.device)  # [sum t_i]
-    draft_probs = _draft_probs([proposals[i] for i in chains], tested, p)  # [sum t_i, V] | None
-    uniforms = torch.cat(
-        [
-            accept_uniforms(reqs[i].sampling, len(reqs[i].output_token_ids), len(t))
-            for i, t in zip(chains, tested, strict=True)
-        ]
-    )
-    ver = rejection_sample(
-        p,
-        [widths[i] for i in chains],
-        draft_tokens,
-        [len(t) for t in tested],
-        draft_probs,
-        uniforms,
-    )
-    for row, (i, toks) in enumerate(zip(chains, tested, strict=True)):
+    trees = [i for i in sampled if proposals[i].parents is not None]
+    verdicts = _verify_chains(out.logits, reqs, proposals, widths, chains, first_row)
+    for i in trees:
+        rows = out.logits[first_row[i] : first_row[i] + widths[i]]  # [w_i, V]
+        emissions[i] = _accept_tree(
+            drafter, reqs[i], proposals[i], rows, out, offsets[i], pending[i]
+        )
+    for i, (n, final) in zip(chains, verdicts, strict=True):
         r = reqs[i]
-        n = int(ver.num_accepted[row])
-        emitted = toks[:n]
-        if bool(ver.has_final[row]):
-            pos = len(r.output_token_ids) + n
-            emitted += (sample_token(ver.final_dist[row], r.sampling, pos, Stream.SAMPLE),)
+        toks = proposals[i].tokens[: widths[i]]
+        emitted = toks[:n] + ((final,) if final is not None else ())
         # KV now holds the pending tokens and the accepted drafts that were fed.
         valid = len(pending[i]) + min(n, widths[i] - 1)
         _observe(drafter, r, out.all_hidden[offsets[i] : offsets[i] + valid])
@@ -159,6 +132,98 @@ def decode_step(
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
         emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids))
     return emissions
+
+
+def _verify_chains(
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    proposals: Sequence[DraftProposal],
+    widths: Sequence[int],
+    chains: Sequence[int],
+    first_row: Mapping[int, int],
+) -> list[tuple[int, int | None]]:
+    """Per chain: the drafts accepted and the recovered or bonus token after them (None when
+    every position was a draft that passed), read from the device in one copy.
+
+    logits: [rows, V], the target's rows of every sampling sequence (``first_row``). Greedy
+    chains compare drafts with the argmax (``verify_greedy``); sampled ones run the rejection
+    rule over their distributions, and draw the final token at its position's uniform.
+    """
+    if not chains:
+        return []
+    dev = logits.device
+    greedy = [i for i in chains if reqs[i].sampling.greedy]
+    sampled = [i for i in chains if not reqs[i].sampling.greedy]
+    counts: list[torch.Tensor] = []  # [B] per group: accepted, has final, final token
+    for group in (greedy, sampled):
+        if not group:
+            continue
+        rows = torch.tensor(
+            [first_row[i] + j for i in group for j in range(widths[i])], device=dev
+        )  # [sum w_i]
+        tested = [proposals[i].tokens[: widths[i]] for i in group]
+        drafts = torch.tensor([t for toks in tested for t in toks], dtype=torch.long, device=dev)
+        ws, ts = [widths[i] for i in group], [len(t) for t in tested]
+        if group is greedy:
+            g = verify_greedy(logits[rows].argmax(dim=-1), ws, drafts, ts)
+            counts.append(torch.stack([g.num_accepted, g.has_final.long(), g.final_token]))
+            continue
+        members = [reqs[i] for i in group]
+        p = probs_from_logits(logits[rows], _positions(members, ws)[0])  # [sum w_i, V]
+        u = torch.from_numpy(uniforms(*_positions(members, ts), Stream.ACCEPT))  # [sum t_i]
+        ver = rejection_sample(p, ws, drafts, ts, _draft_probs(group, proposals, tested, p), u)
+        final = _draw_finals(ver.final_dist, ver.num_accepted, members, ws)
+        counts.append(torch.stack([ver.num_accepted, ver.has_final.long(), final]))
+    n, has, final = torch.cat(counts, dim=1).tolist()  # the step's one device->host copy
+    order = greedy + sampled
+    got = {i: (n[j], final[j] if has[j] else None) for j, i in enumerate(order)}
+    return [got[i] for i in chains]
+
+
+def _draw_finals(
+    dist: torch.Tensor, accepted: torch.Tensor, reqs: Sequence[Request], widths: Sequence[int]
+) -> torch.Tensor:
+    """[B] each sampled chain's recovered or bonus token, drawn from ``dist`` [B, V] at its
+    position (after the accepted drafts): the uniforms of every position it could land on are
+    computed on the host at once, and the one it did land on is picked on the device."""
+    u_all = uniforms(*_positions(reqs, widths), Stream.SAMPLE)  # [sum w_i]
+    ws = torch.tensor(list(widths), device=dist.device)
+    landed = torch.cumsum(ws, 0) - ws + accepted.clamp(max=ws - 1)  # [B] its position's row
+    return inverse_cdf(dist, torch.from_numpy(u_all).to(dist.device)[landed])
+
+
+def _positions(
+    reqs: Sequence[Request], counts: Sequence[int]
+) -> tuple[list[SamplingParams], list[int]]:
+    """Each request's params and output positions for its next ``counts[i]`` positions."""
+    params: list[SamplingParams] = []
+    positions: list[int] = []
+    for r, c in zip(reqs, counts, strict=True):
+        first = len(r.output_token_ids)
+        params += [r.sampling] * c
+        positions += range(first, first + c)
+    return params, positions
+
+
+def _draft_probs(
+    group: Sequence[int],
+    proposals: Sequence[DraftProposal],
+    tested: Sequence[Sequence[int]],
+    p: torch.Tensor,
+) -> torch.Tensor | None:
+    """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot. A
+    batch mixing both (lookup-first drafting) gives its one-hot drafts one-hot rows."""
+    props = [proposals[i] for i in group]
+    if all(prop.probs is None for prop in props):
+        return None
+    rows = []
+    for prop, t in zip(props, tested, strict=True):
+        if prop.probs is not None:
+            rows.append(prop.probs[: len(t)].to(p.device))
+        elif t:
+            ids = torch.tensor(list(t), dtype=torch.long, device=p.device)
+            rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
+    return torch.cat(rows) if rows else None
 
 
 def _seq_input(
@@ -191,17 +256,17 @@ def _accept_tree(
     drafter: Drafter | None,
     r: Request,
     prop: DraftProposal,
-    p: torch.Tensor,
+    logits: torch.Tensor,
     out: StepResult,
     offset: int,
     pend: Sequence[int],
 ) -> Emission:
     """Verify a greedy request's draft tree (``decode.tree_verify``) and keep the accepted
     path's KV, compacted into the chain layout at the start of its next step.
-    p: [1 + nodes, V] the target's distributions after the root and after each node."""
+    logits: [1 + nodes, V] the target's logits after the root and after each node."""
     assert prop.parents is not None
-    # A greedy request's token is its distribution's argmax (models.sampling.sample_token).
-    path, final = accept_greedy_path(p.argmax(dim=-1).tolist(), prop.tokens, prop.parents)
+    # A greedy request's token is the argmax of its logits (models.sampling.sample_rows).
+    path, final = accept_greedy_path(logits.argmax(dim=-1).tolist(), prop.tokens, prop.parents)
     n = len(pend)
     rows = list(range(offset, offset + n)) + [offset + n + node for node in path]
     _observe(drafter, r, out.all_hidden[torch.tensor(rows, device=out.all_hidden.device)])

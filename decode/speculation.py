@@ -32,6 +32,9 @@ from speculation.step_time import StepTimeModel, StepTimeTracker
 
 EMA = 0.2  # weight of a request's newest verified step in its acceptance estimate
 PRIOR_EMA = 0.01  # weight of any request's verified step in the replica's prior
+IDLE_EMA = (
+    0.05  # how far a request's estimate relaxes toward the prior per step it verified no draft
+)
 
 
 class SpeculationPolicy:
@@ -95,6 +98,14 @@ class SpeculationPolicy:
         rate = accepted / drafted
         r.acceptance_estimate = (1 - EMA) * self.estimate(r) + EMA * rate
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * rate
+
+    def rest(self, r: Request) -> None:
+        """``r`` verified no draft this step (granted none, or nothing was proposed): with no
+        evidence, its estimate relaxes toward the replica's prior, so a request the planner
+        stopped drafting for is tried again once the prior says it may pay (it would
+        otherwise never verify another draft to learn from)."""
+        est = self.estimate(r)
+        r.acceptance_estimate = est + IDLE_EMA * (self.prior - est)
 
     def draft_width(self, r: Request) -> int:
         """Tokens each draft level of ``r`` puts in a step: its tree's width when greedy."""
@@ -206,7 +217,8 @@ def build_speculation(
         default_cache_dir() / "steptime" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
     )
     model = cached_step_time(
-        path, lambda: measure_step_time(target, allocator, cfg.block_size, shapes)
+        path,
+        lambda: measure_step_time(target, allocator, cfg.block_size, shapes, device=cfg.device),
     )
     return SpeculationPolicy(
         d.num_speculative_tokens,

@@ -32,7 +32,7 @@ from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaDecoderLayer, load_layer
 from models.parallel import TPContext
-from models.weights import load_state_dict
+from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class EagleHead(nn.Module):
         full[:, ids] = small
         return full
 
-    def load(self, head: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> None:
+    def load(self, head: Mapping[str, torch.Tensor], target: Mapping[str, Sliceable]) -> None:
         """Load a head in the EAGLE layout, taking what it lacks (embeddings, a full-vocabulary
-        LM head) from the target's weights."""
+        LM head) from the target's weights (read lazily: only those tensors)."""
         h = {k.removeprefix("model."): v for k, v in head.items()}
 
         def w(name: str) -> torch.Tensor:
@@ -137,13 +137,15 @@ class EagleHead(nn.Module):
                 w("fc.bias") if "fc.bias" in h else torch.zeros_like(self.fc.bias)
             )
         load_layer(self.layer, w, "layers.0.")
-        emb = h.get("embed_tokens.weight", target["model.embed_tokens.weight"])
+        emb = h.get("embed_tokens.weight")
+        if emb is None:
+            emb = whole(target["model.embed_tokens.weight"])
         self.embed_tokens.weight.data.copy_(emb.to(self.dtype))
         if "lm_head.weight" in h:
             self.lm_head.weight.data.copy_(w("lm_head.weight"))
         else:
             full = target.get("lm_head.weight", target["model.embed_tokens.weight"])
-            self.lm_head.weight.data.copy_(full.to(self.dtype))
+            self.lm_head.weight.data.copy_(whole(full).to(self.dtype))
         if "d2t" in h:
             self.d2t.copy_(h["d2t"].long())
         if isinstance(self.norm, RMSNorm):
@@ -207,5 +209,5 @@ def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
 
 def load_eagle(folder: Path, target_folder: Path, dtype: torch.dtype, device: str) -> EagleHead:
     head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
-    head.load(load_state_dict(folder), load_state_dict(target_folder))
+    head.load(load_state_dict(folder), open_checkpoint(target_folder))
     return head.eval()

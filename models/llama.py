@@ -16,6 +16,7 @@ from models.parallel import (
     TPContext,
     VocabParallelEmbedding,
 )
+from models.weights import Sliceable, whole
 
 
 class LlamaAttention(nn.Module):
@@ -157,24 +158,25 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head.logits(hidden).float()
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named full (unsharded) weights; each layer keeps its own rank's shard."""
+    def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
+        """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's
+        shard (lazy tensors are read only that far)."""
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> Sliceable:
             if name not in weights:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            return weights[name].to(self.dtype)
+            return weights[name]
 
         self.embed_tokens.load(w("model.embed_tokens.weight"))
         if not self.cfg.tie_word_embeddings:
             self.lm_head.load(w("lm_head.weight"))
-        self.norm.weight.data.copy_(w("model.norm.weight"))
+        self.norm.weight.data.copy_(whole(w("model.norm.weight")))
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.")
 
 
-def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], torch.Tensor], prefix: str) -> None:
+def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str) -> None:
     """Load one decoder layer from HF-named tensors under ``prefix`` (each rank its shard)."""
     attn, mlp = layer.self_attn, layer.mlp
     attn.qkv_proj.load([w(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
@@ -182,5 +184,6 @@ def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], torch.Tensor], prefi
     mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     if isinstance(layer.input_layernorm, RMSNorm):
-        layer.input_layernorm.weight.data.copy_(w(prefix + "input_layernorm.weight"))
-    layer.post_attention_layernorm.weight.data.copy_(w(prefix + "post_attention_layernorm.weight"))
+        layer.input_layernorm.weight.data.copy_(whole(w(prefix + "input_layernorm.weight")))
+    norm = whole(w(prefix + "post_attention_layernorm.weight"))
+    layer.post_attention_layernorm.weight.data.copy_(norm)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.weights import Sliceable
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -45,7 +47,8 @@ class TPContext:
             )
         return size // self.world_size
 
-    def narrow(self, w: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    def narrow(self, w: Sliceable, dim: int, what: str) -> torch.Tensor:
+        """This rank's part of ``w`` along ``dim``."""
         n = self.shard(w.shape[dim], what)
         return w.narrow(dim, self.rank * n, n)
 
@@ -73,7 +76,7 @@ class ColumnParallelLinear(nn.Module):
             torch.empty(local, in_features, dtype=dtype, device=device), requires_grad=False
         )
 
-    def load(self, full_weights: Sequence[torch.Tensor]) -> None:
+    def load(self, full_weights: Sequence[Sliceable]) -> None:
         """Copy this rank's rows of each full ``[out_i, in]`` weight into the merged shard."""
         parts = [self.tp.narrow(w, 0, "output features") for w in full_weights]
         self.weight.data.copy_(torch.cat(parts, dim=0))
@@ -101,7 +104,7 @@ class RowParallelLinear(nn.Module):
             torch.empty(out_features, local_in, dtype=dtype, device=device), requires_grad=False
         )
 
-    def load(self, full_weight: torch.Tensor) -> None:
+    def load(self, full_weight: Sliceable) -> None:
         self.weight.data.copy_(self.tp.narrow(full_weight, 1, "input features"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.vocab_local, hidden, dtype=dtype, device=device), requires_grad=False
         )
 
-    def load(self, full_weight: torch.Tensor) -> None:
+    def load(self, full_weight: Sliceable) -> None:
         self.weight.data.copy_(self.tp.narrow(full_weight, 0, "vocab_size"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from models.config import DTYPES, LlamaConfig
 from models.llama import LlamaModel
 from models.parallel import TPContext
-from models.weights import load_state_dict
+from models.weights import open_checkpoint
 
 
 class DraftKind(enum.Enum):
@@ -43,7 +43,7 @@ class ModelSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
-        model.load_weights(load_state_dict(Path(self.folder)))
+        model.load_weights(open_checkpoint(Path(self.folder)))
         return model.eval()
 
 

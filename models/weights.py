@@ -14,9 +14,12 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 log = logging.getLogger(__name__)
@@ -26,6 +29,52 @@ def default_cache_dir() -> Path:
     """Where converted checkpoints live: ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``."""
     env = os.environ.get("TANDEM_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "tandem"
+
+
+class Sliceable(Protocol):
+    """A checkpoint tensor a rank can narrow to its part: a tensor, or one read lazily from its
+    file (``models.weights.LazyTensor``), so only that part is read."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+class LazyTensor:
+    """One tensor of a safetensors file, read only as far as asked: a tensor-parallel rank
+    narrows it to its rows or columns and reads just those bytes (the file is memory-mapped),
+    so no rank ever holds the whole checkpoint in host RAM."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle = handle  # a safetensors safe_open handle, kept open by the checkpoint
+        self._name = name
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        out: torch.Tensor = self._slice[index]
+        return out
+
+
+def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
+    """Every tensor of an HF checkpoint folder, unread: safetensors files are opened lazily
+    (``LazyTensor``); ``*.bin`` files, the last resort, can only be read whole."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return dict(load_state_dict(folder))
+    out: dict[str, LazyTensor | torch.Tensor] = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            out[name] = LazyTensor(handle, name)
+    return out
+
+
+def whole(t: Sliceable) -> torch.Tensor:
+    """All of a checkpoint tensor, lazy or not."""
+    return t.narrow(0, 0, t.shape[0])
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:

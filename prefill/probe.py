@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from models.acceptance import one_hot_overlap, overlap, probe_estimate
-from models.ngram import ngram_lookup
+from models.ngram import NgramIndex
 from models.sampling import SamplingParams, probs_from_logits
 from models.spec import DraftKind, DraftSpec
 
@@ -52,8 +52,9 @@ def lookups(
     draft: DraftSpec, prompt: Sequence[int], positions: Sequence[int], device: torch.device
 ) -> torch.Tensor:
     """[len(positions)] the n-gram proposal after each prompt position (-1: none)."""
-    props = [
-        (ngram_lookup(list(prompt[: t + 1]), 1, draft.ngram_max, draft.ngram_min) or [-1])[0]
-        for t in positions
-    ]
-    return torch.tensor(props, device=device)
+    index = NgramIndex(draft.ngram_max, draft.ngram_min)
+    props = {}
+    for t in sorted(set(positions)):  # one index, grown through the prompt
+        index.extend(prompt[len(index) : t + 1])
+        props[t] = (index.follow(1) or [-1])[0]
+    return torch.tensor([props[t] for t in positions], device=device)

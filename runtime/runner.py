@@ -73,6 +73,13 @@ def run_step(
     )
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU, whose ops run synchronously)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 class ModelRunner(ABC):
     """Runs forward steps of one model over its paged KV, on one process or a TP group.
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvtransfer.allocator import BlockAllocator
-from runtime.runner import ModelRunner, SeqInput
+from runtime.runner import ModelRunner, SeqInput, synchronize
 from speculation.step_time import StepTimeModel, isotonic
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,12 @@ def measure_step_time(
     block_size: int,
     shapes: Sequence[tuple[int, int]],
     repeats: int = 3,
+    device: str = "cpu",
 ) -> StepTimeModel:
     """Time the target's forward over each shape (fastest of ``repeats``, shapes interleaved),
-    in scratch blocks; shapes whose KV would not fit in the free pool are left out."""
+    in scratch blocks; shapes whose KV would not fit in the free pool are left out. The device
+    is synchronised before each clock reading, so a GPU's kernels are timed, not their
+    launches."""
     per_seq = math.ceil((CONTEXT + max(w for _, w in shapes)) / block_size)
     shapes = [s for s in shapes if s[0] * per_seq <= allocator.num_free] or [(1, 1)]
     largest = max(b for b, _ in shapes)
@@ -60,8 +63,10 @@ def measure_step_time(
                 step = [
                     SeqInput(t, CONTEXT, [1] * width, list(range(width))) for t in tables[:batch]
                 ]
+                synchronize(device)
                 t0 = time.perf_counter()
                 runner.run(step)
+                synchronize(device)
                 dt = time.perf_counter() - t0
                 fastest[(batch, width)] = min(dt, fastest.get((batch, width), math.inf))
     finally:

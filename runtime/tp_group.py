@@ -4,9 +4,11 @@ Every rank holds its shard of the target's weights (``models.parallel`` layers l
 rows or columns) and of the KV pool (its KV heads), and a NIXL agent over that pool
 (``kvtransfer.tp_transport``). The ranks form a torch.distributed process group of their own
 (gloo on CPU, NCCL on CUDA) through a TCP store on rank 0's node; layers issue the
-collectives. Rank 0 drives: for each forward it sends the step's batch to the other ranks and
-runs its own part, and for each KV pull it asks every rank to read its heads from the matching
-source rank. The draft model stays on rank 0.
+collectives. Rank 0 drives: for each forward it broadcasts the step's inputs, packed into one
+tensor (``runtime.step_wire``), over the same group, and runs its own part while ranks 1..,
+each waiting in a loop for the next broadcast, run theirs; no RPC crosses per step. For each KV
+pull it asks every rank (a Ray call: pulls are per request, not per step) to read its heads
+from the matching source rank. The draft model stays on rank 0.
 
 Actors go into the replica's placement group (bundle ``r`` for rank ``r``) when there is one,
 so Ray Serve places a whole group on one node.
@@ -14,8 +16,11 @@ so Ray Serve places a whole group on one node.
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -23,41 +28,109 @@ import ray
 import torch
 import torch.distributed as dist
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch.distributed.distributed_c10d import PrefixStore
 
 from kvtransfer.handoff import KVHandoff, KVSource
+from kvtransfer.memory import process_memory
 from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.tp_transport import GroupTransport, RankPulls
 from models.parallel import TPContext
 from runtime.runner import LocalRunner, ModelRunner, SeqInput, StepResult
 from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
+from runtime.step_wire import pack, unpack
+
+log = logging.getLogger(__name__)
 
 
-def _process_group(spec: ShardSpec, rank: int, host: str, port: int) -> Any:
-    """A process group of the TP ranks only, independent of any default group."""
+IDLE_TIMEOUT = timedelta(days=365)  # ranks wait for rank 0's next step as long as it idles
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The TP ranks' process groups: the layers' collectives (gloo on CPU, NCCL on CUDA), and
+    a gloo group that carries each step's inputs from rank 0. The second is apart because a
+    rank waits on it for as long as the replica is idle: a collective of its own may wait
+    forever, while the layers' keep a timeout that catches a hung rank."""
+
+    compute: Any
+    steps: Any
+
+
+def _process_groups(spec: ShardSpec, rank: int, host: str, port: int) -> Groups:
+    """Process groups of the TP ranks only, independent of any default group."""
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host, port, spec.tp_size, is_master=rank == 0, use_libuv=False
     )
+    steps = dist.ProcessGroupGloo(PrefixStore("steps/", store), rank, spec.tp_size, IDLE_TIMEOUT)
     if spec.device.startswith("cuda"):
         nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
-        return nccl(store, rank, spec.tp_size)
-    return dist.ProcessGroupGloo(store, rank, spec.tp_size, timedelta(minutes=5))
+        return Groups(nccl(PrefixStore("compute/", store), rank, spec.tp_size), steps)
+    compute = dist.ProcessGroupGloo(
+        PrefixStore("compute/", store), rank, spec.tp_size, timedelta(minutes=5)
+    )
+    return Groups(compute, steps)
+
+
+STOP = -1  # the size rank 0 broadcasts to end the ranks' step loops
+
+
+class StepChannel:
+    """Step inputs from rank 0 to every rank: a size, then the packed step, each one gloo
+    broadcast of a host tensor (the ranks build their step metadata on the host anyway)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group  # Groups.steps
+
+    def send(self, batch: Sequence[SeqInput] | None) -> None:
+        """Rank 0: the next step's inputs (None: stop)."""
+        flat = pack(batch) if batch is not None else None
+        size = torch.tensor([STOP if flat is None else flat.numel()])
+        self.group.broadcast(size, 0).wait()
+        if flat is not None:
+            self.group.broadcast(flat, 0).wait()
+
+    def receive(self) -> list[SeqInput] | None:
+        """Ranks 1..: the next step's inputs, or None when rank 0 stopped the group."""
+        size = torch.empty(1, dtype=torch.long)
+        self.group.broadcast(size, 0).wait()
+        n = int(size.item())
+        if n == STOP:
+            return None
+        flat = torch.empty(n, dtype=torch.long)
+        self.group.broadcast(flat, 0).wait()
+        return unpack(flat)
 
 
 class RankWorker:
-    """Rank ``r >= 1`` of a TP group (run as a Ray actor): its shard of the target, and its
-    side of the group's KV pulls (``RankPulls``, whose methods rank 0 calls)."""
+    """Rank ``r >= 1`` of a TP group (run as a Ray actor): its shard of the target, run on
+    every step rank 0 broadcasts (a loop thread), and its side of the group's KV pulls
+    (``RankPulls``, whose methods rank 0 calls)."""
 
     def __init__(self, spec: ShardSpec, rank: int, host: str, port: int) -> None:
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
-        self.group = _process_group(spec, rank, host, port)
+        self.groups = _process_groups(spec, rank, host, port)
+        tp = TPContext(rank, spec.tp_size, self.groups.compute)
         self.pool = rank_pool(spec, rank)
-        self.runner = rank_target(spec, self.pool, TPContext(rank, spec.tp_size, self.group))
+        self.runner = rank_target(spec, self.pool, tp)
         transport = NixlTransport(self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size)
         self.pulls = RankPulls(transport)
+        self.channel = StepChannel(self.groups.steps)
+        self.steps = 0
+        self._loop = threading.Thread(target=self._run_steps, daemon=True)
+        self._loop.start()
 
-    def run(self, batch: Sequence[SeqInput]) -> None:
-        self.runner.run(batch)
+    def _run_steps(self) -> None:
+        try:
+            while (batch := self.channel.receive()) is not None:
+                self.runner.run(batch)
+                self.steps += 1
+        except Exception:  # the group broke (rank 0 gone): nothing more will come
+            log.exception("TP rank step loop ended")
+
+    def peak_rss_bytes(self) -> int:
+        """This rank's peak resident memory so far (its checkpoint load included)."""
+        return process_memory()["peak_rss_bytes"]
 
     def source(self) -> KVSource:
         return self.pulls.source()
@@ -73,17 +146,20 @@ class RankWorker:
 
 
 class TPRunner(ModelRunner):
-    """Runs a step on every rank: the batch goes to ranks 1.. while rank 0 computes."""
+    """Runs a step on every rank: the packed batch is broadcast to ranks 1.., then rank 0
+    computes its part alongside them (the layers' collectives keep them in step)."""
 
-    def __init__(self, local: LocalRunner, actors: Sequence[Any]) -> None:
+    def __init__(self, local: LocalRunner, channel: StepChannel) -> None:
         self.local = local
-        self.actors = list(actors)
+        self.channel = channel
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        refs = [a.run.remote(list(batch)) for a in self.actors]
-        out = self.local.run(batch)
-        ray.get(refs)
-        return out
+        self.channel.send(batch)
+        return self.local.run(batch)
+
+    def stop(self) -> None:
+        """End the ranks' step loops (before the group is torn down)."""
+        self.channel.send(None)
 
 
 def _free_port() -> int:
@@ -107,14 +183,16 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
             opts["num_gpus"] = 1
         actor_cls = ray.remote(RankWorker)
         actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
-    group = _process_group(spec, 0, host, port)  # waits for every rank to join
+    groups = _process_groups(spec, 0, host, port)  # waits for every rank to join
     ray.get([a.source.remote() for a in actors])  # every rank loaded and registered
     pool = rank_pool(spec, 0)
-    local = rank_target(spec, pool, TPContext(0, spec.tp_size, group))
+    local = rank_target(spec, pool, TPContext(0, spec.tp_size, groups.compute))
     draft = load_draft(spec, pool)
     rank0 = NixlTransport(pool, role=spec.role, rank=0, tp_size=spec.tp_size)
     transport = GroupTransport(rank0, actors)
-    shard = Shard(TPRunner(local, actors), draft, pool, transport, spec.tp_size)
+    runner = TPRunner(local, StepChannel(groups.steps))
+    shard = Shard(runner, draft, pool, transport, spec.tp_size)
+    shard.closers.append(runner.stop)
     shard.closers.append(lambda: _kill(actors))
     return shard
 

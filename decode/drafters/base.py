@@ -59,6 +59,14 @@ class Drafter(ABC):
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         """One proposal per request, ``len(proposal.tokens) <= width``."""
 
+    def propose_free(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        """Proposals that run no model forward (for requests granted no drafts, whose first
+        position is offered one only where that costs nothing): a drafter without rounds
+        proposes as usual, a model drafter nothing."""
+        if self.rounds is None:
+            return self.propose(reqs, widths)
+        return [DraftProposal((), None) for _ in reqs]
+
     def observe(self, req: Request, features: torch.Tensor) -> None:  # noqa: B027 - optional
         """features: [n, H], the target's final hidden states at the n positions it has just
         computed for ``req`` (continuing those already observed). Called only when

@@ -8,7 +8,7 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from models.request import Request
-from models.sampling import Stream, probs_from_logits, sample_token
+from models.sampling import Stream, sample_logits
 from runtime.runner import ModelRunner, SeqInput
 from speculation.draft_cost import DraftRounds
 
@@ -36,7 +36,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # sampled requests' q rows
         kmax = max(widths, default=0)
         for j in range(kmax):
             if j > 0:
@@ -45,20 +45,27 @@ class DraftModelDrafter(Drafter):
             batch = []
             for i in live:
                 r = reqs[i]
-                feed = r.all_token_ids[r.num_draft_computed :] if j == 0 else [tokens[i][-1]]
+                feed = (
+                    r.token_slice(r.num_draft_computed, r.num_tokens) if j == 0 else [tokens[i][-1]]
+                )
                 batch.append(SeqInput(r.block_table, r.num_draft_computed, feed, [len(feed) - 1]))
                 self._fed += len(feed)
             out = self.runner.run(batch)
-            q = probs_from_logits(out.logits, [reqs[i].sampling for i in live])  # [B_j, V]
-            for row, i in enumerate(live):
-                r = reqs[i]
+            params = [reqs[i].sampling for i in live]
+            positions = [len(reqs[i].output_token_ids) + j for i in live]
+            drawn, q = sample_logits(out.logits, params, positions, Stream.DRAFT)  # [B_j]
+            rows = iter(range(q.shape[0] if q is not None else 0))
+            for row, (i, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
+                r = reqs[i]  # (one device->host copy per round, above)
                 r.num_draft_computed += len(batch[row].token_ids)
-                pos = len(r.output_token_ids) + j
-                tokens[i].append(sample_token(q[row], r.sampling, pos, Stream.DRAFT))
-                probs[i].append(q[row])
+                tokens[i].append(token)
+                if q is not None and not r.sampling.greedy:
+                    probs[i].append(q[next(rows)])
             if j > 0:
                 self.rounds.stop()
-        return [
-            DraftProposal(tuple(t), torch.stack(p) if p else None) if t else DraftProposal((), None)
-            for t, p in zip(tokens, probs, strict=True)
-        ]
+        return [_proposal(t, p) for t, p in zip(tokens, probs, strict=True)]
+
+
+def _proposal(tokens: Sequence[int], probs: Sequence[torch.Tensor]) -> DraftProposal:
+    """A chain and its draws' distributions (None for a greedy request: one-hot)."""
+    return DraftProposal(tuple(tokens), torch.stack(list(probs)) if probs else None)

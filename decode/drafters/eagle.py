@@ -19,7 +19,7 @@ import torch
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle_tree import grow_trees
 from models.request import Request
-from models.sampling import Stream, probs_from_logits, sample_token
+from models.sampling import Stream, sample_logits
 from runtime.runner import EagleRunner, SeqInput, StepResult
 from speculation.draft_cost import DraftRounds
 
@@ -96,7 +96,7 @@ class EagleDrafter(Drafter):
         batch, feats = [], []
         for r in reqs:
             f = self._features.pop(r.request_id)
-            ids = r.all_token_ids[r.num_draft_computed + 1 : r.num_computed + 1]
+            ids = r.token_slice(r.num_draft_computed + 1, r.num_computed + 1)
             if len(ids) != f.shape[0]:
                 raise RuntimeError(
                     f"{r.request_id}: {f.shape[0]} features for {len(ids)} head positions"
@@ -116,7 +116,7 @@ class EagleDrafter(Drafter):
         """Each request's draft drawn token by token: the head's own predicted feature and the
         token it just drafted give the next. hidden [B, H] and logits [B, V]: the catch-up's."""
         tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # sampled requests' q rows
         last = [hidden[b : b + 1] for b in range(len(reqs))]  # each request's predicted feature
         live = list(range(len(reqs)))
         for j in range(max(widths)):
@@ -132,14 +132,18 @@ class EagleDrafter(Drafter):
                 self._fed += len(batch)
                 step = self.runner.run(batch, torch.cat([last[b] for b in live]))
                 hidden, logits = step.hidden, step.logits
-            q = probs_from_logits(logits, [reqs[b].sampling for b in live])  # [B_j, V]
-            for row, b in enumerate(live):
-                r = reqs[b]
+            params = [reqs[b].sampling for b in live]
+            positions = [len(reqs[b].output_token_ids) + j for b in live]
+            drawn, q = sample_logits(logits, params, positions, Stream.DRAFT)  # [B_j]
+            rows = iter(range(q.shape[0] if q is not None else 0))
+            for row, (b, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
                 last[b] = hidden[row : row + 1]
-                tokens[b].append(
-                    sample_token(q[row], r.sampling, len(r.output_token_ids) + j, Stream.DRAFT)
-                )
-                probs[b].append(q[row])
+                tokens[b].append(token)
+                if q is not None and not reqs[b].sampling.greedy:
+                    probs[b].append(q[next(rows)])
             if j > 0:
                 self.rounds.stop()
-        return [DraftProposal(tuple(t), torch.stack(p)) for t, p in zip(tokens, probs, strict=True)]
+        return [
+            DraftProposal(tuple(t), torch.stack(p) if p else None)
+            for t, p in zip(tokens, probs, strict=True)
+        ]

@@ -62,9 +62,19 @@ class LookupFirstDrafter(Drafter):
         modelled = self.model.propose(reqs, rest)
         return [p if p.tokens else m for p, m in zip(looked, modelled, strict=True)]
 
+    def propose_free(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        """Lookup's proposals alone: the model is not run."""
+        looked = self.lookup.propose(reqs, widths)
+        for r, p, w in zip(reqs, looked, widths, strict=True):
+            if w and p.tokens:
+                self._by_lookup[r.request_id] = True
+                self._looked_up += 1
+        return looked
+
     def observe(self, req: Request, features: torch.Tensor) -> None:
         self.model.observe(req, features)
 
     def forget(self, request_id: str) -> None:
         self._by_lookup.pop(request_id, None)
+        self.lookup.forget(request_id)
         self.model.forget(request_id)

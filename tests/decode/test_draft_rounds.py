@@ -9,6 +9,7 @@ import pytest
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from decode.spec_step import decode_step
 from decode.speculation import SpeculationPolicy
 from models.eagle import save_random_eagle
 from models.sampling import SamplingParams
@@ -146,5 +147,33 @@ def test_lookup_first_knows_which_requests_the_model_drafts(
         assert not drafter.pays_rounds(copy)
         drafter.forget(copy.request_id)
         assert drafter.pays_rounds(copy)
+    finally:
+        engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_granted_no_drafts_runs_no_draft_round(
+    tiny_folder: Path, eagle_folder: Path
+) -> None:
+    """k = 0: the head is not run for a greedy request (nothing is verified; its catch-up waits
+    for a step that drafts); a client-seeded sampled one is still offered a draft at its next
+    position, so its tokens do not depend on the k the planner picked."""
+    draft = DraftSpec(DraftKind.EAGLE, model=ModelSpec(str(eagle_folder)), adaptive=False)
+    engine = DecodeEngine(DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft))
+    try:
+        greedy = make_request([7, 300, 12, 44], SamplingParams(temperature=0.0, max_tokens=8))
+        seeded = make_request(
+            [7, 300, 12, 45], SamplingParams(temperature=1.0, max_tokens=8, seed=3, seeded=True)
+        )
+        for r in (greedy, seeded):
+            engine.add(r, None)
+        engine.step()  # the prompts: both now hold one output token, not yet in the KV
+        drafter = engine.drafter
+        assert drafter is not None and greedy.output_token_ids and seeded.output_token_ids
+        fed = drafter.tokens_fed  # positions the head has run over
+        (em,) = decode_step(engine.target, drafter, [greedy], [1], [0])
+        assert drafter.tokens_fed == fed and em.num_drafted == 0 and len(em.tokens) == 1
+        (em,) = decode_step(engine.target, drafter, [seeded], [1], [0])
+        assert drafter.tokens_fed > fed and em.num_drafted == 1 and len(em.tokens) == 1
     finally:
         engine.close()

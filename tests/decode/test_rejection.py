@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
-from decode.rejection import rejection_sample
+from decode.rejection import rejection_sample, verify_greedy
 
 V = 6
 
@@ -106,3 +106,22 @@ def test_one_hot_rows_verify_exactly_like_one_hot_drafts() -> None:
         assert torch.equal(plain.num_accepted, rowed.num_accepted), trial
         assert torch.equal(plain.has_final, rowed.has_final)
         assert torch.allclose(plain.final_dist, rowed.final_dist)
+
+
+def test_greedy_verification_is_the_rejection_rule_over_one_hot_distributions() -> None:
+    """verify_greedy (argmax rows, no distributions) accepts and emits what rejection_sample
+    does given one-hot target and draft distributions, on random ragged batches."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        b = int(torch.randint(1, 6, (1,), generator=gen))
+        ws = torch.randint(1, 5, (b,), generator=gen).tolist()
+        ts = [w - int(torch.randint(0, 2, (1,), generator=gen)) for w in ws]
+        argmax = torch.randint(0, 3, (sum(ws),), generator=gen)  # few tokens: many matches
+        drafts = torch.randint(0, 3, (sum(ts),), generator=gen)
+        one_hot = torch.nn.functional.one_hot(argmax, V).float()
+        ref = rejection_sample(one_hot, ws, drafts, ts, None, torch.zeros(sum(ts)))
+        got = verify_greedy(argmax, ws, drafts, ts)
+        assert torch.equal(got.num_accepted, ref.num_accepted)
+        assert torch.equal(got.has_final, ref.has_final)
+        final = ref.final_dist.argmax(dim=1)  # one-hot: the only token it can draw
+        assert torch.equal(got.final_token[got.has_final], final[ref.has_final])

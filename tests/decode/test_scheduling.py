@@ -22,7 +22,8 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def _params() -> list[SamplingParams]:
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
-    return [greedy, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=11)] * 3
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=11, seeded=True)
+    return [greedy, seeded] * 3
 
 
 def _outputs(engine: DecodeEngine, prompts: list[list[int]]) -> list[list[int]]:

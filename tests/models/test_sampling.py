@@ -1,10 +1,18 @@
 from __future__ import annotations
 
 import torch
+from scipy.stats import chisquare
 
 from models.acceptance import one_hot_overlap, overlap, probe_estimate
 from models.ngram import ngram_lookup
-from models.sampling import SamplingParams, Stream, derived_seed, probs_from_logits, sample_token
+from models.sampling import (
+    SamplingParams,
+    Stream,
+    derived_seed,
+    probs_from_logits,
+    sample_rows,
+    sample_token,
+)
 
 
 def test_greedy_rows_are_one_hot_at_argmax() -> None:
@@ -54,3 +62,20 @@ def test_ngram_lookup_prefers_longest_latest_match() -> None:
     assert ngram_lookup(toks, 2, max_n=3) == [7, 8]  # latest occurrence of [1, 2, 3]
     assert ngram_lookup([5, 6, 7], 3) == []
     assert ngram_lookup([4, 4], 3) == [4]
+
+
+def test_counter_based_draws_follow_the_distribution_and_keep_greedy_rows_argmax() -> None:
+    """sample_rows over many seeds (one row each) draws each token as often as its probability
+    says (chi-square), never a token of probability 0; greedy rows take the argmax."""
+    p = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    n = 20000
+    params = [SamplingParams(seed=s) for s in range(n)]
+    drawn = sample_rows(p.expand(n, -1), params, [7] * n, Stream.SAMPLE)
+    counts = torch.bincount(drawn, minlength=5).double()
+    assert counts[1] == 0
+    keep = p > 0
+    assert chisquare(counts[keep].numpy(), (n * p[keep]).double().numpy()).pvalue > 1e-3
+    mixed = [SamplingParams(temperature=0.0, seed=3), SamplingParams(seed=3)]
+    rows = torch.tensor([[0.1, 0.6, 0.3], [0.1, 0.6, 0.3]])
+    a = sample_rows(rows, mixed, [0, 0], Stream.SAMPLE)
+    assert a[0] == 1 and a.tolist() == sample_rows(rows, mixed, [0, 0], Stream.SAMPLE).tolist()

@@ -43,7 +43,7 @@ def _prompts() -> list[list[int]]:
 
 def _run(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]:
     params = [SamplingParams(temperature=0.0, max_tokens=16)] * 2 + [
-        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=5)
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=5, seeded=True)
     ]
     reqs = [make_request(p, sp) for p, sp in zip(_prompts(), params, strict=True)]
     out = run_all(engine, reqs, prefill=prefill)

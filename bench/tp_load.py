@@ -1,0 +1,79 @@
+"""Peak host RAM of one tensor-parallel rank loading its shard: read lazily (each rank reads
+only its rows or columns of the safetensors files) against the whole checkpoint read first
+(the baseline, in the same run).
+
+Each load runs in a fresh process (peak RSS is per process) over the embedded
+SmolLM2-135M-Instruct, whose 3 KV heads allow TP = 3 (or 1):
+
+    .venv/bin/python -m bench.tp_load [--tp 3] [--out bench/results/tp_load.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+CHILD = """
+import json, resource, sys
+from pathlib import Path
+from models.config import LlamaConfig
+from models.llama import LlamaModel
+from models.parallel import TPContext
+from models.weights import load_state_dict, open_checkpoint
+folder, rank, tp, mode = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = peak()
+model = LlamaModel(LlamaConfig.from_folder(folder), tp=TPContext(rank, tp))
+weights = open_checkpoint(folder) if mode == "lazy" else load_state_dict(folder)
+model.load_weights(weights)
+shard = sum(p.numel() * p.element_size() for p in model.parameters())
+print(json.dumps({"peak_before": before, "peak_after": peak(), "shard_bytes": shard}))
+"""
+
+
+def _load(folder: Path, rank: int, tp: int, mode: str) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(folder), str(rank), str(tp), mode],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    got: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
+
+
+def main(argv: list[str] | None = None) -> Path:
+    from models.weights import resolve_checkpoint
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS / "tp_load.json")
+    args = ap.parse_args(argv)
+    folder = resolve_checkpoint("embedded")
+    files = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    ranks: list[dict[str, Any]] = []
+    for rank in range(args.tp):
+        row: dict[str, Any] = {"rank": rank}
+        for mode in ("whole", "lazy"):
+            r = _load(folder, rank, args.tp, mode)
+            row[f"{mode}_load_peak_growth_bytes"] = r["peak_after"] - r["peak_before"]
+            row["shard_bytes"] = r["shard_bytes"]
+        row["ratio"] = row["lazy_load_peak_growth_bytes"] / row["whole_load_peak_growth_bytes"]
+        ranks.append(row)
+        print(json.dumps(row), flush=True)
+    doc = {"tp": args.tp, "checkpoint_bytes": files, "ranks": ranks}
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A step's inputs as one int64 tensor, so rank 0 of a TP group hands them to the other ranks
+with one collective broadcast (no RPC, no pickling) and every rank runs the same forward.
+
+Layout: ``[B, then per sequence 7 header ints, then per sequence its data]``. A sequence's
+header is the lengths of its block table, token ids, logit positions, tree parents (-1: no
+tree) and KV moves, its cached-token count and its tree's base; its data is those lists,
+concatenated in that order (KV moves as ``src, dst`` pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from models.tree import TreeSpan
+from runtime.runner import SeqInput
+
+HEADER = 7  # ints per sequence
+
+
+def pack(batch: Sequence[SeqInput]) -> torch.Tensor:
+    """[N] int64 on the CPU: everything ``unpack`` needs to rebuild ``batch``."""
+    head: list[int] = [len(batch)]
+    data: list[int] = []
+    for s in batch:
+        tree = s.tree
+        head += [
+            len(s.block_table),
+            s.num_cached,
+            len(s.token_ids),
+            len(s.logit_positions),
+            -1 if tree is None else tree.size,
+            -1 if tree is None else tree.base,
+            len(s.kv_moves),
+        ]
+        data += s.block_table
+        data += s.token_ids
+        data += s.logit_positions
+        if tree is not None:
+            data += tree.parents
+        for src, dst in s.kv_moves:
+            data += (src, dst)
+    return torch.tensor(head + data, dtype=torch.long)
+
+
+def unpack(flat: torch.Tensor) -> list[SeqInput]:
+    """The batch ``pack`` packed (flat: [N] int64, on any device)."""
+    v = flat.tolist()
+    b = v[0]
+    at = 1 + HEADER * b
+    out = []
+    for i in range(b):
+        blocks, cached, tokens, logits, parents, base, moves = v[
+            1 + HEADER * i : 1 + HEADER * (i + 1)
+        ]
+        table = v[at : at + blocks]
+        at += blocks
+        ids = v[at : at + tokens]
+        at += tokens
+        rows = v[at : at + logits]
+        at += logits
+        tree = None
+        if parents >= 0:
+            tree = TreeSpan(base, tuple(v[at : at + parents]))
+            at += parents
+        pairs = v[at : at + 2 * moves]
+        at += 2 * moves
+        kv_moves = tuple(zip(pairs[0::2], pairs[1::2], strict=True))
+        out.append(SeqInput(table, cached, ids, rows, tree, kv_moves))
+    return out
