@@ -12,9 +12,10 @@
 5. Memory: KV pool bytes and the process's peak RSS.
 
     .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64]
-        [--verify-only | --mixed-only]
+        [--verify-only | --mixed-only] [--plain-baseline] [--out bench/results/engine_step.json]
 
-Writes bench/results/engine_step.json and engine_step.png.
+Writes ``--out`` (default ``bench/results/engine_step.json``, which the simulator's CPU profile
+reads) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ def hf_tokens_per_s(hf: Any, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0 - t_prefill)
 
 
+def _runtime_model(spec: ModelSpec) -> Any:
+    """The target as a worker runs it (weights reordered for oneDNN on a CPU)."""
+    model = spec.load()
+    model.pack_for_cpu()
+    return model
+
+
 def verify_curve(spec: ModelSpec, batch: int, ks: range, rounds: int = 9) -> dict[int, float]:
     """Median ms of one target forward with k + 1 new tokens per sequence (context 200); the
     ks are interleaved round by round, so a burst of load from another process lands on one
     sample of many ks, not on every sample of one k."""
-    model = spec.load()
+    model = _runtime_model(spec)
     c = model.cfg
     pool = torch.zeros(
         kv_pool_shape(batch * 16, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
@@ -124,7 +132,7 @@ def mixed_cost(spec: ModelSpec, rounds: int = 7) -> dict[str, dict[str, float]]:
     - 32 decodes over contexts spread from 100 to 900 tokens against 32 decodes all at their
       mean context (the KV is not filled: timing does not depend on its values).
     """
-    model = spec.load()
+    model = _runtime_model(spec)
     c = model.cfg
     pool = torch.zeros(
         kv_pool_shape(33 * 64, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
@@ -192,6 +200,12 @@ def main() -> None:
         "--verify-only", action="store_true", help="re-measure the verify curves into the JSON"
     )
     ap.add_argument("--mixed-only", action="store_true", help="re-measure mixed steps into it")
+    ap.add_argument(
+        "--plain-baseline",
+        action="store_true",
+        help="also time batch 1 with plain F.linear weights (no oneDNN reordering), alternating",
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS / "engine_step.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
@@ -214,10 +228,13 @@ def main() -> None:
         r: dict[str, Any] = {"kv_pool_bytes": engine.pool.nbytes}
         # Alternate the two, three times each, and compare medians: this machine is noisy.
         hf = _hf_model(folder, spec.load().dtype)
-        ours_runs, theirs_runs = [], []
+        plain = _plain_engine(spec) if args.plain_baseline else None
+        ours_runs, theirs_runs, plain_runs = [], [], []
         for _ in range(args.trials):
             ours_runs.append(engine_tokens_per_s(engine, 1, args.tokens))
             theirs_runs.append(hf_tokens_per_s(hf, args.tokens))
+            if plain is not None:
+                plain_runs.append(engine_tokens_per_s(plain, 1, args.tokens))
         ours, theirs = statistics.median(ours_runs), statistics.median(theirs_runs)
         r["batch1"] = {
             "engine_tok_s": ours,
@@ -226,6 +243,11 @@ def main() -> None:
             "engine_runs": ours_runs,
             "transformers_runs": theirs_runs,
         }
+        if plain is not None:
+            r["batch1"]["plain_linear_tok_s"] = statistics.median(plain_runs)
+            r["batch1"]["plain_linear_runs"] = plain_runs
+            r["batch1"]["ratio_to_plain_linear"] = ours / statistics.median(plain_runs)
+            plain.close()
         print(
             f"{dt}: batch-1 engine {ours:.1f} tok/s, transformers {theirs:.1f}, "
             f"ratio {ours / theirs:.2f}",
@@ -245,9 +267,22 @@ def main() -> None:
         report["dtypes"][dt] = r
         del engine
     report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "engine_step.json").write_text(json.dumps(report, indent=2))
-    _plot(report, RESULTS / "engine_step.png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    _plot(report, args.out.with_suffix(".png"))
+
+
+def _plain_engine(spec: ModelSpec) -> DecodeEngine:
+    """The same engine with its weights left for plain ``F.linear`` (the baseline of the
+    oneDNN reordering the runtime applies on a CPU)."""
+    from models.llama import LlamaModel
+
+    pack = LlamaModel.pack_for_cpu
+    LlamaModel.pack_for_cpu = lambda self: False  # type: ignore[method-assign]
+    try:
+        return DecodeEngine(DecodeEngineConfig("m", spec, DraftSpec(), num_blocks=1024))
+    finally:
+        LlamaModel.pack_for_cpu = pack  # type: ignore[method-assign]
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

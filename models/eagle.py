@@ -31,7 +31,7 @@ from torch import nn
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaDecoderLayer, load_layer
-from models.parallel import TPContext
+from models.parallel import CpuPacked, TPContext, linear, onednn_pack
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
 
@@ -103,19 +103,38 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         for p in self.parameters():
             p.requires_grad_(False)
+        # oneDNN reorderings of fc and the LM head for inference on a CPU (pack_for_cpu); the
+        # nn.Linear weights stay, for checkpoints and training
+        self._packed_fc: torch.Tensor | None = None
+        self._packed_head: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder the head's matmul weights for oneDNN (``models.parallel.onednn_pack``), for
+        drafting on a CPU after loading (the head can then no longer be saved). False where the
+        CPU has no such path."""
+        if self.device.type != "cpu":
+            return False
+        layer = all(m.pack_for_cpu() for m in self.layer.modules() if isinstance(m, CpuPacked))
+        self._packed_fc = onednn_pack(self.fc.weight.data)
+        self._packed_head = onednn_pack(self.lm_head.weight.data)
+        return layer and self._packed_fc is not None and self._packed_head is not None
 
     def forward(
         self, input_ids: torch.Tensor, features: torch.Tensor, kv_pool: torch.Tensor, meta: object
     ) -> torch.Tensor:
         """input_ids: [T] the tokens after each feature's position; features: [T, H];
         kv_pool: [1, 2, Hkv, num_blocks, block_size, D]. Returns predicted features [T, H]."""
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1))
+        mixed = torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1)
+        x = linear(mixed, self.fc.weight, self._packed_fc)  # [T, H]
+        if self.fc.bias is not None:
+            x = x + self.fc.bias
         h: torch.Tensor = self.layer(x, self.rope, kv_pool[0], meta)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
-        small: torch.Tensor = self.lm_head(self.norm(hidden)).float()  # [N, V_draft]
+        normed = self.norm(hidden)
+        small = linear(normed, self.lm_head.weight, self._packed_head).float()  # [N, V_draft]
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             return small
         full = small.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"))

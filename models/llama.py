@@ -12,6 +12,7 @@ from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (
     ColumnParallelLinear,
+    CpuPacked,
     RowParallelLinear,
     TPContext,
     VocabParallelEmbedding,
@@ -157,6 +158,16 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head.logits(hidden).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder every matmul weight for oneDNN (``models.parallel.onednn_pack``): for
+        inference on the CPU, after ``load_weights``. False where the CPU has no such path."""
+        if self.device.type != "cpu":
+            return False
+        layers = [m for m in self.modules() if isinstance(m, CpuPacked)]
+        done = [m.pack_for_cpu() for m in layers]
+        head = self.lm_head.pack_for_cpu()
+        return all(done) and head
 
     def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
         """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's

@@ -53,7 +53,51 @@ class TPContext:
         return w.narrow(dim, self.rank * n, n)
 
 
-class ColumnParallelLinear(nn.Module):
+def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` [out, in] reordered for oneDNN's CPU matmul, or None where there is no such path
+    (a GPU tensor, a build without oneDNN, a CPU lacking the instructions for the dtype).
+
+    On the CPU a decode step is a handful of rows times every weight, a shape where the plain
+    ``F.linear`` (MKL) falls well short of the memory bandwidth and oneDNN's matmul over a
+    weight reordered once at load time comes close to it. The batch-size hint only tunes the
+    blocking.
+    """
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
+    except RuntimeError:  # e.g. bf16 on a CPU without AVX-512 BF16
+        return None
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight^T``: through oneDNN's reordered ``packed`` weight when there is one.
+    x: [T, in] -> [T, out]."""
+    if packed is None:
+        return nn.functional.linear(x, weight)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
+
+
+class CpuPacked(nn.Module):
+    """A layer whose ``weight`` [out, in] may be replaced by its oneDNN reordering for
+    inference on the CPU (``pack_for_cpu``; the plain weight is then dropped)."""
+
+    weight: nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Reorder the loaded weight for oneDNN; False where this CPU has no such path."""
+        packed = onednn_pack(self.weight.data)
+        if packed is None:
+            return False
+        self.packed = packed
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        return True
+
+
+class ColumnParallelLinear(CpuPacked):
     """``y = x W^T`` with the output features split across ranks.
 
     Several logical outputs (e.g. q, k, v) can be merged: each is split across ranks separately
@@ -83,10 +127,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out_i) / world_size]
-        return nn.functional.linear(x, self.weight)
+        return linear(x, self.weight, self.packed)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(CpuPacked):
     """``y = x W^T`` with the input features split across ranks, followed by an all-reduce."""
 
     def __init__(
@@ -109,7 +153,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / world_size] -> [T, out], summed over ranks
-        return self.tp.all_reduce(nn.functional.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, self.packed))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -120,6 +164,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.packed: torch.Tensor | None = None  # a oneDNN reordering for logits (CPU)
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
         self.weight = nn.Parameter(
@@ -139,6 +184,12 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
+    def pack_for_cpu(self) -> bool:
+        """Keep a oneDNN reordering of the table for ``logits`` (the table itself stays: the
+        embedding lookup reads it)."""
+        self.packed = onednn_pack(self.weight.data)
+        return self.packed is not None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] (full vocabulary on every rank)
-        return self.tp.all_gather_last(nn.functional.linear(hidden, self.weight))
+        return self.tp.all_gather_last(linear(hidden, self.weight, self.packed))

@@ -9,6 +9,7 @@ makes either.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,13 @@ from pathlib import Path
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
 from models.config import DTYPES
-from models.eagle import load_eagle
+from models.eagle import EagleHead, load_eagle
+from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from runtime.runner import EagleRunner, LocalRunner, ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,10 @@ def rank_pool(spec: ShardSpec, rank: int) -> KVPool:
 
 
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
-    """This rank's shard of the target (``tp`` None: the whole model) over its pool."""
+    """This rank's shard of the target (``tp`` None: the whole model) over its pool, its
+    weights reordered for oneDNN on a CPU."""
     model = spec.target.load(spec.device, tp)
+    _pack(model, "target")
     return LocalRunner(model, pool.tensor("target"), spec.block_size)
 
 
@@ -81,5 +87,15 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
         head = load_eagle(
             Path(d.model.folder), Path(spec.target.folder), DTYPES[d.model.dtype], spec.device
         )
+        _pack(head, "EAGLE head")
         return EagleRunner(head, pool.tensor("draft"), spec.block_size)
-    return LocalRunner(d.model.load(spec.device), pool.tensor("draft"), spec.block_size)
+    model = d.model.load(spec.device)
+    _pack(model, "draft")
+    return LocalRunner(model, pool.tensor("draft"), spec.block_size)
+
+
+def _pack(model: LlamaModel | EagleHead, what: str) -> None:
+    """Reorder a CPU model's weights for oneDNN; where the CPU has no such path for the dtype,
+    say so once: the model then runs on the plain matmul."""
+    if model.device.type == "cpu" and not model.pack_for_cpu():
+        log.warning("%s: no oneDNN reordering for %s on this CPU; plain matmuls", what, model.dtype)

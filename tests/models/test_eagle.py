@@ -58,5 +58,8 @@ def test_checkpoint_round_trip_and_paged_consistency(tiny_folder: Path, tmp_path
     finite = torch.isfinite(whole)
     assert (run(again, [12])[finite] - whole[finite]).abs().max() <= 1e-5  # layout round-trips
     assert (run(head, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4  # KV consistent
+    packed = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu")
+    assert packed.pack_for_cpu()  # as a CPU runtime loads it: weights reordered for oneDNN
+    assert (run(packed, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4
     assert finite.sum(-1).tolist() == [100] * 12  # a reduced vocabulary: only its 100 ids
     assert bool(finite[:, 3].all()) and not bool(finite[:, 4].any())  # mapped through d2t

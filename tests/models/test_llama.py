@@ -128,3 +128,22 @@ def test_untied_lm_head_loads(embedded_folder: Path, tmp_path: Path) -> None:
     ids = list(range(100, 120))
     out = run_step(ours, pool, BS, [SeqInput([0, 1], 0, ids, list(range(20)))])
     assert (out.logits - _ref_logits(ref, ids)).abs().max().item() <= TOL
+
+
+def test_weights_reordered_for_onednn_give_the_same_logits(tiny_folder: Path) -> None:
+    """On the CPU a runtime reorders every matmul weight for oneDNN: same logits (to float
+    rounding) for a prompt and for a ragged decode step, and the plain weights are dropped."""
+    plain, packed = ModelSpec(str(tiny_folder)).load(), ModelSpec(str(tiny_folder)).load()
+    assert packed.pack_for_cpu()
+    assert packed.layers[0].mlp.down_proj.weight.numel() == 0  # only the reordering is kept
+    c = plain.cfg
+    shape = kv_pool_shape(16, c.num_kv_heads, c.num_layers, 16, c.head_dim)
+    pools = [torch.zeros(shape), torch.zeros(shape)]
+    prompt = [SeqInput([0, 1], 0, list(range(3, 23)), [19]), SeqInput([2], 0, [7, 8, 9], [2])]
+    step = [SeqInput([0, 1], 20, [5, 6], [0, 1]), SeqInput([2], 3, [4], [0])]
+    for batch in (prompt, step):
+        a, b = (
+            run_step(m, pool, 16, batch) for m, pool in zip((plain, packed), pools, strict=True)
+        )
+        torch.testing.assert_close(b.logits, a.logits, rtol=0, atol=1e-4)
+    torch.testing.assert_close(pools[1], pools[0], rtol=0, atol=1e-5)
