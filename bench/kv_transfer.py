@@ -32,7 +32,7 @@ from kvtransfer.transport import PullState
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 SPEC = KVPoolSpec(1100, BLOCK, (KVGroupSpec("target", 30, 3, 64, "float32"),))
-COMPAT = KVCompat("bench", "float32", BLOCK, "x", 1, "none")
+COMPAT = KVCompat("bench", "float32", BLOCK, "x", 1, "none", "nixl")
 SIZES = {
     "1 block": 1,
     "16 blocks": 16,
@@ -71,7 +71,7 @@ class Side:
             n * BLOCK,
             0,
             COMPAT,
-            time.time() + 60,
+            60.0,
             payload=payload,
         )
 
@@ -94,7 +94,7 @@ class Side:
 
 def memcpy_seconds(n: int, repeats: int) -> float:
     src, dst = KVPool(SPEC), KVPool(SPEC)
-    a, b = src.tensor("target")[:, :, :, :n], dst.tensor("target")[:, :, :, :n]
+    a, b = src.tensor("target")[:, :n], dst.tensor("target")[:, :n]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -192,7 +192,7 @@ def build_app(cfg: TandemConfig) -> Application:
     decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)
     prefill = None
-    max_prompt = min(m.max_model_len - 1, decode_tokens - 1)
+    max_prompt = min(m.max_model_len - 1, decode_tokens - 2)  # room for one output token
     if cfg.mode == "disaggregated":
         worker = PrefillWorkerConfig(
             model_name=m.name,
@@ -218,6 +218,7 @@ def build_app(cfg: TandemConfig) -> Application:
         mode=cfg.mode,
         max_model_len=m.max_model_len,
         max_prompt_tokens=max_prompt,
+        max_sequence_tokens=decode_tokens - 1,
         default_max_tokens=cfg.limits.default_max_tokens,
         max_stop_sequences=cfg.limits.max_stop_sequences,
         eos_token_ids=m.target.config().eos_token_ids,

@@ -303,6 +303,19 @@ class TandemConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _object_store_is_tp1(self) -> TandemConfig:
+        pools = [("decode", self.decode)] + (
+            [("prefill", self.prefill)] if self.mode == "disaggregated" else []
+        )
+        for name, pool in pools:
+            if self.kv.transport == "object_store" and pool.tp > 1:
+                raise ValueError(
+                    f"kv.transport=object_store moves KV between single ranks only; "
+                    f"{name}.tp is {pool.tp}: use kv.transport nixl (or auto) with TP"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _decode_always_up(self) -> TandemConfig:
         a = self.decode.autoscaling
         if self.mode == "disaggregated" and a is not None and a.min_replicas == 0:

@@ -31,6 +31,9 @@ class ServiceSettings:
     created: int
     guard: GuardPolicy
     max_tokens: int | None = None  # limits.max_tokens: the most one request may ask for
+    # prompt plus output tokens one sequence can hold in the decode (or colocated) pool: its
+    # decode.num_blocks x kv.block_size slots, less the one a step writes ahead
+    max_sequence_tokens: int | None = None
 
 
 class OpenAIService:
@@ -92,6 +95,7 @@ class OpenAIService:
                 code="context_length_exceeded",
             )
         room = s.max_model_len - n
+        pool_room = None if s.max_sequence_tokens is None else s.max_sequence_tokens - n
         cap = s.max_tokens
         if requested_max_tokens is not None and cap is not None and requested_max_tokens > cap:
             raise APIError(
@@ -102,7 +106,17 @@ class OpenAIService:
                 code="max_tokens_exceeded",
             )
         if requested_max_tokens is None:
-            max_tokens = min(s.default_max_tokens, room, cap or room)
+            fits = room if pool_room is None else min(room, pool_room)
+            max_tokens = min(s.default_max_tokens, fits, cap or fits)
+        elif pool_room is not None and requested_max_tokens > pool_room and pool_room < room:
+            raise APIError(
+                400,
+                f"the prompt has {n} tokens and max_tokens asks for {requested_max_tokens} more, "
+                f"but one sequence can hold at most {s.max_sequence_tokens} tokens in the decode "
+                f"pool (decode.num_blocks x kv.block_size): at most {pool_room} fit",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         elif requested_max_tokens > room:
             raise APIError(
                 400,

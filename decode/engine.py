@@ -65,7 +65,9 @@ class DecodeEngine:
         self.transport = self.shard.transport
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
-        self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
+        self.compat = kv_compat(
+            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
+        )
         self.speculation = (
             build_speculation(cfg, self.drafter, self.target, self.allocator)
             if self.drafter is not None
@@ -80,7 +82,8 @@ class DecodeEngine:
             self.speculation,
         )
         self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
-        self.waiting: deque[tuple[Request, KVHandoff | None]] = deque()
+        # queued requests, with their handoff and the time.monotonic() by which its lease ends
+        self.waiting: deque[tuple[Request, KVHandoff | None, float]] = deque()
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
         # counters (stats)
@@ -88,6 +91,7 @@ class DecodeEngine:
         self.steps = 0
         self.preemptions = 0
         self.recomputed = 0
+        self.stalled = 0  # requests ended for preemption without progress
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -99,24 +103,41 @@ class DecodeEngine:
             except KVCompatError as e:
                 self._finish(req, FinishReason.ERROR, str(e))
                 return
-        if self._blocks_for(req.num_tokens + 1) > self.cfg.num_blocks:
-            self._finish(req, FinishReason.ERROR, f"{req.num_tokens} tokens exceed the KV pool")
+        most = self._most_tokens(req)
+        if self._blocks_for(most) > self.cfg.num_blocks:
+            capacity = self.cfg.num_blocks * self.cfg.block_size
+            self._finish(
+                req,
+                FinishReason.ERROR,
+                f"the prompt ({len(req.prompt_token_ids)} tokens) and max_tokens "
+                f"({req.sampling.max_tokens}) need {most} tokens of KV; one sequence can hold "
+                f"at most {capacity} in this pool (decode.num_blocks x kv.block_size)",
+            )
             return
         req.status = RequestStatus.WAITING
-        self.waiting.append((req, handoff))
+        lease_end = time.monotonic() + (handoff.lease_seconds if handoff else 0.0)
+        self.waiting.append((req, handoff, lease_end))
 
     def abort(self, request_id: str) -> None:
-        for i, (req, _) in enumerate(self.waiting):
+        for i, (req, _, _) in enumerate(self.waiting):
             if req.request_id == request_id:
                 del self.waiting[i]
                 return
-        req_or_none = self.intake.cancel(request_id) or self.running.pop(request_id, None)
-        if req_or_none is not None:
-            self._release(req_or_none)
+        if self.intake.cancel(request_id):
+            return  # its blocks are freed once the read has ended (``step``)
+        running = self.running.pop(request_id, None)
+        if running is not None:
+            self._release(running)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.intake.pending or self.running or self._outbox)
+        return bool(
+            self.waiting
+            or self.intake.pending
+            or self.intake.cancelled
+            or self.running
+            or self._outbox
+        )
 
     @property
     def only_waiting_on_pulls(self) -> bool:
@@ -136,6 +157,7 @@ class DecodeEngine:
             steps=self.steps,
             preemptions=self.preemptions,
             kv_recomputed=self.recomputed,
+            stalled=self.stalled,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -176,6 +198,8 @@ class DecodeEngine:
 
     def step(self) -> list[StepOutput]:
         self.transport.progress()
+        for r in self.intake.settled():  # cancelled mid-pull, and the read has now ended
+            self._release(r)
         self._admit()
         for req, handoff, error in self.intake.poll():
             if error is not None:
@@ -253,11 +277,20 @@ class DecodeEngine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.cfg.block_size)
 
+    def _most_tokens(self, r: Request) -> int:
+        """The most KV slots ``r`` can ever need: its prompt and every output it may produce
+        (drafts are capped to that room, so verification never needs more)."""
+        return min(len(r.prompt_token_ids) + r.sampling.max_tokens, self.cfg.max_model_len) + 1
+
     def _admit(self) -> None:
         while self.waiting:
-            req, handoff = self.waiting[0]
+            req, handoff, lease_end = self.waiting[0]
             tokens = handoff.num_tokens if handoff else req.num_tokens
             need = self._blocks_for(tokens + 1)
+            if req.stalled_preemptions and self.running:
+                # preempted again before it could produce a token: recomputing it into the room
+                # the others leave would only repeat that; it waits for room to finish
+                need = max(need, self._blocks_for(self._most_tokens(req)))
             if not self.allocator.can_allocate(need):
                 return  # first come, first served: wait for blocks to free up
             self.waiting.popleft()
@@ -268,7 +301,7 @@ class DecodeEngine:
                 self._run(req)
             else:
                 try:
-                    error = self.intake.start(req, handoff)
+                    error = self.intake.start(req, handoff, lease_end)
                 except Exception as e:  # never strand it: it is in no queue right now
                     log.exception("starting the KV pull of %s failed", req.request_id)
                     error = f"KV transfer failed: {e}"
@@ -293,10 +326,28 @@ class DecodeEngine:
         self._requeue(r)
 
     def _preempt(self, r: Request) -> None:
-        """Free a running request's KV; it waits at the head of the queue to be recomputed."""
+        """Free a running request's KV; it waits at the head of the queue to be recomputed.
+
+        A request preempted again ``max_stalled_preemptions`` times with no output token since
+        the first cannot make progress in this pool beside the others (it would be recomputed
+        and preempted forever, holding up the queue behind it): it ends with an error instead."""
         self.running.pop(r.request_id)
-        self._requeue(r)
         self.preemptions += 1
+        outputs = len(r.output_token_ids)
+        stalled = outputs == r.outputs_at_preemption  # no token since it was last preempted
+        r.stalled_preemptions = r.stalled_preemptions + 1 if stalled else 0
+        r.outputs_at_preemption = outputs
+        if r.stalled_preemptions >= self.cfg.max_stalled_preemptions:
+            self.stalled += 1
+            self._finish(
+                r,
+                FinishReason.ERROR,
+                f"preempted {r.stalled_preemptions + 1} times in a row without producing a "
+                f"token: the KV pool ({self.cfg.num_blocks} blocks of {self.cfg.block_size} "
+                f"tokens) cannot hold its {r.num_tokens} tokens beside the running requests",
+            )
+            return
+        self._requeue(r)
 
     def _requeue(self, r: Request) -> None:
         """Drop ``r``'s KV (and its drafter state); it waits at the head of the queue to have
@@ -308,7 +359,7 @@ class DecodeEngine:
         r.status = RequestStatus.WAITING
         if self.drafter is not None:
             self.drafter.forget(r.request_id)
-        self.waiting.appendleft((r, None))
+        self.waiting.appendleft((r, None, 0.0))
 
     # ---- completion ----------------------------------------------------------------------
 

@@ -28,11 +28,17 @@ class KVIntake:
         self.margin_s = margin_s
         self.timeout_s = timeout_s
         self.observer = observer or TransferObserver()
-        self.pending: dict[str, tuple[Request, KVHandoff, PullHandle]] = {}
+        # request id -> (request, handoff, pull, the time.monotonic() its lease ends)
+        self.pending: dict[str, tuple[Request, KVHandoff, PullHandle, float]] = {}
+        # cancelled requests whose read may still be landing in their blocks
+        self.cancelled: dict[str, tuple[Request, PullHandle]] = {}
 
-    def start(self, req: Request, handoff: KVHandoff) -> str | None:
-        """Begin the pull; returns an error message instead when it cannot start."""
-        if handoff.lease_expiry - time.time() < self.margin_s:
+    def start(self, req: Request, handoff: KVHandoff, lease_end: float) -> str | None:
+        """Begin the pull; returns an error message instead when it cannot start.
+
+        ``lease_end``: the ``time.monotonic()`` of this host by which the source's lease ends,
+        counted from when the handoff arrived (``KVHandoff.lease_seconds``)."""
+        if lease_end - time.monotonic() < self.margin_s:
             self._fail("lease_expired")
             return "the prefill lease expired before decode could pull"
         try:
@@ -41,7 +47,7 @@ class KVIntake:
             self.observer.failed(self.transport.name, "post")
             return f"KV transfer failed: {e}"
         req.status = RequestStatus.WAITING_FOR_KV
-        self.pending[req.request_id] = (req, handoff, pull)
+        self.pending[req.request_id] = (req, handoff, pull, lease_end)
         return None
 
     def poll(self) -> list[tuple[Request, KVHandoff, str | None]]:
@@ -53,9 +59,9 @@ class KVIntake:
         """
         out: list[tuple[Request, KVHandoff, str | None]] = []
         entries = list(self.pending.items())
-        states = self.transport.poll_many([pull for _, (_, _, pull) in entries])
+        states = self.transport.poll_many([pull for _, (_, _, pull, _) in entries])
         now = time.perf_counter()
-        for (rid, (req, handoff, pull)), polled in zip(entries, states, strict=True):
+        for (rid, (req, handoff, pull, lease_end)), polled in zip(entries, states, strict=True):
             state = polled
             if state is PullState.PENDING and now - pull.started_at > self.timeout_s:
                 self._fail("timeout")
@@ -67,7 +73,7 @@ class KVIntake:
             if state is PullState.FAILED:
                 self.observer.failed(self.transport.name, "read")
                 out.append((req, handoff, "KV transfer failed"))
-            elif time.time() > handoff.lease_expiry:
+            elif time.monotonic() > lease_end:
                 self._fail("lease_expired")
                 out.append((req, handoff, "the prefill lease expired during the pull"))
             else:
@@ -84,12 +90,28 @@ class KVIntake:
         self.transport.counters.fail(cause)
         self.observer.failed(self.transport.name, cause)
 
-    def cancel(self, request_id: str) -> Request | None:
-        """Stop tracking a pull; waits for the read to settle so the blocks can be reused."""
+    def cancel(self, request_id: str) -> bool:
+        """Stop a pull's request (False: no pull of that id). It returns at once: the read may
+        still be landing in the request's blocks, so they stay quarantined until the transport
+        says it ended (``settled``), never blocking the engine thread meanwhile."""
         entry = self.pending.pop(request_id, None)
         if entry is None:
-            return None
-        req, _, pull = entry
-        self.transport.wait(pull, timeout_s=5.0)
-        self.transport.finish(pull)
-        return req
+            return False
+        req, _, pull, _ = entry
+        self.cancelled[request_id] = (req, pull)
+        return True
+
+    def settled(self) -> list[Request]:
+        """Cancelled requests whose read has ended (done or failed): their blocks may be reused."""
+        if not self.cancelled:
+            return []
+        entries = list(self.cancelled.items())
+        states = self.transport.poll_many([pull for _, (_, pull) in entries])
+        out = []
+        for (rid, (req, pull)), state in zip(entries, states, strict=True):
+            if state is PullState.PENDING:
+                continue
+            del self.cancelled[rid]
+            self.transport.finish(pull)
+            out.append(req)
+        return out

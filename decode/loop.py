@@ -99,7 +99,7 @@ class EngineLoop:
         """End every request the engine holds (running, pulling KV, waiting) with ``error``."""
         outs = []
         e = self.engine
-        held = [*e.running, *e.intake.pending, *(req.request_id for req, _ in e.waiting)]
+        held = [*e.running, *e.intake.pending, *(req.request_id for req, _, _ in e.waiting)]
         for rid in held:
             e.abort(rid)
             outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0, 0), error))

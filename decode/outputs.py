@@ -44,3 +44,4 @@ class EngineStats:
     steps: int
     preemptions: int
     kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
+    stalled: int = 0  # requests ended after max_stalled_preemptions with no progress

@@ -4,30 +4,42 @@ Blocks are integers ``0 .. num_blocks - 1``. A block is either on the free list 
 by one or more owners (reference count > 0), never both. Sequences own blocks through their
 block tables; a lease (prefill side) owns the blocks it keeps alive for a transfer.
 
-**Prefix caching.** A full block of a prompt is identified by a hash chained over every token up
-to its end (:func:`block_hashes`). Once its KV is computed, :meth:`BlockAllocator.register`
-records it; a later prompt sharing those full blocks gets the same blocks back from
-:meth:`BlockAllocator.lookup` and skips their compute. A cached block whose last owner frees it
+**Prefix caching.** A full block of a prompt is identified by a *key*, a cryptographic hash
+(BLAKE2b) of its parent block's key and its own tokens, so a key names every token up to the
+block's end (:func:`block_hashes`). Once its KV is computed, :meth:`BlockAllocator.register`
+records it with its tokens; a later prompt sharing those full blocks gets the same blocks back
+from :meth:`BlockAllocator.lookup`, which compares the tokens of every hit (a key that matched
+different tokens would be a hash collision: it is counted and treated as a miss), and skips
+their compute. A cached block whose last owner frees it
 stays cached on the free list (least recently freed first) until an allocation reuses it, which
 evicts its hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+BlockKey = bytes  # a full block's prefix-cache key (16 bytes)
 
 
 class OutOfBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, salt: int = 0) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens`` (a partial last block gets none)."""
-    out: list[int] = []
+def block_hashes(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[BlockKey]:
+    """Keys of the full blocks of ``tokens`` (a partial last block gets none): each the
+    BLAKE2b digest of the previous key and the block's tokens as 64-bit integers."""
+    out: list[BlockKey] = []
     prev = salt
+    ids = np.asarray(tokens, dtype=np.int64)
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = hash((prev, tuple(tokens[start : start + block_size])))
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(ids[start : start + block_size].tobytes())
+        prev = h.digest()
         out.append(prev)
     return out
 
@@ -39,9 +51,11 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}
-        self._block_of: dict[int, int] = {}
+        self._hash_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}  # what each cached block holds
         self.evictions = 0
+        self.mismatches = 0  # hits whose tokens differed (a key collision): served as misses
 
     @property
     def num_free(self) -> int:
@@ -64,6 +78,7 @@ class BlockAllocator:
             h = self._hash_of.pop(b, None)
             if h is not None:
                 del self._block_of[h]
+                del self._tokens_of[b]
                 self.evictions += 1
             self._refs[b] = 1
             out.append(b)
@@ -88,12 +103,16 @@ class BlockAllocator:
             if self._refs[b] == 0:
                 self._free[b] = None
 
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
-        """The blocks of the longest cached prefix of ``hashes``, one reference taken on each."""
+    def lookup(self, keys: Sequence[BlockKey], contents: Sequence[Sequence[int]]) -> list[int]:
+        """The blocks of the longest cached prefix of ``keys`` whose tokens are ``contents``
+        (one sequence of ``block_size`` tokens per key), one reference taken on each."""
         out: list[int] = []
-        for h in hashes:
+        for h, tokens in zip(keys, contents, strict=True):
             b = self._block_of.get(h)
             if b is None:
+                break
+            if self._tokens_of[b] != tuple(tokens):
+                self.mismatches += 1
                 break
             if self._refs[b] == 0:
                 del self._free[b]
@@ -101,14 +120,16 @@ class BlockAllocator:
             out.append(b)
         return out
 
-    def register(self, block: int, h: int) -> None:
-        """Record that referenced ``block`` holds the computed KV of the full block hashed ``h``."""
+    def register(self, block: int, h: BlockKey, tokens: Sequence[int]) -> None:
+        """Record that referenced ``block`` holds the computed KV of the full block keyed ``h``,
+        whose tokens are ``tokens``."""
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is free; only owned blocks can be cached")
         if h in self._block_of or block in self._hash_of:
             return  # the same content is cached already, or this block already has its hash
         self._hash_of[block] = h
         self._block_of[h] = block
+        self._tokens_of[block] = tuple(tokens)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
@@ -123,5 +144,5 @@ class BlockAllocator:
         for b, h in self._hash_of.items():
             if self._block_of.get(h) != b:
                 raise AssertionError(f"cache maps disagree on block {b}")
-        if len(self._hash_of) != len(self._block_of):
+        if not len(self._hash_of) == len(self._block_of) == len(self._tokens_of):
             raise AssertionError("cache maps differ in size")

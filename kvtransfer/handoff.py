@@ -16,27 +16,32 @@ import torch
 
 from models.spec import ModelSpec
 
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2
 
 
 @dataclass(frozen=True)
 class KVRegion:
     """One registered pool tensor of the source (one KV group), as ``kvtransfer.pool`` lays it
-    out: ``num_regions`` regions of ``num_blocks`` chunks each; block ``b`` of region ``r``
-    starts at ``base_address + (r * num_blocks + b) * chunk_bytes``."""
+    out: ``num_layers * num_blocks`` slabs of ``2 * num_heads`` chunks; block ``b`` of layer
+    ``l`` starts at ``base_address + (l * num_blocks + b) * slab_bytes``."""
 
     group: str
     base_address: int
-    chunk_bytes: int
+    chunk_bytes: int  # one head's block_size tokens of K (or V) in one layer
     num_blocks: int
-    num_regions: int  # num_layers * 2 * num_heads
+    num_layers: int
     num_heads: int  # KV heads this rank holds of the group
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
 
     @property
+    def slab_bytes(self) -> int:
+        """One block of one layer: K and V of every head."""
+        return 2 * self.num_heads * self.chunk_bytes
+
+    @property
     def block_bytes(self) -> int:
-        return self.chunk_bytes * self.num_regions
+        return self.num_layers * self.slab_bytes
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class KVCompat:
     kv_layout: str
     tp_size: int
     draft: str
+    transport: str  # the KV transport this side chose ("nixl", "object_store")
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -68,8 +74,13 @@ class KVCompat:
         return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
-def kv_compat(target: ModelSpec, block_size: int, tp_size: int, draft: str) -> KVCompat:
-    """This side's compatibility record."""
+def kv_compat(
+    target: ModelSpec, block_size: int, tp_size: int, draft: str, transport: str
+) -> KVCompat:
+    """This side's compatibility record. The transport is in it because each side chooses its
+    own (``kv.transport: auto`` falls back where NIXL fails its self-check): a NIXL prefill
+    and an object-store decode cannot move a block, and must say so rather than fail every
+    pull and recompute every prompt on decode."""
     from kvtransfer.pool import KV_LAYOUT
 
     return KVCompat(
@@ -79,11 +90,12 @@ def kv_compat(target: ModelSpec, block_size: int, tp_size: int, draft: str) -> K
         kv_layout=KV_LAYOUT,
         tp_size=tp_size,
         draft=draft,
+        transport=transport,
     )
 
 
 class KVCompatError(RuntimeError):
-    """The two sides of a transfer disagree on model, dtype or layout."""
+    """The two sides of a transfer disagree on model, dtype, layout or transport."""
 
 
 def check_compat(local: KVCompat, remote: KVCompat) -> None:
@@ -97,7 +109,12 @@ def check_compat(local: KVCompat, remote: KVCompat) -> None:
 
 @dataclass(frozen=True)
 class KVHandoff:
-    """A prompt's KV cache, ready on a prefill replica, under a lease until ``lease_expiry``."""
+    """A prompt's KV cache, ready on a prefill replica, under a lease of ``lease_seconds``.
+
+    The lease is a duration, never an instant: the source ends it on its own monotonic clock,
+    and a reader counts it from when the handoff reached it (less its pull margin, which covers
+    the trip here), so clocks that disagree across hosts cannot make a read land in reused
+    blocks."""
 
     request_id: str
     sources: tuple[KVSource, ...]  # one per TP rank of the source, in rank order
@@ -106,7 +123,7 @@ class KVHandoff:
     num_tokens: int  # tokens whose KV the blocks hold (the prompt)
     first_token: int  # sampled by prefill, not yet in the cache
     compat: KVCompat
-    lease_expiry: float  # unix time after which the source may reuse the blocks
+    lease_seconds: float  # from when the source issued this, it may reuse the blocks after
     acceptance_probe: float | None = None
     draft_computed: int = 0  # prompt positions whose draft KV the blocks hold
     hidden_state: torch.Tensor | None = None  # [H] the last prompt position's target feature

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class Lease:
     request_id: str
     blocks: tuple[int, ...]
-    expires_at: float
+    expires_at: float  # the owner's time.monotonic()
 
 
 class LeaseTable:

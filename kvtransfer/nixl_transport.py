@@ -1,9 +1,11 @@
 """KV transport over NIXL (UCX backend): one-sided READs of registered pool memory.
 
-Each worker registers every group tensor of its pool with its NIXL agent once, and prepares a
-descriptor list with one entry per chunk (block of one layer, K/V and head; see
-``kvtransfer.pool``), so a handoff is described by block indices alone; NIXL merges the chunks of
-consecutive blocks into larger reads. Decode issues one READ per handoff (``make_prepped_xfer``)
+Each worker registers every group tensor of its pool with its NIXL agent once. A read is
+described by block indices into *prepared descriptor lists* (``make_prepped_xfer``): one
+descriptor per (layer, block) when a rank reads every head of a group from a source of the same
+TP size, and one per (layer, block, K/V) over the run of heads it owns otherwise
+(``kvtransfer.pool``); each list is prepared once per peer and per head run, on first use.
+Decode issues one READ per source rank it reads from (``make_prepped_xfer``)
 carrying the request id as a NIXL notification; when the read completes the source receives that
 notification and ends the lease. The source must call :meth:`completed` often: without NIXL's own
 progress thread (which busy-polls a core, ruinous on small CPU hosts, so it is off unless asked
@@ -26,36 +28,70 @@ import numpy as np
 
 from kvtransfer.handoff import KVHandoff, KVRegion, KVSource
 from kvtransfer.pool import KVPool
-from kvtransfer.resharding import HeadRun, head_runs, readers, region_pairs
+from kvtransfer.resharding import HeadRun, head_runs, readers
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 
 log = logging.getLogger(__name__)
 LOCAL = "NIXL_INIT_AGENT"
 
 
-def _chunk_descs(regions: Sequence[KVRegion]) -> tuple[np.ndarray, dict[str, int]]:
-    """One (address, length, device) row per chunk (block of one region) of every group, in
-    ``[group][region][block]`` order; and the first row of each group."""
+@dataclass(frozen=True)
+class _Slice:
+    """What a read moves of every (layer, block) of one group: heads ``first .. first + count``
+    of its K and V parts, in one descriptor per (layer, block) when ``whole``, else two."""
+
+    group: str
+    first: int
+    count: int
+    whole: bool
+
+    @property
+    def parts(self) -> int:
+        return 1 if self.whole else 2
+
+
+def _descs(r: KVRegion, sl: _Slice) -> np.ndarray:
+    """One (address, length, device) row per (layer, block, part) of ``sl`` over region ``r``,
+    row ``(layer * num_blocks + block) * parts + part``."""
+    slabs = r.base_address + np.arange(r.num_layers * r.num_blocks, dtype=np.int64) * r.slab_bytes
+    if sl.whole:
+        addrs, length = slabs, r.slab_bytes
+    else:  # the K part, then the V part, of the heads of the run
+        half = r.num_heads * r.chunk_bytes
+        part = np.array([0, half], dtype=np.int64) + sl.first * r.chunk_bytes
+        addrs, length = (slabs[:, None] + part[None, :]).reshape(-1), sl.count * r.chunk_bytes
+    return np.stack([addrs, np.full_like(addrs, length), np.full_like(addrs, r.device_id)], 1)
+
+
+def _dlist(
+    regions: dict[str, KVRegion], slices: tuple[_Slice, ...]
+) -> tuple[np.ndarray, dict[str, int]]:
+    """The rows of every slice, end to end, and the first row of each slice's group."""
     rows, offsets, start = [], {}, 0
-    for r in regions:
-        n = r.num_regions * r.num_blocks
-        addrs = r.base_address + np.arange(n, dtype=np.int64) * r.chunk_bytes
-        rows.append(
-            np.stack(
-                [addrs, np.full_like(addrs, r.chunk_bytes), np.full_like(addrs, r.device_id)], 1
-            )
-        )
-        offsets[r.group] = start
-        start += n
+    for sl in slices:
+        d = _descs(regions[sl.group], sl)
+        rows.append(d)
+        offsets[sl.group] = start
+        start += len(d)
     return np.concatenate(rows).astype(np.int64), offsets
 
 
-@dataclass(frozen=True)
+def _rows(r: KVRegion, sl: _Slice, blocks: np.ndarray, offset: int) -> np.ndarray:
+    """Rows of ``_dlist`` for ``blocks`` of every layer and part, layer-major."""
+    lb = np.arange(r.num_layers, dtype=np.int64)[:, None] * r.num_blocks + blocks[None, :]
+    part = np.arange(sl.parts, dtype=np.int64)
+    rows: np.ndarray = (offset + lb[:, :, None] * sl.parts + part).reshape(-1)
+    return rows
+
+
+_Prepared = tuple[Any, dict[str, int]]  # a prepared descriptor list and each group's first row
+
+
+@dataclass
 class _Peer:
     version: int
-    prepped: Any
-    offsets: dict[str, int]
     regions: dict[str, KVRegion]
+    lists: dict[tuple[_Slice, ...], _Prepared]  # per read shape
 
 
 class NixlTransport(KVTransport):
@@ -90,16 +126,15 @@ class NixlTransport(KVTransport):
                 base_address=t.data_ptr(),
                 chunk_bytes=spec.group(name).chunk_bytes(spec.block_size),
                 num_blocks=spec.num_blocks,
-                num_regions=spec.group(name).num_regions,
+                num_layers=spec.group(name).num_layers,
                 num_heads=spec.group(name).num_kv_heads,
                 mem_type=pool.mem_type,
                 device_id=pool.device_id,
             )
             for name, t in tensors
         )
-        descs, self._offsets = _chunk_descs(self.regions)
-        self._local = self.agent.prep_xfer_dlist(LOCAL, descs, self.mem_type)
         self._by_group = {r.group: r for r in self.regions}
+        self._local_lists: dict[tuple[_Slice, ...], _Prepared] = {}
         self._peers: dict[str, _Peer] = {}
         self._notices: list[str] = []
         self._metadata: bytes = self.agent.get_agent_metadata()
@@ -147,11 +182,29 @@ class NixlTransport(KVTransport):
             self.agent.remove_remote_agent(src.agent_name)
             del self._peers[src.agent_name]
         self.agent.add_remote_agent(src.metadata)
-        descs, offsets = _chunk_descs(src.regions)
-        prepped = self.agent.prep_xfer_dlist(src.agent_name, descs, src.regions[0].mem_type)
-        peer = _Peer(src.version, prepped, offsets, {r.group: r for r in src.regions})
+        peer = _Peer(src.version, {r.group: r for r in src.regions}, {})
         self._peers[src.agent_name] = peer
         return peer
+
+    def _lists(
+        self, src: KVSource, theirs: tuple[_Slice, ...], ours: tuple[_Slice, ...]
+    ) -> tuple[_Prepared, _Prepared]:
+        """The prepared lists (remote, local) of a read shape, made on first use."""
+        peer = self._peers[src.agent_name]
+        remote = peer.lists.get(theirs)
+        if remote is None:
+            descs, offsets = _dlist(peer.regions, theirs)
+            remote = (
+                self.agent.prep_xfer_dlist(src.agent_name, descs, src.regions[0].mem_type),
+                offsets,
+            )
+            peer.lists[theirs] = remote
+        local = self._local_lists.get(ours)
+        if local is None:
+            descs, offsets = _dlist(self._by_group, ours)
+            local = (self.agent.prep_xfer_dlist(LOCAL, descs, self.mem_type), offsets)
+            self._local_lists[ours] = local
+        return remote, local
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
         """One READ per source rank that holds heads this rank owns (one in all when both
@@ -161,46 +214,62 @@ class NixlTransport(KVTransport):
         src_tp = len(handoff.sources)
         remote_blocks = np.asarray(handoff.block_ids, dtype=np.int64)
         ours_blocks = np.asarray(local_blocks, dtype=np.int64)
-        plan: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        nbytes = 0
+        # per source rank: what to read of each group, on their side and on ours
+        plan: dict[int, tuple[list[_Slice], list[_Slice]]] = {}
         for g in handoff.groups:
             ours = self._by_group.get(g)
             if ours is None:
                 continue  # a group another rank holds (the draft lives on rank 0)
-            runs = self._runs(g, ours, src_tp)
-            for run in runs:
+            for run in self._runs(g, ours, src_tp):
                 peer = self._peer(handoff.sources[run.src_rank])
                 theirs = peer.regions.get(g)
-                if theirs is None or theirs.chunk_bytes != ours.chunk_bytes:
+                if theirs is None or (theirs.chunk_bytes, theirs.num_layers) != (
+                    ours.chunk_bytes,
+                    ours.num_layers,
+                ):
                     what = (
-                        "no such group" if theirs is None else f"{theirs.chunk_bytes}-byte chunks"
+                        "no such group"
+                        if theirs is None
+                        else f"{theirs.num_layers} layers of {theirs.chunk_bytes}-byte chunks"
                     )
                     raise KVTransferError(
-                        f"group {g}: source rank {run.src_rank} has {what}, "
-                        f"this rank {ours.chunk_bytes}-byte chunks"
+                        f"group {g}: source rank {run.src_rank} has {what}, this rank "
+                        f"{ours.num_layers} layers of {ours.chunk_bytes}-byte chunks"
                     )
-                src_r, dst_r = region_pairs(
-                    run, ours.num_regions // ours.num_heads, theirs.num_heads, ours.num_heads
-                )
-                remote = peer.offsets[g] + src_r[:, None] * theirs.num_blocks + remote_blocks
-                local = self._offsets[g] + dst_r[:, None] * ours.num_blocks + ours_blocks
+                whole = run.count == theirs.num_heads == ours.num_heads
                 rem, loc = plan.setdefault(run.src_rank, ([], []))
-                rem.append(remote.reshape(-1))
-                loc.append(local.reshape(-1))
-                nbytes += remote.size * ours.chunk_bytes
+                rem.append(_Slice(g, run.src_head, run.count, whole))
+                loc.append(_Slice(g, run.dst_head, run.count, whole))
         handles: list[Any] = []
+        nbytes = 0
         total_heads = self._by_group["target"].num_heads * self.tp_size
-        for src_rank, (rem, loc) in plan.items():
-            peer = self._peers[handoff.sources[src_rank].agent_name]
+        for src_rank, (rem_sl, loc_sl) in plan.items():
+            src = handoff.sources[src_rank]
+            peer = self._peers[src.agent_name]
+            (rlist, roff), (llist, loff) = self._lists(src, tuple(rem_sl), tuple(loc_sl))
+            remote = [
+                _rows(peer.regions[sl.group], sl, remote_blocks, roff[sl.group]) for sl in rem_sl
+            ]
+            local = [
+                _rows(self._by_group[sl.group], sl, ours_blocks, loff[sl.group]) for sl in loc_sl
+            ]
+            nbytes += sum(
+                len(ours_blocks)
+                * self._by_group[sl.group].num_layers
+                * 2
+                * sl.count
+                * self._by_group[sl.group].chunk_bytes
+                for sl in loc_sl
+            )
             n = readers(src_rank, src_tp, self.tp_size, total_heads)
             handle = None
             try:
                 handle = self.agent.make_prepped_xfer(
                     "READ",
-                    self._local,
-                    np.concatenate(loc),
-                    peer.prepped,
-                    np.concatenate(rem),
+                    llist,
+                    np.concatenate(local),
+                    rlist,
+                    np.concatenate(remote),
                     notif_msg=f"{handoff.request_id}|{n}".encode(),
                 )
                 posted = self.agent.transfer(handle)

@@ -40,7 +40,7 @@ class ObjectStoreTransport(KVTransport):
 
     def export(self, request_id: str, blocks: Sequence[int], groups: Sequence[str]) -> Any:
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
-        data = {g: self.pool.tensor(g).index_select(3, idx).cpu() for g in groups}
+        data = {g: self.pool.tensor(g).index_select(1, idx).cpu() for g in groups}
         self._exported.put(request_id)  # the bytes are out: the blocks can go back now
         return ray.put(data)
 
@@ -74,7 +74,7 @@ class ObjectStoreTransport(KVTransport):
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
         nbytes = 0
         for g, t in data.items():
-            self.pool.tensor(g).index_copy_(3, idx, t.to(self.pool.device))
+            self.pool.tensor(g).index_copy_(1, idx, t.to(self.pool.device))
             nbytes += t.numel() * t.element_size()
         self.counters.pulls_done += 1
         self.counters.bytes_pulled += nbytes

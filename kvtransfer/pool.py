@@ -2,14 +2,14 @@
 
 Layout of every group's tensor (what ``models.attention`` reads and writes)::
 
-    [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+    [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
 
-The tensor is ``num_layers * 2 * num_kv_heads`` *regions* (one per layer, K or V, and head),
-each holding every block side by side: block ``b`` of region ``r`` is the contiguous *chunk*
-``[(r * num_blocks + b) * chunk_bytes, ... + chunk_bytes)``. A block is therefore one chunk per
-region — a rank's heads of a block are just that rank's regions — and runs of consecutive
-blocks merge into single descriptors. Target and draft share block ids: a sequence has one
-block table, and the draft group simply has fewer, smaller regions.
+Block ``b`` of layer ``l`` is one contiguous *slab* of ``2 * num_kv_heads`` *chunks* (K of
+every head, then V of every head; a chunk is one head's ``block_size`` tokens), at
+``(l * num_blocks + b) * slab_bytes``. A transfer of a block therefore takes one descriptor per
+layer when it moves every head, and two (the K part and the V part) when it moves a contiguous
+run of the heads, as a rank of a different TP size does. Target and draft share block ids: a
+sequence has one block table, and the draft group simply has fewer, smaller slabs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention import kv_pool_shape
 from models.config import DTYPES
 
 
@@ -32,18 +33,14 @@ class KVGroupSpec:
     head_dim: int
     dtype: str  # a key of models.config.DTYPES
 
-    @property
-    def num_regions(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads
-
     def chunk_bytes(self, block_size: int) -> int:
-        """Bytes of one block in one region: ``block_size`` tokens of one head."""
+        """Bytes of one chunk: ``block_size`` tokens of one head's K (or V) in one layer."""
         elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
         return block_size * self.head_dim * elem
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across all regions of the group."""
-        return self.num_regions * self.chunk_bytes(block_size)
+        """Bytes of one block across every layer of the group (its K and V, every head)."""
+        return self.num_layers * 2 * self.num_kv_heads * self.chunk_bytes(block_size)
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,9 @@ class KVPool:
         self.device = torch.device(device)
         self.tensors: Mapping[str, torch.Tensor] = {
             g.name: torch.zeros(
-                (g.num_layers, 2, g.num_kv_heads, spec.num_blocks, spec.block_size, g.head_dim),
+                kv_pool_shape(
+                    spec.num_blocks, g.num_kv_heads, g.num_layers, spec.block_size, g.head_dim
+                ),
                 dtype=DTYPES[g.dtype],
                 device=self.device,
             )
@@ -97,7 +96,7 @@ class KVPool:
         return self.device.index or 0
 
 
-KV_LAYOUT = "layers,kv,kv_heads,blocks,block_size,head_dim"
+KV_LAYOUT = "layers,blocks,kv,kv_heads,block_size,head_dim"
 
 
 def group_spec(

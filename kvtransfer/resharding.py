@@ -3,15 +3,13 @@
 KV heads are split over TP ranks in contiguous ranges: with ``tp`` ranks and ``H`` heads, rank
 ``r`` holds global heads ``[r * H / tp, (r + 1) * H / tp)``. A destination rank reads, from
 every source rank whose range overlaps its own, exactly the heads they share. In the pool
-layout (``kvtransfer.pool``) a group is regions ``(layer, K/V, local head)``, so a head run maps
-to region indices on both sides.
+layout (``kvtransfer.pool``) the heads of each (layer, block, K/V) are adjacent, so a head run
+is one contiguous range of every K part and every V part on both sides.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -46,14 +44,3 @@ def readers(src_rank: int, src_tp: int, dst_tp: int, num_heads: int) -> int:
         any(run.src_rank == src_rank for run in head_runs(d, dst_tp, src_tp, num_heads))
         for d in range(dst_tp)
     )
-
-
-def region_pairs(
-    run: HeadRun, layers_kv: int, src_heads: int, dst_heads: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Region indices (source, destination) of a head run, for every (layer, K/V)."""
-    lk = np.arange(layers_kv, dtype=np.int64)[:, None]
-    h = np.arange(run.count, dtype=np.int64)[None, :]
-    src = (lk * src_heads + run.src_head + h).reshape(-1)
-    dst = (lk * dst_heads + run.dst_head + h).reshape(-1)
-    return src, dst

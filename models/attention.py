@@ -2,15 +2,15 @@
 
 **KV pool layout** (one tensor per model, owned by ``kvtransfer``; passed in as an argument)::
 
-    pool: [num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+    pool: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
 
-For each (layer, K or V, head) the blocks lie side by side, so a step gathers a sequence's
-context with one ``index_select`` over whole blocks and hands attention a strided view — no
-per-token copies. A block of one (layer, K/V, head) is a contiguous ``block_size * head_dim``
-run; consecutive block ids are adjacent, so a transfer of a run of blocks merges into few
-descriptors, and one rank's heads of a block are addressable on their own. Sequences own
-blocks through a *block table*: token ``p`` of a sequence lives in block
-``table[p // block_size]`` at offset ``p % block_size``.
+One layer of the pool is the paged cache of FlashInfer's "HND" layout, ``[pages, K/V, heads,
+page size, head dim]``: a block of one layer (its K and V, every head) is one contiguous run, so
+a transfer moves a block in one descriptor per layer, or two (K and V) when it moves a subset
+of the heads, and inside each K or V part one head's ``block_size * head_dim`` tokens are a
+contiguous chunk that kernels read in place. Sequences own blocks through a *block table*:
+token ``p`` of a sequence lives in block ``table[p // block_size]`` at offset
+``p % block_size``.
 
 A forward step may mix sequences with different numbers of new tokens (prompt chunks, one decode
 token, k + 1 verification tokens). :class:`AttentionMetadata` is built once per step and shared
@@ -21,6 +21,11 @@ their depth's position. Attention runs per group of sequences with similar new-t
 context lengths (``AttentionGroup``), each padded to its own longest query and context, so one
 long prompt chunk does not make every decode in the step attend with its query length, nor one
 long context every short one with its length.
+
+A group of decodes or verifications over many context tokens reads the pool in place
+(``models.flex_paged``, when the builder is given the model's ``FlexPool``); the others gather
+their blocks into a dense copy per layer (``_gather``) and run SDPA over it, which costs less
+where the copy is small.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.flex_paged import FlexGroup, FlexPool
 from models.tree import TreeSpan
 
 
@@ -38,7 +44,7 @@ def kv_pool_shape(
     num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int, head_dim: int
 ) -> tuple[int, int, int, int, int, int]:
     """The shape the model expects of a KV pool (see the module docstring)."""
-    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+    return (num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim)
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class AttentionGroup:
     num_seqs: int  # b
     max_query: int  # q
     dense: bool  # b == 1 and no padding: the padded layout equals the flat one
+    flex: FlexGroup | None = None  # set: the group reads the pool in place (models.flex_paged)
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,7 @@ def _group(
     starts: Sequence[int],
     block_size: int,
     device: torch.device,
+    flex: FlexPool | None,
 ) -> AttentionGroup:
     """The padded layout of ``seqs[members]``: ``all_tables`` [B, NBmax] and ``need`` are every
     sequence's blocks, ``starts[i]`` sequence i's first token in the step (``starts[-1]``: T)."""
@@ -159,6 +167,10 @@ def _group(
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
+    in_place = None
+    if flex is not None:  # the builder chose these members for the in-place kernel
+        group_need = torch.tensor([need[i] for i in members])  # [b]
+        in_place = flex.kernel.plan(tables, group_need, cached, flex, block_size, device)
     return AttentionGroup(
         rows=None if in_order else dev(rows),
         tables=dev(tables),
@@ -167,6 +179,7 @@ def _group(
         num_seqs=b,
         max_query=q,
         dense=b == 1,
+        flex=in_place,
     )
 
 
@@ -176,8 +189,10 @@ def build_attention_metadata(
     device: torch.device,
     rope_cos: torch.Tensor,
     rope_sin: torch.Tensor,
+    flex: FlexPool | None = None,
 ) -> AttentionMetadata:
-    """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch)."""
+    """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch);
+    with ``flex``, the groups it serves read the pool in place (``models.flex_paged``)."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
@@ -190,13 +205,25 @@ def build_attention_metadata(
     seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
     slot_blocks = tables[seq_of_token, slots // block_size]  # [T]
     # Sequences attended together: alike in new tokens and in context blocks, to a factor 2.
+    # Decodes and verifications the in-place kernel serves go together, whatever their
+    # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
+    in_place: list[int] = []
+    if flex is not None:
+        fits = [i for i, s in enumerate(seqs) if flex.kernel.fits(flex.group_size, s)]
+        if flex.kernel.applies(sum(need[i] for i in fits) * block_size):
+            in_place = fits
     by_bucket: dict[tuple[int, int], list[int]] = {}
+    taken = set(in_place)
     for i, s in enumerate(seqs):
-        by_bucket.setdefault((_pow2_bucket(s.num_new), _pow2_bucket(need[i])), []).append(i)
-    groups = tuple(
-        _group(seqs, members, tables, need, starts, block_size, device)
+        if i not in taken:
+            by_bucket.setdefault((_pow2_bucket(s.num_new), _pow2_bucket(need[i])), []).append(i)
+    gathered = (
+        _group(seqs, members, tables, need, starts, block_size, device, None)
         for _, members in sorted(by_bucket.items())
     )
+    groups = tuple(gathered)
+    if in_place:
+        groups = (_group(seqs, in_place, tables, need, starts, block_size, device, flex), *groups)
     pos_dev = positions.to(device, non_blocking=True)
     return AttentionMetadata(
         positions=pos_dev,
@@ -218,40 +245,56 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write the step's K/V into the pool, then attend over each sequence's cached context.
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [2, Hkv, num_blocks, block_size, D] (one layer
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [num_blocks, 2, Hkv, block_size, D] (one layer
     of the pool). Returns [T, Hq * D].
     """
-    k_cache, v_cache = layer_kv[0], layer_kv[1]  # [Hkv, NB, BS, D] views into the pool
-    k_cache[:, meta.slot_blocks, meta.slot_offsets] = k.transpose(0, 1)
-    v_cache[:, meta.slot_blocks, meta.slot_offsets] = v.transpose(0, 1)
+    layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
+        return _attend(q, layer_kv, meta.groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
     for g in meta.groups:
         assert g.rows is not None  # only a lone group covering the whole step has none
-        out[g.rows] = _attend(q[g.rows], k_cache, v_cache, g, scale)
+        out[g.rows] = _attend(q[g.rows], layer_kv, g, scale)
     return out
 
 
-def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: AttentionGroup, scale: float
-) -> torch.Tensor:
-    """One group's attention. q: [t, Hq, D]; caches: [Hkv, NB, BS, D]. Returns [t, Hq * D]."""
-    _t, hq, d = q.shape
-    hkv = k_cache.shape[0]
-    b, qn = g.num_seqs, g.max_query
-    flat = g.tables.view(-1)  # [b * NBmax]
-    c = g.tables.shape[1] * k_cache.shape[2]
-    # Whole blocks per head, end to end: [Hkv, b * NBmax, BS, D] -> [b, Hkv, C, D] (a view).
-    keys = k_cache.index_select(1, flat).view(hkv, b, c, d).transpose(0, 1)
-    values = v_cache.index_select(1, flat).view(hkv, b, c, d).transpose(0, 1)
+def _gather(layer_kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``tables`` [b, NBmax] end to end, per sequence, K/V and head:
+    layer_kv [NB, 2, Hkv, BS, D] -> [2, b, Hkv, NBmax * BS, D] (a view of one copy).
 
+    One ``index_select`` per (K/V, head) over that head's ``[NB, BS, D]`` chunks: each copies
+    whole ``BS * D`` runs into a contiguous output, where a single gather of whole blocks would
+    need a second copy to bring the heads in front of the tokens."""
+    _nb, _two, hkv, bs, d = layer_kv.shape
+    b, nbmax = tables.shape
+    flat = tables.reshape(-1)  # [b * NBmax]
+    out = layer_kv.new_empty(2, hkv, b * nbmax, bs, d)
+    for kv in range(2):
+        for h in range(hkv):
+            torch.index_select(layer_kv[:, kv, h], 0, flat, out=out[kv, h])
+    return out.view(2, hkv, b, nbmax * bs, d).transpose(1, 2)
+
+
+def _attend(
+    q: torch.Tensor, layer_kv: torch.Tensor, g: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """One group's attention. q: [t, Hq, D]; layer_kv: [NB, 2, Hkv, BS, D]. Returns
+    [t, Hq * D]."""
+    _t, hq, d = q.shape
+    hkv = layer_kv.shape[2]
+    b, qn = g.num_seqs, g.max_query
     if g.dense:
         qp = q.unsqueeze(0)  # [1, t, Hq, D]
     else:
         qp = q.new_zeros(b * qn, hq, d)
         qp[g.token_index] = q
         qp = qp.view(b, qn, hq, d)
+    if g.flex is not None:
+        found = g.flex.kernel.attend(qp, layer_kv, g.flex, scale)  # [b, q, Hq, D]
+        if found is not None:
+            flat = found.reshape(b * qn, hq * d)
+            return flat if g.dense else flat[g.token_index]
+    keys, values = _gather(layer_kv, g.tables)  # [b, Hkv, C, D] each
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
     )  # [b, Hq, q, D]

@@ -123,7 +123,7 @@ class EagleHead(nn.Module):
         self, input_ids: torch.Tensor, features: torch.Tensor, kv_pool: torch.Tensor, meta: object
     ) -> torch.Tensor:
         """input_ids: [T] the tokens after each feature's position; features: [T, H];
-        kv_pool: [1, 2, Hkv, num_blocks, block_size, D]. Returns predicted features [T, H]."""
+        kv_pool: [1, num_blocks, 2, Hkv, block_size, D]. Returns predicted features [T, H]."""
         mixed = torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1)
         x = linear(mixed, self.fc.weight, self._packed_fc)  # [T, H]
         if self.fc.bias is not None:

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.attention import AttentionMetadata, paged_attention
 from models.config import LlamaConfig
+from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (
     ColumnParallelLinear,
@@ -42,7 +43,7 @@ class LlamaAttention(nn.Module):
         layer_kv: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # x: [T, hidden]; layer_kv: [2, Hkv_local, num_blocks, block_size, D]
+        # x: [T, hidden]; layer_kv: [num_blocks, 2, Hkv_local, block_size, D]
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end = self.num_heads * self.head_dim
@@ -128,6 +129,7 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = dev
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.paged_flex = FlexPagedAttention()  # in-place attention at long contexts
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
@@ -144,7 +146,7 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, D].
+        """input_ids: [T]; kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, D].
 
         Returns hidden states [T, hidden].
         """
@@ -153,6 +155,16 @@ class LlamaModel(nn.Module):
             x = layer(x, self.rope, kv_pool[i], meta)
         y: torch.Tensor = self.norm(x)
         return y
+
+    def flex_pool(self, kv_pool: torch.Tensor) -> FlexPool:
+        """What the metadata builder needs to let long-context groups read ``kv_pool`` in
+        place (``models.flex_paged``)."""
+        return FlexPool(
+            self.paged_flex,
+            num_kv_heads=self.num_kv_heads_local,
+            num_blocks=kv_pool.shape[1],
+            group_size=self.cfg.num_heads // self.cfg.num_kv_heads,
+        )
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

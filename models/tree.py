@@ -78,7 +78,7 @@ def move_slots(
     """Copy the K/V of slot ``src`` to slot ``dst`` of one sequence, every layer and head, for
     each ``(src, dst)`` in ``moves`` (all read before any is written).
 
-    pool: [num_layers, 2, Hkv, num_blocks, block_size, head_dim] (``models.attention``).
+    pool: [num_layers, num_blocks, 2, Hkv, block_size, head_dim] (``models.attention``).
     """
     if not moves:
         return
@@ -88,4 +88,4 @@ def move_slots(
     dev = pool.device
     sb, so = table[src // block_size].to(dev), (src % block_size).to(dev)
     db, do = table[dst // block_size].to(dev), (dst % block_size).to(dev)
-    pool[:, :, :, db, do] = pool[:, :, :, sb, so]  # [L, 2, Hkv, m, D], gathered first
+    pool[:, db, :, :, do] = pool[:, sb, :, :, so]  # [m, L, 2, Hkv, D], gathered first

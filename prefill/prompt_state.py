@@ -20,7 +20,7 @@ class PromptState:
 
     req: Request
     on_done: Done
-    hashes: list[int]
+    hashes: list[bytes]  # prefix-cache keys of its full blocks (kvtransfer.allocator)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     admitted: bool = False

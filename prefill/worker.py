@@ -74,7 +74,9 @@ class PrefillWorker:
         self.transport = self.shard.transport
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.leases = LeaseTable()
-        self.compat = kv_compat(cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity())
+        self.compat = kv_compat(
+            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
+        )
         self._queue: list[PromptState] = []
         self._inbox: queue.SimpleQueue[PromptState | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -193,7 +195,8 @@ class PrefillWorker:
                 )
                 continue
             # Keep at least the last prompt token to compute: its logits give the first token.
-            cached = self.allocator.lookup(p.hashes[: (p.length - 1) // bs])
+            keys = p.hashes[: (p.length - 1) // bs]
+            cached = self.allocator.lookup(keys, self._contents(p, len(keys)))
             if not self.allocator.can_allocate(need_total - len(cached)):
                 self.allocator.free(cached)
                 return  # first come, first served: wait for leases to end
@@ -214,13 +217,15 @@ class PrefillWorker:
         except Exception as e:
             self._fail(p, e)
             return
-        for block, h in zip(p.blocks, p.hashes, strict=False):
-            self.allocator.register(block, h)
+        for block, h, tokens in zip(
+            p.blocks, p.hashes, self._contents(p, len(p.hashes)), strict=False
+        ):
+            self.allocator.register(block, h, tokens)
         self._stats.prefills += 1
         finish = FinishReason.STOP if first in sp.stop_token_ids else None
         if finish is None and sp.max_tokens <= 1:
             finish = FinishReason.LENGTH
-        expiry = time.time() + self.cfg.lease_seconds
+        expiry = time.monotonic() + self.cfg.lease_seconds  # this host's clock only
         blocks = tuple(p.blocks)
         payload = None
         if finish is not None:  # nothing left for decode to do: don't hold the blocks
@@ -238,7 +243,7 @@ class PrefillWorker:
                 num_tokens=p.length,
                 first_token=first,
                 compat=self.compat,
-                lease_expiry=expiry,
+                lease_seconds=self.cfg.lease_seconds,
                 acceptance_probe=probe,
                 draft_computed=p.draft_computed,
                 hidden_state=p.last_feature if self.cfg.draft.kind is DraftKind.EAGLE else None,
@@ -246,6 +251,17 @@ class PrefillWorker:
                 payload=payload,
             )
         )
+
+    def _contents(self, p: PromptState, n: int) -> list[list[int]]:
+        """What the KV of each of the first ``n`` full blocks depends on: its tokens, and with
+        an EAGLE head also the token after it (the head's slot t is computed from token
+        t + 1). A last block without a next prompt token is left out: its last head slot was
+        never written, so it must not be cached."""
+        bs = self.cfg.block_size
+        extra = 1 if self.cfg.draft.kind is DraftKind.EAGLE else 0
+        ids = p.req.prompt_token_ids
+        out = [ids[j * bs : (j + 1) * bs + extra] for j in range(n)]
+        return [c for c in out if len(c) == bs + extra]
 
     def _fail(self, p: PromptState, error: BaseException) -> None:
         if p in self._queue:
@@ -268,14 +284,15 @@ class PrefillWorker:
             time.sleep(ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S)
 
     def reap(self, now: float | None = None) -> int:
-        """End leases whose pull completed or that expired; return the blocks freed."""
+        """End leases whose pull completed or that expired (``now``: a ``time.monotonic()``
+        reading, by default the current one); return the blocks freed."""
         freed = 0
         while not self._completed.empty():
             lease = self.leases.pop(self._completed.get_nowait())
             if lease is not None:
                 self.allocator.free(lease.blocks)
                 freed += len(lease.blocks)
-        for lease in self.leases.pop_expired(time.time() if now is None else now):
+        for lease in self.leases.pop_expired(time.monotonic() if now is None else now):
             log.warning("lease of %s expired before decode pulled it", lease.request_id)
             self._stats.leases_expired += 1
             self.allocator.free(lease.blocks)

@@ -44,7 +44,7 @@ def run_step(
 ) -> StepResult:
     """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
 
-    kv_pool: [num_layers, 2, Hkv_local, num_blocks, block_size, head_dim]. Each sequence's
+    kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, head_dim]. Each sequence's
     ``kv_moves`` (the compaction of a path accepted from a tree) are applied first.
     """
     dev = model.device
@@ -56,6 +56,7 @@ def run_step(
         dev,
         model.rope.cos,
         model.rope.sin,
+        model.flex_pool(kv_pool),
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
     hidden = model(ids, kv_pool, meta)  # [T, hidden]
@@ -97,7 +98,7 @@ class LocalRunner(ModelRunner):
 
     def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
         self.model = model
-        self.kv_pool = kv_pool  # [num_layers, 2, Hkv, num_blocks, block_size, head_dim]
+        self.kv_pool = kv_pool  # [num_layers, num_blocks, 2, Hkv, block_size, head_dim]
         self.block_size = block_size
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
@@ -109,7 +110,7 @@ class EagleRunner:
 
     def __init__(self, head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> None:
         self.head = head
-        self.kv_pool = kv_pool  # [1, 2, Hkv, num_blocks, block_size, head_dim]
+        self.kv_pool = kv_pool  # [1, num_blocks, 2, Hkv, block_size, head_dim]
         self.block_size = block_size
 
     @torch.inference_mode()

@@ -170,7 +170,10 @@ def _free_port() -> int:
 
 def build_tp_shard(spec: ShardSpec) -> Shard:
     """Start ranks 1.. as actors (in the replica's placement group, when there is one), join
-    them in a process group, and build rank 0 here."""
+    them in a process group, and build rank 0 here. Every rank moves its KV over NIXL: the
+    object-store fallback serves single ranks only, so asking for it here is refused."""
+    if spec.transport == "object_store":
+        raise ValueError(f"kv.transport=object_store needs TP = 1; this shard has {spec.tp_size}")
     host = ray.util.get_node_ip_address()
     port = _free_port()
     pg = ray.util.get_current_placement_group()

@@ -53,7 +53,8 @@ def simulate_prefill(
     prompt, prefix = w.prompt.tolist(), w.prefix.tolist()
     for i in range(w.size):
         now, g = arrival[i], group[i]
-        hashes = [hash(("group", g)), hash(("req", i))] if g >= 0 else [hash(("req", i))]
+        own = f"req{i}".encode()  # stand-ins for block keys: a group's shared prefix, then its own
+        hashes = [f"group{g}".encode(), own] if g >= 0 else [own]
 
         def load(r: int, now: float = now) -> float:
             return max(free_at[r] - now, 0.0) / mean_service

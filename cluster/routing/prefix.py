@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cluster.routing.policies import Ranks, two_choices
+from kvtransfer.allocator import BlockKey
 
 
 class PrefixIndex:
@@ -25,12 +26,12 @@ class PrefixIndex:
 
     def __init__(self, capacity: int = 200_000) -> None:
         self.capacity = capacity
-        self._row: OrderedDict[int, int] = OrderedDict()
+        self._row: OrderedDict[BlockKey, int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._row)
 
-    def match(self, hashes: Sequence[int]) -> tuple[int | None, int]:
+    def match(self, hashes: Sequence[BlockKey]) -> tuple[int | None, int]:
         """(row, leading blocks it holds) for the longest recorded prefix of ``hashes``."""
         for i in range(len(hashes) - 1, -1, -1):
             row = self._row.get(hashes[i])
@@ -38,7 +39,7 @@ class PrefixIndex:
                 return row, i + 1
         return None, 0
 
-    def record(self, hashes: Sequence[int], row: int) -> None:
+    def record(self, hashes: Sequence[BlockKey], row: int) -> None:
         for h in hashes:
             self._row[h] = row
             self._row.move_to_end(h)
@@ -72,7 +73,7 @@ class PrefixAffinity:
         self._rows = np.asarray(sorted(rows), dtype=np.int64)
         self._live = frozenset(rows)
 
-    def rank(self, hashes: Sequence[int], load: Callable[[int], float]) -> Ranks:
+    def rank(self, hashes: Sequence[BlockKey], load: Callable[[int], float]) -> Ranks:
         """``load(row)``: requests in flight on that replica."""
         pair = two_choices(self._rows, self.rng)
         if not pair:
@@ -84,5 +85,5 @@ class PrefixAffinity:
             return pair
         return [[row], *pair]
 
-    def routed(self, hashes: Sequence[int], row: int) -> None:
+    def routed(self, hashes: Sequence[BlockKey], row: int) -> None:
         self.index.record(hashes, row)

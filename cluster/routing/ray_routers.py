@@ -221,7 +221,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._rows = _Rows()
         self._inflight: dict[int, int] = {}
         self._where: OrderedDict[str, int] = OrderedDict()  # internal request id -> row
-        self._hashes: OrderedDict[str, list[int]] = OrderedDict()
+        self._hashes: OrderedDict[str, list[bytes]] = OrderedDict()
         self.metrics = RouterMetrics(_deployment_name(self), self._affinity.name)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

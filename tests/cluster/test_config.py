@@ -134,3 +134,11 @@ def test_embedded_head_resolves_to_the_shipped_folder_from_any_directory(
     )
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         resolve_models(relative)  # a relative path is relative to where the app is built
+
+
+def test_object_store_transport_with_tp_is_refused_by_name() -> None:
+    """The fallback moves KV between single ranks; with TP it used to be ignored silently."""
+    with pytest.raises(ValidationError, match=r"kv.transport=object_store .* decode.tp is 3"):
+        TandemConfig.model_validate({"kv": {"transport": "object_store"}, "decode": {"tp": 3}})
+    ok = TandemConfig.model_validate({"kv": {"transport": "nixl"}, "decode": {"tp": 3}})
+    assert ok.decode.tp == 3

@@ -262,7 +262,7 @@ def test_the_router_reads_the_probe_then_the_estimate_then_a_prior() -> None:
     assert acceptance_prior(0.0) == 2 * acceptance_prior(1.0)
     req.acceptance_estimate = 0.7
     assert route_request([req, None], {}) == RouteRequest(0.7, 40)
-    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram")
+    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram", "nixl")
     handoff = KVHandoff("r", (), (1, 2, 3), ("target",), 40, 7, compat, 0.0, acceptance_probe=0.9)
     assert route_request([req], {"handoff": handoff}) == RouteRequest(0.9, 40)
     assert route_request([], {}) is None

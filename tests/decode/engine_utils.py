@@ -23,9 +23,12 @@ def run_all(
     engine: DecodeEngine,
     reqs: Sequence[Request],
     prefill: PrefillWorker | None = None,
-    max_steps: int = 10_000,
+    timeout_s: float = 120.0,
 ) -> dict[str, list[int]]:
-    """Admit every request at once (through prefill when given); return their output tokens."""
+    """Admit every request at once (through prefill when given); return their output tokens.
+
+    Bounded by time, not by steps: a step while a pull is in flight returns at once, and how
+    many of those pass before another process serves the read depends on the machine's load."""
     out: dict[str, list[int]] = {}
     done: set[str] = set()
     for r in reqs:
@@ -38,19 +41,16 @@ def run_all(
                 done.add(r.request_id)
                 continue
         engine.add(r, handoff)
-    for _ in range(max_steps):
-        if len(done) == len(reqs):
-            break
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(reqs) and time.monotonic() < deadline:
         for o in engine.step():
             assert o.error is None, o.error
             out[o.request_id].extend(o.new_token_ids)
             if o.finished:
                 done.add(o.request_id)
     assert len(done) == len(reqs), "engine did not finish every request"
-    for _ in range(max_steps):  # as the engine loop does: let the transport finish its notices
-        if not engine.has_work:
-            break
-        engine.step()
+    while engine.has_work and time.monotonic() < deadline:  # as the engine loop does: let the
+        engine.step()  # transport finish its notices
         time.sleep(0.001)
     if prefill is not None:
         prefill.reap()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -77,6 +78,51 @@ def test_object_store_fallback_gives_the_same_outputs(specs: tuple[ModelSpec, Dr
     assert prefill.stats().active_leases == 0 and prefill.stats().free_blocks == 32
 
 
+def test_a_decode_host_clock_an_hour_ahead_still_pulls(
+    specs: tuple[ModelSpec, DraftSpec], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leases are durations, each side timing them on its own monotonic clock: a decode host
+    whose wall clock runs an hour ahead of prefill's (once: every lease looked expired, every
+    prompt was recomputed) pulls every handoff."""
+    target, draft = specs
+    want = _outputs(DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64)), None)
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64))
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, num_blocks=32))
+    reqs = [make_request(p, GREEDY) for p in _prompts()]
+    handoffs = [prefill.prefill(r) for r in reqs]
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # this host, from here on
+    out = {r.request_id: [h.first_token] for r, h in zip(reqs, handoffs, strict=True)}
+    for r, h in zip(reqs, handoffs, strict=True):
+        engine.add(r, h)
+    deadline = time.monotonic() + 120
+    while engine.has_work and time.monotonic() < deadline:
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id].extend(o.new_token_ids)
+    assert [out[r.request_id] for r in reqs] == want
+    assert engine.stats().kv_recomputed == 0 and engine.transport.counters.pulls_done == 3
+
+
+def test_sides_on_different_transports_refuse_by_name_and_recompute_nothing(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """A NIXL prefill and an object-store decode cannot move a block: the first handoff fails
+    naming both transports, instead of every pull failing and every prompt being recomputed."""
+    target, draft = specs
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", target, draft, num_blocks=64, transport="object_store")
+    )
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, num_blocks=32))
+    assert prefill.transport.name == "nixl"
+    r = make_request(_prompts()[0], GREEDY)
+    engine.add(r, prefill.prefill(r))
+    (out,) = engine.step()
+    assert out.finished and out.error is not None
+    assert "transport=object_store" in out.error and "transport=nixl" in out.error
+    assert engine.stats().kv_recomputed == 0 and engine.allocator.num_free == 64
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_pulls_follow_the_policy(specs: tuple[ModelSpec, DraftSpec], policy: str) -> None:
     target, draft = specs
@@ -92,7 +138,7 @@ def test_failed_pulls_follow_the_policy(specs: tuple[ModelSpec, DraftSpec], poli
         h = prefill.prefill(r)
         got[r.request_id].append(h.first_token)
         engine.add(
-            r, replace(h, lease_expiry=0.0)
+            r, replace(h, lease_seconds=0.0)
         )  # every lease already ended: reads must not start
     while engine.has_work:
         for o in engine.step():
@@ -121,11 +167,13 @@ def test_no_block_leaks_after_completed_cancelled_and_expired_handoffs(
     h = prefill.prefill(cancelled)
     engine.add(cancelled, h)
     engine.step()
+    t0 = time.perf_counter()
     engine.abort(cancelled.request_id)  # cancelled mid-pull or mid-decode
+    assert time.perf_counter() - t0 < 0.05  # never waits for the read on the engine thread
     prefill.cancel(cancelled.request_id)
     h2 = prefill.prefill(expired)
     prefill.step()
-    prefill.reap(now=h2.lease_expiry + 1)  # nobody pulled it in time
+    prefill.reap(now=time.monotonic() + h2.lease_seconds + 1)  # nobody pulled it in time
     for _ in range(50):
         engine.step()
         prefill.step()

@@ -100,5 +100,87 @@ def test_request_larger_than_the_pool_fails_cleanly(specs: tuple[ModelSpec, Draf
     req = Request("big", list(range(3, 200)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.add(req, None)
     outs = engine.step()
-    assert outs[0].finish_reason == "error" and "exceed the KV pool" in (outs[0].error or "")
+    assert outs[0].finish_reason == "error" and "at most 64" in (outs[0].error or "")
     assert engine.allocator.num_free == 4
+
+
+def test_prompt_plus_max_tokens_beyond_the_pool_is_refused_and_the_queue_moves(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """A prompt that fits whose growth never can is refused at admission, naming the pool's
+    capacity and the setting that sizes it; the request behind it is served as if alone."""
+    target, _ = specs
+    engine = DecodeEngine(DecodeEngineConfig("t", target, DraftSpec(), num_blocks=4))
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    alone = run_all(engine, [r := make_request(list(range(3, 23)), sp)])[r.request_id]
+    big = make_request(list(range(3, 23)), SamplingParams(temperature=0.0, max_tokens=100))
+    behind = make_request(list(range(3, 23)), sp)
+    engine.add(big, None)
+    engine.add(behind, None)
+    outs = {o.request_id: o for o in engine.step()}
+    err = outs[big.request_id].error or ""
+    assert outs[big.request_id].finish_reason == "error"
+    assert "121 tokens" in err and "at most 64" in err and "decode.num_blocks" in err
+    first = outs[behind.request_id]  # admitted in the same step, unharmed
+    assert first.error is None
+    out: list[int] = list(first.new_token_ids)
+    while engine.has_work:
+        out += [
+            t for o in engine.step() if o.request_id == behind.request_id for t in o.new_token_ids
+        ]
+    assert out == alone and engine.allocator.num_free == 4
+
+
+def _crowd() -> list[Request]:
+    """Three requests in a 10-block pool where the newest is preempted, re-admitted when the
+    short one ends, and preempted again before it can produce a token."""
+    g = SamplingParams
+    return [
+        Request("A", list(range(3, 19)), g(temperature=0.0, max_tokens=120)),
+        Request("C", list(range(5, 21)), g(temperature=0.0, max_tokens=40)),
+        Request("B", list(range(3, 73)), g(temperature=0.0, max_tokens=82)),
+    ]
+
+
+def _solo(target: ModelSpec, r: Request) -> list[int]:
+    engine = DecodeEngine(DecodeEngineConfig("t", target, DraftSpec(), num_blocks=16))
+    one = Request(r.request_id, list(r.prompt_token_ids), r.sampling)
+    return run_all(engine, [one])[r.request_id]
+
+
+@pytest.mark.parametrize("limit", [1, 4])
+def test_a_request_that_cannot_progress_never_stalls_the_others(
+    specs: tuple[ModelSpec, DraftSpec], limit: int
+) -> None:
+    """Preempted again with no token out: with ``max_stalled_preemptions`` 1 it ends with an
+    error; by default it waits until it has room to finish, and finishes. Either way every other
+    request's output is its output alone and every block comes back."""
+    target, _ = specs
+    cfg = DecodeEngineConfig(
+        "t",
+        target,
+        DraftSpec(),
+        num_blocks=10,
+        max_num_batched_tokens=4,
+        max_stalled_preemptions=limit,
+    )
+    engine = DecodeEngine(cfg)
+    reqs = _crowd()
+    errors: dict[str, str | None] = {}
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add(r, None)
+    for _ in range(5000):
+        if not engine.has_work:
+            break
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                errors[o.request_id] = o.error
+    assert engine.preemptions >= 2 and engine.allocator.num_free == 10
+    for r in reqs:
+        if limit == 1 and r.request_id == "B":
+            assert "without producing a token" in (errors["B"] or "")
+            assert engine.stats().stalled == 1
+        else:
+            assert errors[r.request_id] is None and out[r.request_id] == _solo(target, r)

@@ -18,7 +18,7 @@ def test_every_block_is_free_xor_referenced(ops: list[tuple[str, int]]) -> None:
     alloc = BlockAllocator(16)
     owners: list[list[int]] = []
     next_hash = 0
-    hashes: list[int] = []
+    hashes: list[bytes] = []
     for op, n in ops:
         if op == "alloc":
             if alloc.can_allocate(n):
@@ -35,10 +35,12 @@ def test_every_block_is_free_xor_referenced(ops: list[tuple[str, int]]) -> None:
         elif op == "cache" and owners and owners[n % len(owners)]:
             blocks = owners[n % len(owners)]
             next_hash += 1
-            alloc.register(blocks[n % len(blocks)], next_hash)
-            hashes.append(next_hash)
+            key = next_hash.to_bytes(16, "little")
+            alloc.register(blocks[n % len(blocks)], key, [next_hash])
+            hashes.append(key)
         elif op == "lookup" and hashes:
-            got = alloc.lookup(hashes[n % len(hashes) :])
+            keys = hashes[n % len(hashes) :]
+            got = alloc.lookup(keys, [[int.from_bytes(k, "little")] for k in keys])
             if got:
                 owners.append(got)
         alloc.check()
@@ -56,19 +58,39 @@ def test_prefix_is_shared_then_evicted_oldest_first() -> None:
     assert block_hashes(toks[:32] + [99] * 8, 16) == hashes  # chained over the prefix only
     assert block_hashes([7, *toks[1:32]], 16)[1] != hashes[1]  # a change upstream changes all
 
+    blocks = [toks[:16], toks[16:32]]
     a = alloc.allocate(3)
-    alloc.register(a[0], hashes[0])
-    alloc.register(a[1], hashes[1])
-    b = alloc.lookup(hashes)  # a second prompt shares both full blocks
+    alloc.register(a[0], hashes[0], blocks[0])
+    alloc.register(a[1], hashes[1], blocks[1])
+    b = alloc.lookup(hashes, blocks)  # a second prompt shares both full blocks
     assert b == a[:2] and alloc.ref_count(a[0]) == 2
     alloc.free(a)
     alloc.free(b)
     assert alloc.num_free == 4 and alloc.num_cached == 2
-    assert alloc.lookup(hashes) == a[:2]  # still cached while free
+    assert alloc.lookup(hashes, blocks) == a[:2]  # still cached while free
     alloc.free(a[:2])
     fresh = alloc.allocate(4)  # takes everything: both cached blocks are evicted
     assert sorted(fresh) == [0, 1, 2, 3] and alloc.num_cached == 0 and alloc.evictions == 2
-    assert alloc.lookup(hashes) == []
+    assert alloc.lookup(hashes, blocks) == []
+
+
+def test_keys_are_digests_and_a_hit_checks_its_tokens() -> None:
+    """Keys are 16-byte BLAKE2b digests chained over the blocks; a key whose cached block holds
+    other tokens (what a collision would look like) is a miss, counted, and nothing leaks."""
+    toks = list(range(1000, 1048))
+    keys = block_hashes(toks, 16)
+    assert all(isinstance(k, bytes) and len(k) == 16 for k in keys) and len(set(keys)) == 3
+    assert block_hashes(toks, 16) == keys  # the same in every process (no hash seed)
+    alloc = BlockAllocator(4)
+    (a,) = alloc.allocate(1)
+    alloc.register(a, keys[0], toks[:16])
+    other = [7, *toks[1:16]]
+    assert alloc.lookup(keys[:1], [other]) == [] and alloc.mismatches == 1
+    assert alloc.lookup(keys[:1], [toks[:16]]) == [a] and alloc.ref_count(a) == 2
+    alloc.free([a])
+    alloc.free([a])
+    alloc.check()
+    assert alloc.num_free == 4
 
 
 def test_double_free_is_an_error() -> None:

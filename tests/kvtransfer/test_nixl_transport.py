@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from kvtransfer.handoff import KVCompat, KVCompatError, KVHandoff, check_compat
-from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.nixl_transport import NixlTransport, _descs, _rows, _Slice
 from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
 from kvtransfer.transport import KVTransferError, PullState
 
 SPEC = KVPoolSpec(
     32, 16, (KVGroupSpec("target", 4, 2, 8, "float32"), KVGroupSpec("draft", 2, 1, 8, "float32"))
 )
-COMPAT = KVCompat("m", "float32", 16, "layout", 1, "draft")
+COMPAT = KVCompat("m", "float32", 16, "layout", 1, "draft", "nixl")
 
 
 def _handoff(src: NixlTransport, rid: str, blocks: tuple[int, ...]) -> KVHandoff:
-    return KVHandoff(
-        rid, src.sources(), blocks, ("target", "draft"), 40, 7, COMPAT, time.time() + 30
-    )
+    return KVHandoff(rid, src.sources(), blocks, ("target", "draft"), 40, 7, COMPAT, 30.0)
 
 
 def _pull(
@@ -48,10 +47,10 @@ def test_pull_moves_every_group_bit_exact_and_notifies_source() -> None:
     src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
     notices = _pull(src, dst, _handoff(src, "req-1", (3, 4, 5)), [10, 0, 31])
     for g in ("target", "draft"):
-        assert torch.equal(b.tensor(g)[:, :, :, [10, 0, 31]], a.tensor(g)[:, :, :, [3, 4, 5]])
-        assert b.tensor(g)[:, :, :, 1].abs().sum() == 0  # nothing else written
+        assert torch.equal(b.tensor(g)[:, [10, 0, 31]], a.tensor(g)[:, [3, 4, 5]])
+        assert b.tensor(g)[:, 1].abs().sum() == 0  # nothing else written
     assert notices == ["req-1"]
-    per_block = sum(t[:, :, :, 0].numel() * 4 for t in a.tensors.values())
+    per_block = sum(t[:, 0].numel() * 4 for t in a.tensors.values())
     assert dst.counters.bytes_pulled == 3 * per_block and dst.counters.pulls_done == 1
 
 
@@ -65,7 +64,7 @@ def test_restarted_source_is_re_added_not_read_through_stale_descriptors() -> No
     a2.tensor("target").fill_(2.0)
     src2 = NixlTransport(a2, "prefill")
     _pull(src2, dst, _handoff(src2, "r2", (0,)), [1])
-    assert torch.all(b.tensor("target")[:, :, :, 1] == 2.0)
+    assert torch.all(b.tensor("target")[:, 1] == 2.0)
 
 
 def test_mismatched_block_sizes_are_refused() -> None:
@@ -80,7 +79,36 @@ def test_mismatched_block_sizes_are_refused() -> None:
 
 
 def test_compat_mismatch_names_both_sides() -> None:
-    other = KVCompat("m", "bfloat16", 16, "layout", 1, "draft")
+    other = KVCompat("m", "bfloat16", 16, "layout", 1, "draft", "nixl")
     with pytest.raises(KVCompatError, match=r"dtype=float32.*dtype=bfloat16"):
         check_compat(COMPAT, other)
     assert COMPAT.digest() != other.digest()
+
+
+def test_a_block_is_one_descriptor_per_layer_or_two_for_a_run_of_heads() -> None:
+    """The prepared rows of a block cover exactly the bytes of that block's heads, in at most
+    2 x layers descriptors: one per layer when every head moves, K and V apart otherwise."""
+    spec = KVPoolSpec(8, 16, (KVGroupSpec("target", 3, 4, 8, "float32"),))
+    pool = KVPool(spec)
+    t = pool.tensor("target")  # [L, NB, 2, H, BS, D]
+    region = NixlTransport(pool, "check").regions[0]
+    elem = t.element_size()
+    for first, count, whole in ((0, 4, True), (1, 2, False), (3, 1, False)):
+        sl = _Slice("target", first, count, whole)
+        descs = _descs(region, sl)
+        rows = _rows(region, sl, np.array([5]), 0)
+        assert len(rows) == (3 if whole else 6)
+        got = sorted(
+            (int(a), int(a) + int(n)) for a, n, _dev in descs[rows]
+        )  # byte ranges of block 5
+        want = sorted(
+            (
+                t[layer, 5, kv, first].data_ptr(),
+                t[layer, 5, kv, first].data_ptr() + count * t[layer, 5, kv, 0].numel() * elem,
+            )
+            for layer in range(3)
+            for kv in range(2)
+        )
+        if whole:  # K and V of a layer in one range
+            want = [(want[i][0], want[i + 1][1]) for i in range(0, 6, 2)]
+        assert got == want

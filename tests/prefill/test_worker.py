@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from decode.config import DecodeEngineConfig
+from decode.engine import DecodeEngine
 from kvtransfer.handoff import KVHandoff
+from models.eagle import save_random_eagle
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillCapacityError, PrefillWorker
-from tests.decode.engine_utils import make_request
+from tests.decode.engine_utils import make_request, run_all
 
 SP = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -33,8 +37,8 @@ def _kv(w: PrefillWorker, h: KVHandoff, n: int) -> dict[str, torch.Tensor]:
     """The KV of the first n tokens, gathered from the handoff's blocks."""
     out = {}
     for g, t in w.pool.tensors.items():
-        blocks = t[:, :, :, list(h.block_ids)]  # [L, 2, H, nb, bs, D]
-        per_token = blocks.permute(3, 4, 0, 1, 2, 5)  # [nb, bs, L, 2, H, D]
+        blocks = t[:, list(h.block_ids)]  # [L, nb, 2, H, bs, D]
+        per_token = blocks.permute(1, 4, 0, 2, 3, 5)  # [nb, bs, L, 2, H, D]
         out[g] = per_token.reshape(-1, *per_token.shape[2:])[:n]
     return out
 
@@ -85,9 +89,51 @@ def test_prefix_cache_skips_shared_blocks_and_gives_the_same_kv(
     kv_b, kv_f = _kv(w, hb, len(b)), _kv(fresh, hf, len(b))
     for g in kv_b:
         assert (kv_b[g] - kv_f[g]).abs().max() <= 1e-5
-    w.reap(now=hb.lease_expiry + 1)
+    w.reap(now=time.monotonic() + hb.lease_seconds + 1)
     w.allocator.check()
     assert w.stats().free_blocks == w.cfg.num_blocks and w.stats().cached_blocks >= 2
+
+
+@pytest.fixture(scope="module")
+def eagle_specs(
+    tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ModelSpec, DraftSpec]:
+    head = save_random_eagle(tiny_folder, tmp_path_factory.mktemp("eagle"))
+    draft = DraftSpec(DraftKind.EAGLE, model=ModelSpec(str(head)), num_speculative_tokens=3)
+    return ModelSpec(str(tiny_folder)), draft
+
+
+def test_eagle_prefix_hits_give_the_kv_and_the_output_of_a_cold_cache(
+    eagle_specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """The head's slot t is computed from token t + 1, so a cached block is only reused where
+    the token after it matches too, and a prompt's last full block (its last head slot never
+    written) is not cached at all: a prompt that diverges right after a cached block, or
+    extends a prompt that ended on one, gets the draft KV and the seeded output it would get
+    with the cache cold."""
+    target, draft = eagle_specs
+    base = _prompt(48, 40)
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, seed=5, seeded=True)
+    for first, second in (
+        (base, base[:32] + _prompt(11, 41)),  # diverges at the start of block 2
+        (base[:32], base[:32] + _prompt(11, 42)),  # the first ended on a full block
+    ):
+        warm = _worker(eagle_specs)
+        warm.prefill(make_request(first, SP))
+        cold = _worker(eagle_specs, enable_prefix_caching=False)
+        hw = warm.prefill(make_request(second, seeded))
+        hc = cold.prefill(make_request(second, seeded))
+        assert hw.first_token == hc.first_token
+        kw, kc = _kv(warm, hw, len(second) - 1), _kv(cold, hc, len(second) - 1)
+        for g in kw:  # the head's last slot waits for the first output token
+            assert (kw[g] - kc[g]).abs().max() <= 1e-5, g
+        outs = []
+        for w in (warm, cold):
+            engine = DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64))
+            r = make_request(second, seeded)
+            outs.append(run_all(engine, [r], prefill=w)[r.request_id])
+            engine.close()
+        assert outs[0] == outs[1]
 
 
 def test_cancel_frees_queued_and_leased_blocks(specs: tuple[ModelSpec, DraftSpec]) -> None:

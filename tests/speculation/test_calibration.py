@@ -75,7 +75,7 @@ def test_the_router_pool_sums_replicas_and_drops_those_that_leave() -> None:
 
 
 def test_the_router_calibrates_the_probe_by_temperature_and_probe_bin() -> None:
-    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram")
+    compat = KVCompat("m", "float32", 16, "layout", 1, "ngram", "nixl")
     handoff = KVHandoff("r", (), (1, 2, 3), ("target",), 40, 7, compat, 0.0, acceptance_probe=0.1)
     greedy = Request("g", list(range(40)), SamplingParams(temperature=0.0, max_tokens=8))
     hot = Request("h", list(range(40)), SamplingParams(temperature=1.0, max_tokens=8))

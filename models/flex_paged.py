@@ -1,0 +1,201 @@
+"""Paged attention that reads the KV pool in place, through PyTorch's ``flex_attention``.
+
+The gather path of ``models.attention`` copies every context block of every sequence into a
+dense tensor per layer before attention reads it again; at long contexts and large batches that
+copy is most of the step. ``flex_attention`` (a maintained PyTorch kernel, compiled by inductor
+to C++ on a CPU and to Triton on a GPU) instead walks a *block mask*: for each block of query
+rows, the list of KV blocks it reads, straight out of the pool.
+
+**How the pool is seen.** One layer of the pool is ``[NB, 2, Hkv, BS, D]``: every (block,
+K/V, head) is a contiguous chunk of ``BS`` rows of ``D``. The whole layer, flattened, is therefore
+one long sequence of chunks with a single head; chunk ``(b * 2 + 0) * Hkv + h`` is head ``h``'s
+keys of block ``b`` and the chunk ``Hkv`` further on is its values. Keys are read through the
+view that starts at the layer's first row and values through the view that starts ``Hkv``
+chunks later, so one chunk index names a block's keys in one and its values in the other.
+
+**How the queries are laid out.** One block of ``QB`` query rows per (sequence, KV head): its
+``G = Hq / Hkv`` query heads for each of the sequence's new tokens, row ``t * G + g``. Its KV
+blocks are that head's chunks of the sequence's blocks; the ones wholly before its first new
+token need no mask (``full``), the rest are masked causally by position.
+
+Decodes and verifications only (``G * q <= QB``), without token trees: prompt chunks and trees
+keep the gather path. Every sequence of a step that fits goes into one group, whatever its
+number of new tokens or its context length: nothing is padded but the query block itself.
+
+The kernel is compiled for static shapes (inductor's CPU template does not compile with dynamic
+ones), so the number of query blocks is padded to a power of two and every other shape is fixed
+by the pool: a model compiles at most one kernel per bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+if TYPE_CHECKING:
+    from models.attention import SeqSlice
+
+log = logging.getLogger(__name__)
+
+QUERY_BLOCK = 16  # query rows per (sequence, KV head): G query heads times the new tokens
+MAX_QUERY_BLOCKS = 512  # beyond this many (sequence, head) pairs a step takes the gather path
+
+
+@dataclass(frozen=True)
+class FlexGroup:
+    """A group's block mask over one layer's chunks, shared by every layer of the step."""
+
+    kernel: FlexPagedAttention
+    block_mask: BlockMask
+    num_query_blocks: int  # b * Hkv, before padding
+    group_size: int  # G
+
+
+@dataclass(frozen=True)
+class FlexPool:
+    """What the metadata builder needs to plan flex groups over one model's pool."""
+
+    kernel: FlexPagedAttention
+    num_kv_heads: int  # on this rank
+    num_blocks: int
+    group_size: int  # query heads per KV head
+
+
+class FlexPagedAttention:
+    """The compiled kernel of one model and the rule for when a group takes it.
+
+    ``min_context_tokens``: a group whose sequences attend over fewer context tokens than this,
+    all together, takes the gather path, where the copy is small and the compiled kernel's fixed
+    cost per call is not repaid.
+    """
+
+    def __init__(self, min_context_tokens: int = 32768) -> None:
+        self.min_context_tokens = min_context_tokens
+        self._kernel: Callable[..., torch.Tensor] | None = None
+        self._shapes: set[tuple[int, int]] = set()
+        self.failed: str | None = None  # why the kernel could not run; then never tried again
+        self.fallbacks = 0  # group-layers that took the gather path because it failed
+
+    @staticmethod
+    def fits(group_size: int, seq: SeqSlice) -> bool:
+        """Whether a sequence's new tokens fit one query block (and are not a tree)."""
+        return seq.tree is None and group_size * seq.num_new <= QUERY_BLOCK
+
+    def applies(self, context_tokens: int) -> bool:
+        """Whether the sequences that fit, attending over ``context_tokens`` in all, take the
+        kernel."""
+        return self.failed is None and context_tokens >= self.min_context_tokens
+
+    def plan(
+        self,
+        tables: torch.Tensor,
+        need: torch.Tensor,
+        cached: torch.Tensor,
+        pool: FlexPool,
+        block_size: int,
+        device: torch.device,
+    ) -> FlexGroup | None:
+        """The block mask of a group: tables [b, NBmax] its blocks, need [b] how many each
+        attends over, cached [b] its tokens before the new ones. None when the group has more
+        (sequence, head) pairs than a compiled kernel serves."""
+        b = tables.shape[0]
+        h, num_blocks = pool.num_kv_heads, pool.num_blocks
+        nq = b * h
+        if nq > MAX_QUERY_BLOCKS:
+            return None
+        padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks, a power of two
+        span = num_blocks * 2 * h  # chunks in one layer
+        width = span - h  # chunks in the key (and the value) view: the mask's KV extent
+        nbmax = tables.shape[1]
+        chunks = tables.unsqueeze(1) * (2 * h) + torch.arange(h).view(1, h, 1)  # [b, H, NBmax]
+        j = torch.arange(nbmax)
+        full = (j.view(1, -1) + 1) * block_size <= cached.view(-1, 1)  # [b, NBmax] before q
+        part = (j.view(1, -1) < need.view(-1, 1)) & ~full  # [b, NBmax] attended, masked
+        # Per query block: its masked chunks and its full ones, each left-aligned (the full
+        # ones are a prefix of the table, the masked ones the blocks after them).
+        n_full = full.sum(1).repeat_interleave(h).int()  # [b * H]
+        n_part = part.sum(1).repeat_interleave(h).int()  # [b * H]
+        order = torch.argsort((~part).int(), dim=1, stable=True)  # [b, NBmax] masked first
+        masked = chunks.gather(2, order.unsqueeze(1).expand(b, h, nbmax)).view(nq, nbmax)
+        kv_num = torch.zeros(padded, dtype=torch.int32)
+        full_num = torch.zeros(padded, dtype=torch.int32)
+        kv_num[:nq], full_num[:nq] = n_part, n_full
+        part_idx = torch.zeros(padded, width, dtype=torch.int32)
+        part_idx[:nq, :nbmax] = masked.int()
+        full_idx = torch.zeros(padded, width, dtype=torch.int32)
+        full_idx[:nq, :nbmax] = chunks.view(nq, nbmax).int()
+        # The logical block of every chunk (a KV row's position for the mask) and each query
+        # block's first position.
+        logical = torch.zeros(span, dtype=torch.long)
+        logical[chunks.reshape(-1)] = j.repeat(nq)
+        first = torch.zeros(padded, dtype=torch.long)
+        first[:nq] = cached.repeat_interleave(h)
+        logical, first = logical.to(device), first.to(device)
+        g = pool.group_size
+
+        def causal(
+            _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
+            pos = first[q // QUERY_BLOCK] + (q % QUERY_BLOCK) // g
+            return logical[kv // block_size] * block_size + kv % block_size <= pos
+
+        mask = BlockMask.from_kv_blocks(
+            kv_num.view(1, 1, padded).to(device),
+            part_idx.view(1, 1, padded, width).to(device),
+            full_num.view(1, 1, padded).to(device),
+            full_idx.view(1, 1, padded, width).to(device),
+            BLOCK_SIZE=(QUERY_BLOCK, block_size),
+            mask_mod=causal,
+            seq_lengths=(padded * QUERY_BLOCK, width * block_size),
+            compute_q_blocks=False,
+        )
+        return FlexGroup(self, mask, nq, g)
+
+    def attend(
+        self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexGroup, scale: float
+    ) -> torch.Tensor | None:
+        """q: [b, q, Hq, D] (padded per sequence); layer_kv: [NB, 2, Hkv, BS, D], contiguous.
+        Returns [b, q, Hq, D]; None when the kernel cannot run here (logged once, counted):
+        the caller takes the gather path."""
+        if self.failed is not None:
+            self.fallbacks += 1
+            return None
+        b, qn, hq, d = q.shape
+        nb, _two, h, bs, _d = layer_kv.shape
+        g = fg.group_size
+        padded = fg.block_mask.kv_num_blocks.shape[-1]
+        rows = q.new_zeros(padded, QUERY_BLOCK, d)  # [P, QB, D]
+        # [b, q, H, G, D] -> [b, H, q, G, D] -> [b * H, q * G, D]
+        rows[: fg.num_query_blocks, : qn * g] = (
+            q.view(b, qn, h, g, d).permute(0, 2, 1, 3, 4).reshape(b * h, qn * g, d)
+        )
+        flat = layer_kv.view(-1, d)  # [NB * 2 * H * BS, D]
+        n = (nb * 2 * h - h) * bs
+        keys = flat[:n].view(1, 1, n, d)
+        values = flat[h * bs :].view(1, 1, n, d)
+        try:
+            out = self._run(rows.view(1, 1, padded * QUERY_BLOCK, d), keys, values, fg, scale)
+        except Exception as e:  # e.g. no C++ compiler on the host, or an inductor bug
+            self.failed = f"{type(e).__name__}: {e}"[:500]
+            self.fallbacks += 1
+            log.error("paged flex attention cannot run here, using the gather path: %s", e)
+            return None
+        out = out.view(padded, QUERY_BLOCK, d)[: fg.num_query_blocks, : qn * g]
+        return out.view(b, h, qn, g, d).permute(0, 2, 1, 3, 4).reshape(b, qn, hq, d)
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fg: FlexGroup, scale: float
+    ) -> torch.Tensor:
+        if self._kernel is None:
+            self._kernel = torch.compile(flex_attention, dynamic=False)
+        shape = (q.shape[2], k.shape[2])
+        if shape not in self._shapes:  # a new bucket: inductor compiles (seconds, once)
+            log.info("compiling paged flex attention for %d query rows, %d KV rows", *shape)
+            self._shapes.add(shape)
+        out: torch.Tensor = self._kernel(q, k, v, block_mask=fg.block_mask, scale=scale)
+        return out
