@@ -114,8 +114,9 @@ class FlexPagedAttention:
         nbmax = tables.shape[1]
         chunks = tables.unsqueeze(1) * (2 * h) + torch.arange(h).view(1, h, 1)  # [b, H, NBmax]
         j = torch.arange(nbmax)
+        used = j.view(1, -1) < need.view(-1, 1)  # [b, NBmax] attended (the rest is padding)
         full = (j.view(1, -1) + 1) * block_size <= cached.view(-1, 1)  # [b, NBmax] before q
-        part = (j.view(1, -1) < need.view(-1, 1)) & ~full  # [b, NBmax] attended, masked
+        part = used & ~full  # [b, NBmax] attended, masked
         # Per query block: its masked chunks and its full ones, each left-aligned (the full
         # ones are a prefix of the table, the masked ones the blocks after them).
         n_full = full.sum(1).repeat_interleave(h).int()  # [b * H]
@@ -132,7 +133,8 @@ class FlexPagedAttention:
         # The logical block of every chunk (a KV row's position for the mask) and each query
         # block's first position.
         logical = torch.zeros(span, dtype=torch.long)
-        logical[chunks.reshape(-1)] = j.repeat(nq)
+        taken = used.unsqueeze(1).expand(b, h, nbmax)  # padding must not overwrite a used block
+        logical[chunks[taken]] = j.view(1, 1, -1).expand(b, h, nbmax)[taken]
         first = torch.zeros(padded, dtype=torch.long)
         first[:nq] = cached.repeat_interleave(h)
         logical, first = logical.to(device), first.to(device)

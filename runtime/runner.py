@@ -15,6 +15,7 @@ import torch
 
 from models.attention import SeqSlice, build_attention_metadata
 from models.eagle import EagleHead
+from models.flex_paged import FlexPagedAttention, FlexPool
 from models.llama import LlamaModel
 from models.tree import TreeSpan, move_slots
 
@@ -112,6 +113,13 @@ class EagleRunner:
         self.head = head
         self.kv_pool = kv_pool  # [1, num_blocks, 2, Hkv, block_size, head_dim]
         self.block_size = block_size
+        c = head.cfg.layer
+        self.flex = FlexPool(  # long-context drafting reads the head's pool in place too
+            FlexPagedAttention(),
+            num_kv_heads=kv_pool.shape[3],
+            num_blocks=kv_pool.shape[1],
+            group_size=c.num_heads // c.num_kv_heads,
+        )
 
     @torch.inference_mode()
     def run(self, batch: Sequence[SeqInput], features: torch.Tensor) -> StepResult:
@@ -123,6 +131,7 @@ class EagleRunner:
             dev,
             self.head.rope.cos,
             self.head.rope.sin,
+            self.flex,
         )
         ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
         hidden = self.head(ids, features.to(dev), self.kv_pool, meta)  # [T, H]

@@ -26,16 +26,18 @@ def _step(
 
 def test_in_place_attention_equals_the_gather_path() -> None:
     gen = torch.Generator().manual_seed(0)
-    perm = torch.randperm(NB, generator=gen).tolist()
-    # decodes and verifications over long contexts, and a prompt chunk the gather path keeps
+    perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
+    # decodes and verifications over long contexts, and a prompt chunk the gather path keeps;
+    # the first sequence's one (partial) block is block 0, which every padded table entry
+    # names as well
     shapes = [(300, 1), (517, 5), (16, 1), (250, 3), (40, 24)]
-    seqs, start = [], 0
+    seqs, start = [SeqSlice([0], 5, 1)], 0
     for cached, new in shapes:
         n = (cached + new + BS - 1) // BS
         seqs.append(SeqSlice(perm[start : start + n], cached, new))
         start += n
     pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
-    q = torch.randn(sum(n for _, n in shapes), HKV * G, D, generator=gen)
+    q = torch.randn(1 + sum(n for _, n in shapes), HKV * G, D, generator=gen)
     kernel = FlexPagedAttention(min_context_tokens=0)
     flex = FlexPool(kernel, HKV, NB, G)
     got, in_place = _step(seqs, flex, pool.clone(), q)
