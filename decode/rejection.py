@@ -57,31 +57,18 @@ def rejection_sample(
     draft_probs: [sum(t_i), V] draft distributions, or None for one-hot drafts.
     uniforms: [sum(t_i)] values in [0, 1) for the accept tests.
     """
-    b = len(rows)
     dev = target_probs.device
-    _check_drafts(rows, num_drafts)
-    ws = torch.tensor(list(rows), dtype=torch.long, device=dev)  # [B]
-    ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
-    row_start = torch.cumsum(ws, 0) - ws  # [B]
-    draft_start = torch.cumsum(ts, 0) - ts  # [B]
-    tmax = int(max(num_drafts, default=0))
-    n = torch.zeros(b, dtype=torch.long, device=dev)
+    lay = _Ragged.of(rows, num_drafts, dev)
+    ws, ts, row_start, draft_start, tmax = lay.ws, lay.ts, lay.row_start, lay.draft_start, lay.tmax
+    n = torch.zeros(len(rows), dtype=torch.long, device=dev)
     if tmax > 0:
-        seq_of = torch.repeat_interleave(  # [N]
-            torch.arange(b, device=dev), ts, output_size=sum(num_drafts)
-        )
-        pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]  # [N]
-        p_tok = target_probs[row_start[seq_of] + pos_in].gather(1, draft_tokens.unsqueeze(1))
-        p_tok = p_tok.squeeze(1)  # [N]
+        p_tok = target_probs[lay.draft_rows].gather(1, draft_tokens.unsqueeze(1)).squeeze(1)
         q_tok = (
             draft_probs.gather(1, draft_tokens.unsqueeze(1)).squeeze(1)
             if draft_probs is not None
             else torch.ones_like(p_tok)
-        )
-        accept = uniforms.to(dev) * q_tok < p_tok  # [N]
-        grid = torch.zeros(b, tmax, dtype=torch.long, device=dev)
-        grid[seq_of, pos_in] = accept.long()
-        n = grid.cumprod(dim=1).sum(dim=1)  # [B]
+        )  # [N]
+        n = lay.leading(uniforms.to(dev) * q_tok < p_tok)
 
     has_final = n < ws
     p_final = target_probs[row_start + n.clamp(max=ws - 1)]  # [B, V]
@@ -122,26 +109,51 @@ def verify_greedy(
     target_tokens: [sum(w_i)] the argmax of each row; the other arguments as in
     ``rejection_sample``.
     """
-    b = len(rows)
     dev = target_tokens.device
-    _check_drafts(rows, num_drafts)
-    ws = torch.tensor(list(rows), dtype=torch.long, device=dev)  # [B]
-    ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)  # [B]
-    row_start = torch.cumsum(ws, 0) - ws  # [B]
-    draft_start = torch.cumsum(ts, 0) - ts  # [B]
-    n = torch.zeros(b, dtype=torch.long, device=dev)
-    tmax = int(max(num_drafts, default=0))
-    if tmax > 0:
-        seq_of = torch.repeat_interleave(  # [N]
-            torch.arange(b, device=dev), ts, output_size=sum(num_drafts)
-        )
-        pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]  # [N]
-        match = target_tokens[row_start[seq_of] + pos_in] == draft_tokens  # [N]
-        grid = torch.zeros(b, tmax, dtype=torch.long, device=dev)
-        grid[seq_of, pos_in] = match.long()
-        n = grid.cumprod(dim=1).sum(dim=1)  # [B]
-    final = target_tokens[row_start + n.clamp(max=ws - 1)]  # [B]
+    lay = _Ragged.of(rows, num_drafts, dev)
+    n = torch.zeros(len(rows), dtype=torch.long, device=dev)
+    if lay.tmax > 0:
+        n = lay.leading(target_tokens[lay.draft_rows] == draft_tokens)
+    ws = lay.ws
+    final = target_tokens[lay.row_start + n.clamp(max=ws - 1)]  # [B]
     return GreedyVerification(num_accepted=n, has_final=n < ws, final_token=final)
+
+
+@dataclass(frozen=True)
+class _Ragged:
+    """Where each sequence's target rows and draft tokens lie in a ragged verification batch."""
+
+    ws: torch.Tensor  # [B] target rows per sequence
+    ts: torch.Tensor  # [B] drafts per sequence
+    row_start: torch.Tensor  # [B] first target row of each sequence
+    draft_start: torch.Tensor  # [B] first draft of each sequence
+    tmax: int  # the most drafts of any sequence
+    seq_of: torch.Tensor  # [N] the sequence of each draft
+    pos_in: torch.Tensor  # [N] each draft's position in its sequence
+
+    @classmethod
+    def of(cls, rows: Sequence[int], num_drafts: Sequence[int], dev: torch.device) -> _Ragged:
+        _check_drafts(rows, num_drafts)
+        ws = torch.tensor(list(rows), dtype=torch.long, device=dev)
+        ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)
+        draft_start = torch.cumsum(ts, 0) - ts
+        seq_of = torch.repeat_interleave(
+            torch.arange(len(rows), device=dev), ts, output_size=sum(num_drafts)
+        )
+        pos_in = torch.arange(seq_of.numel(), device=dev) - draft_start[seq_of]
+        tmax = int(max(num_drafts, default=0))
+        return cls(ws, ts, torch.cumsum(ws, 0) - ws, draft_start, tmax, seq_of, pos_in)
+
+    @property
+    def draft_rows(self) -> torch.Tensor:
+        """[N] the target row each draft token is tested against."""
+        return self.row_start[self.seq_of] + self.pos_in
+
+    def leading(self, ok: torch.Tensor) -> torch.Tensor:
+        """ok: [N] bool per draft -> [B] how many leading drafts of each sequence are ok."""
+        grid = torch.zeros(len(self.ws), self.tmax, dtype=torch.long, device=ok.device)
+        grid[self.seq_of, self.pos_in] = ok.long()
+        return grid.cumprod(dim=1).sum(dim=1)
 
 
 def _check_drafts(rows: Sequence[int], num_drafts: Sequence[int]) -> None:
