@@ -7,8 +7,13 @@ this drafter proposes lookup's tokens when it finds any, and otherwise asks the 
 the model drafter is asked for nothing on the other requests and catches up on their tokens the
 next time it drafts for them (both model drafters catch up from ``num_draft_computed``).
 
-Which of the two proposes at a position depends only on the tokens before it, so the
-proposal rule of ``Drafter`` holds; proposals inherit the model drafter's step dependence.
+Which of the two proposes is decided once per request and step, at the step's first
+position, so the proposal at a later position depends on where the step began (lookup's
+continuation of a match found earlier, or the model's guess where a step starting there finds
+no match). The drafter therefore declares itself ``step_dependent``: a client-seeded sampled
+request is held at its cap (``decode.speculation.SpeculationPolicy.held``) and its tokens do not
+depend on the batch. Deciding per position instead would run the model's rounds over lookup's
+tokens for every request, the cost this drafter exists to avoid for copying requests.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class LookupFirstDrafter(Drafter):
         self.model = model
         self.uses_kv = model.uses_kv
         self.needs_features = model.needs_features
-        self.step_dependent = model.step_dependent
+        self.step_dependent = True  # see the module docstring
         self.rounds = model.rounds
         self._looked_up = 0  # proposals made by lookup
         self._modelled = 0  # proposals asked of the model drafter

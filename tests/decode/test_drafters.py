@@ -3,6 +3,7 @@ the speculation length, and decode never recomputes a prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from models.spec import DraftKind, DraftSpec, ModelSpec
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
+from tests.helpers import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +108,7 @@ def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
             assert engine.stats().draft_tokens_fed <= decoded + width * drafted
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "draft_model+lookup"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model"])
 def test_seeded_sampling_does_not_depend_on_the_speculation_length(
     tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str
 ) -> None:
@@ -204,3 +206,56 @@ def test_lookup_first_probe_scores_lookup_where_it_matches(
         probes[kind] = prefill.prefill(make_request(prompt, sp)).acceptance_probe
     assert probes["eagle+lookup"] == pytest.approx(probes["ngram"], abs=1e-6)
     assert probes["eagle+lookup"] != pytest.approx(probes["eagle"], abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A target and a draft model over 64 tokens: sampled outputs repeat some tokens and not
+    others, so n-gram lookup finds a match at some positions and none at the next."""
+    root = tmp_path_factory.mktemp("small_vocab")
+    make_tiny_checkpoint(root / "target", embedded_folder, seed=3, vocab_size=64)
+    make_tiny_checkpoint(
+        root / "draft",
+        embedded_folder,
+        seed=4,
+        num_layers=1,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+        vocab_size=64,
+    )
+    return root
+
+
+def test_seeded_lookup_first_sampling_does_not_depend_on_the_batch(small_vocab: Path) -> None:
+    """Lookup first proposes by lookup where the step's first position matches and by the model
+    otherwise, so a position's proposal depends on where the step began; a client-seeded
+    sampled request is held at its cap, and its tokens alone (pinned k) equal its tokens in a
+    crowd (adaptive k), while lookup switches on and off during its output."""
+    target = ModelSpec(str(small_vocab / "target"))
+    spec = DraftSpec(
+        DraftKind.DRAFT_MODEL,
+        model=ModelSpec(str(small_vocab / "draft")),
+        num_speculative_tokens=3,
+        adaptive=False,
+        lookup_first=True,
+    )
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 64, (12 + 5 * i,), generator=g).tolist() for i in range(4)]
+    sp = SamplingParams(temperature=1.0, max_tokens=40, seed=11, seeded=True)
+    pinned = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
+    alone = make_request(prompts[0], sp)
+    want = run_all(pinned, [alone])[alone.request_id]
+    assert isinstance(pinned.drafter, LookupFirstDrafter)
+    share = pinned.drafter.lookup_share
+    assert share is not None and 0.2 < share < 0.8  # lookup switched on and off
+    adaptive = dataclasses.replace(spec, adaptive=True)
+    engine = DecodeEngine(DecodeEngineConfig("t", target, adaptive, num_blocks=128))
+    crowd = [
+        make_request(p, SamplingParams(temperature=0.8, max_tokens=30 + 3 * i, seed=i))
+        for i, p in enumerate(prompts[1:])
+    ]
+    again = make_request(prompts[0], sp)
+    got = run_all(engine, [*crowd, again])
+    assert got[again.request_id] == want
+    assert again.stats.num_draft_tokens > 0
