@@ -13,6 +13,7 @@ from ray.serve import Application
 from cluster.auth import load_keys
 from cluster.config import PoolConfig, TandemConfig
 from cluster.guard import GuardPolicy
+from cluster.health_board import board_actor_config
 from cluster.ingress import OpenAIIngress
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.service import ServiceSettings
@@ -134,6 +135,7 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": pool.drain_timeout_s,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
+        "deployment_actors": [board_actor_config()],  # every replica's stats, for /health
     }
     if pool.tp > 1:
         opts["placement_group_bundles"] = [dict(unit) for _ in range(pool.tp)]
@@ -185,6 +187,7 @@ def build_app(cfg: TandemConfig) -> Application:
         transport=cfg.kv.transport,
         pull_timeout_s=cfg.kv.pull_timeout_s,
         kv_failure_policy=cfg.kv.failure_policy,
+        kv_health_window=cfg.kv.degraded_window,
         num_threads=cfg.decode.num_threads,
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
@@ -231,6 +234,7 @@ def build_app(cfg: TandemConfig) -> Application:
             max_concurrent_per_key=cfg.limits.max_concurrent_per_key,
         ),
         max_tokens=cfg.limits.max_tokens,
+        degraded_fraction=cfg.kv.degraded_fraction,
     )
     ingress = serve.deployment(
         name="ingress",

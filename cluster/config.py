@@ -272,6 +272,17 @@ class KVConfig(_Frozen):
         "compute the prompt on decode instead, or end the request with a 503 error.",
     )
     pull_timeout_s: float = Field(10.0, gt=0, description="A KV pull running longer has failed.")
+    degraded_fraction: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="/health reports the decode pool degraded (status 'degraded', still 200) "
+        "when more than this share of its replicas' recent KV handoffs failed their pull "
+        "(recomputed on decode, or ended under failure_policy fail).",
+    )
+    degraded_window: int = Field(
+        64, ge=1, le=100_000, description="Recent handoffs per decode replica that share counts."
+    )
 
 
 class TandemConfig(_Frozen):

@@ -8,9 +8,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from ray import serve
+from ray.exceptions import RayActorError
 
 from cluster.api import build_api
 from cluster.generation import Generation
+from cluster.health_board import pool_health
 from cluster.service import OpenAIService, ServiceSettings
 from models.tokenizer import Tokenizer
 
@@ -28,9 +30,12 @@ class OpenAIIngress:
         self.prefill = prefill
         self.decode = decode
         self.generation = Generation(self.tokenizer, prefill, decode)
+        self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
 
     async def health(self) -> dict[str, Any]:
-        """Ask every pool for its stats; any failure makes the app unhealthy (503)."""
+        """The answering replica's full stats per pool, and every replica's summary
+        (``cluster.health_board``); a pool that cannot answer makes the app unhealthy (503),
+        one whose handoffs fail past ``kv.degraded_fraction`` makes it ``degraded``."""
         decode = await asyncio.wait_for(self.decode.stats.remote(), HEALTH_TIMEOUT_S)
         body: dict[str, Any] = {
             "status": "ok",
@@ -39,10 +44,37 @@ class OpenAIIngress:
             "draft": self.settings.draft_kind,
             "decode": decode,
         }
+        pools = {"decode": self.decode}
         if self.prefill is not None:
             body["prefill"] = await asyncio.wait_for(self.prefill.stats.remote(), HEALTH_TIMEOUT_S)
             body["kv_transport"] = body["prefill"]["transport"]
+            pools["prefill"] = self.prefill
+        body["pools"] = {}
+        degraded = []
+        for name, handle in pools.items():
+            entries = await asyncio.wait_for(self._board(name, handle), HEALTH_TIMEOUT_S)
+            ph = pool_health(name, entries, self.settings.degraded_fraction)
+            body["pools"][name] = ph.to_dict()
+            if ph.degraded:
+                degraded.append(ph.degraded)
+        if degraded:
+            body["status"] = "degraded"
+            body["degraded"] = degraded
         return body
+
+    async def _board(self, pool: str, handle: Any) -> dict[str, dict[str, Any]]:
+        """Every live replica's entry on ``pool``'s board; the board's handle is asked of a
+        replica once, and again if the controller has recreated the board since."""
+        board = self._boards.get(pool)
+        if board is not None:
+            try:
+                entries: dict[str, dict[str, Any]] = await board.snapshot.remote()
+                return entries
+            except RayActorError:
+                pass  # recreated since: ask again
+        board = self._boards[pool] = await handle.health_board.remote()
+        entries = await board.snapshot.remote()
+        return entries
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self.service, self.generation, self.health)

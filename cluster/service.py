@@ -34,6 +34,7 @@ class ServiceSettings:
     # prompt plus output tokens one sequence can hold in the decode (or colocated) pool: its
     # decode.num_blocks x kv.block_size slots, less the one a step writes ahead
     max_sequence_tokens: int | None = None
+    degraded_fraction: float = 0.2  # kv.degraded_fraction: failed share of recent handoffs
 
 
 class OpenAIService:

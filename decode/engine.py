@@ -92,6 +92,10 @@ class DecodeEngine:
         self.preemptions = 0
         self.recomputed = 0
         self.stalled = 0  # requests ended for preemption without progress
+        self.handoffs = 0  # handoffs whose pull ended (landed or failed)
+        self.handoffs_ok = 0  # of those, the ones that landed
+        # the latest kv_health_window handoffs: True where the pull failed
+        self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -100,7 +104,8 @@ class DecodeEngine:
         if handoff is not None:
             try:
                 check_compat(self.compat, handoff.compat)
-            except KVCompatError as e:
+            except KVCompatError as e:  # a failed handoff too (/health's failed share)
+                self._handoff_ended(failed=True)
                 self._finish(req, FinishReason.ERROR, str(e))
                 return
         most = self._most_tokens(req)
@@ -158,6 +163,9 @@ class DecodeEngine:
             preemptions=self.preemptions,
             kv_recomputed=self.recomputed,
             stalled=self.stalled,
+            kv_handoffs=self.handoffs,
+            kv_recent_handoffs=len(self._recent_failed),
+            kv_recent_failed=sum(self._recent_failed),
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -205,6 +213,7 @@ class DecodeEngine:
             if error is not None:
                 self._kv_failed(req, handoff, error)
                 continue
+            self._handoff_ended(failed=False)
             if self.drafter is not None and self.drafter.needs_features:
                 if handoff.hidden_state is None:
                     self._finish(req, FinishReason.ERROR, "the handoff lacks the drafter's feature")
@@ -317,13 +326,32 @@ class DecodeEngine:
         """A pull failed (source gone, lease ended, timeout): per ``kv_failure_policy``,
         compute the prompt here instead — the first token, already sent, stays the first —
         or end the request with the error."""
-        if self.cfg.kv_failure_policy != "recompute":
+        first = self.handoffs == self.handoffs_ok  # no pull has failed before
+        self._handoff_ended(failed=True)
+        recompute = self.cfg.kv_failure_policy == "recompute"
+        if first:  # loud once; the rest are counted (/health, tandem_kv_recomputed)
+            log.error(
+                "request %s: %s; %s. KV pulls that fail from now on are counted in /health "
+                "(kv_recomputed, kv_failed_fraction) and the tandem_kv_failures metric and "
+                "logged at debug level only",
+                r.request_id,
+                error,
+                "recomputing its prompt on decode" if recompute else "ending it (fail policy)",
+            )
+        else:
+            log.debug("request %s: %s", r.request_id, error)
+        if not recompute:
             self._finish(r, FinishReason.ERROR, error)
             return
-        log.warning("request %s: %s; recomputing its prompt on decode", r.request_id, error)
         self.recomputed += 1
+        self.intake.observer.recomputed(self.transport.name)
         r.output_token_ids = [handoff.first_token]
         self._requeue(r)
+
+    def _handoff_ended(self, failed: bool) -> None:
+        self.handoffs += 1
+        self.handoffs_ok += not failed
+        self._recent_failed.append(failed)
 
     def _preempt(self, r: Request) -> None:
         """Free a running request's KV; it waits at the head of the queue to be recomputed.

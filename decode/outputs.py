@@ -45,3 +45,6 @@ class EngineStats:
     preemptions: int
     kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
     stalled: int = 0  # requests ended after max_stalled_preemptions with no progress
+    kv_handoffs: int = 0  # handoffs whose pull ended, landed or failed
+    kv_recent_handoffs: int = 0  # of the latest kv_health_window of them, how many there are
+    kv_recent_failed: int = 0  # and how many of those failed

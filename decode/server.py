@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
+from cluster.health_board import BoardPublisher, pool_board
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
@@ -28,12 +29,15 @@ class DecodeServer:
 
     def __init__(self, cfg: DecodeEngineConfig) -> None:
         self.cfg = cfg
-        self.engine = DecodeEngine(cfg, KVMetrics("decode"))
+        kv_metrics = KVMetrics("decode")
+        self.engine = DecodeEngine(cfg, kv_metrics)
+        kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = SpecMetrics("decode")
         self.loop = EngineLoop(self.engine, self._deliver)
         self.loop.start()
+        self._publisher = BoardPublisher.start(self.snapshot)
 
     def _deliver(self, out: StepOutput) -> None:
         """Runs on the engine thread: hand the output to the request's asyncio queue."""
@@ -63,6 +67,14 @@ class DecodeServer:
                 self.loop.abort(req.request_id)
 
     async def stats(self) -> dict[str, Any]:
+        return self.snapshot()
+
+    async def health_board(self) -> Any:
+        """The handle of this pool's ``cluster.health_board.HealthBoard``."""
+        return pool_board()
+
+    def snapshot(self) -> dict[str, Any]:
+        """This replica's stats (copies: safe beside the engine's thread)."""
         out = asdict(self.engine.stats())
         out["kv_pool_bytes"] = self.engine.pool.nbytes
         out.update(process_memory())
@@ -82,6 +94,9 @@ class DecodeServer:
             raise RuntimeError(f"decode engine thread is not running: {self.loop.error!r}")
 
     def __del__(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.stop()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop(timeout_s=1.0)

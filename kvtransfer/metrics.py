@@ -17,10 +17,16 @@ class TransferObserver:
     def failed(self, transport: str, cause: str) -> None:
         """A pull failed (``cause``: read, timeout, lease_expired, post, ...)."""
 
+    def recomputed(self, transport: str) -> None:
+        """A request whose pull failed had its prompt computed on decode instead."""
+
+    def fallback(self, transport: str, reason: str | None) -> None:
+        """This worker's transport, and why it is not NIXL (None when it is)."""
+
 
 class KVMetrics(TransferObserver):
     def __init__(self, role: str) -> None:
-        from ray.util.metrics import Counter, Histogram
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         tags = ("role", "transport")
         self.role = role
@@ -35,6 +41,14 @@ class KVMetrics(TransferObserver):
         self._failures = Counter(
             "tandem_kv_failures", "Failed KV pulls by cause", ("role", "transport", "cause")
         )
+        self._recomputed = Counter(
+            "tandem_kv_recomputed", "Prompts recomputed on decode after a failed KV pull", tags
+        )
+        self._fallback = Gauge(
+            "tandem_kv_transport_fallback",
+            "1 where this worker's KV transport is a fallback (not NIXL), else 0",
+            tags,
+        )
 
     def pulled(self, transport: str, nbytes: int, seconds: float) -> None:
         tags = {"role": self.role, "transport": transport}
@@ -44,3 +58,10 @@ class KVMetrics(TransferObserver):
 
     def failed(self, transport: str, cause: str) -> None:
         self._failures.inc(1, {"role": self.role, "transport": transport, "cause": cause})
+
+    def recomputed(self, transport: str) -> None:
+        self._recomputed.inc(1, {"role": self.role, "transport": transport})
+
+    def fallback(self, transport: str, reason: str | None) -> None:
+        tags = {"role": self.role, "transport": transport}
+        self._fallback.set(0.0 if reason is None else 1.0, tags)

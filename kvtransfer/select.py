@@ -66,7 +66,16 @@ def make_transport(
         raise RuntimeError(f"kv.transport=nixl but NIXL does not work here: {reason}")
     if tp_size > 1:
         raise RuntimeError(f"NIXL does not work here ({reason}) and the fallback needs TP = 1")
-    log.warning("NIXL unavailable (%s): KV moves through Ray's object store instead", reason)
+    # once per worker, at start-up: every handoff of this worker now goes the slow way, and a
+    # NIXL peer cannot pair with it (the transport is in the compatibility record)
+    log.error(
+        "kv.transport=auto FELL BACK: NIXL does not work on this %s worker (%s). Its KV moves "
+        "through Ray's object store, and a NIXL peer refuses its handoffs. Shown in /health "
+        "(fallback_replicas) and the tandem_kv_transport_fallback metric; set kv.transport=nixl "
+        "to fail start-up instead.",
+        role,
+        reason,
+    )
     from kvtransfer.object_store_transport import ObjectStoreTransport
 
     return ObjectStoreTransport(pool, role), f"NIXL unavailable: {reason}"

@@ -8,8 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from cluster.health_board import BoardPublisher, pool_board
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
+from kvtransfer.metrics import KVMetrics
 from models.request import Request
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
@@ -24,9 +26,11 @@ class PrefillServer:
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         self.worker = PrefillWorker(cfg)
+        KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
         self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._publisher = BoardPublisher.start(self.snapshot)
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -66,6 +70,14 @@ class PrefillServer:
     async def stats(self) -> dict[str, Any]:
         self._kick()
         await self._run(self.worker.reap)
+        return self.snapshot()
+
+    async def health_board(self) -> Any:
+        """The handle of this pool's ``cluster.health_board.HealthBoard``."""
+        return pool_board()
+
+    def snapshot(self) -> dict[str, Any]:
+        """This replica's stats (copies: safe beside the worker's thread)."""
         out = asdict(self.worker.stats())
         out["kv_pool_bytes"] = self.worker.pool.nbytes
         out.update(process_memory())
@@ -75,6 +87,9 @@ class PrefillServer:
         return out
 
     def __del__(self) -> None:
+        publisher = getattr(self, "_publisher", None)
+        if publisher is not None:
+            publisher.stop()
         for task in (self._stepper, self._reaper):
             if task is not None:
                 task.cancel()

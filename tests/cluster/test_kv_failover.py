@@ -65,9 +65,14 @@ async def _request(client: httpx.AsyncClient, i: int) -> int:
     return r.status_code
 
 
-def _kill_prefill_replica() -> str:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "prefill" in a["name"]]
-    assert names, "no prefill replica actor found"
+def _kill_replica(pool: str) -> str:
+    """Kill one replica actor of ``pool`` (not the pool's deployment-scoped health board)."""
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and pool in a["name"]
+    ]
+    assert names, f"no {pool} replica actor found"
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
     return str(names[0]["name"])
 
@@ -77,7 +82,7 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
         async with httpx.AsyncClient(base_url=app) as client:
             tasks = [asyncio.create_task(_request(client, i)) for i in range(12)]
             await asyncio.sleep(0.3)
-            await asyncio.get_running_loop().run_in_executor(None, _kill_prefill_replica)
+            await asyncio.get_running_loop().run_in_executor(None, _kill_replica, "prefill")
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # nothing hangs
 
     statuses = asyncio.run(load())
@@ -85,9 +90,26 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
     # The replica comes back (Serve replaces it) and serves; decode reads from its new agent.
     assert _serves_again(app), "the app did not recover"
     h = _health(app)
-    assert h["status"] == "ok" and h["decode"]["running"] == 0
+    assert h["decode"]["running"] == 0
     assert h["decode"]["free_blocks"] == 256  # nothing leaked on decode
     assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0
+    # /health shows every replica: the dead prefill replica drops out of its pool's board, and
+    # the handoffs it failed are counted on decode, the pool degraded past kv.degraded_fraction
+    deadline = time.monotonic() + 30
+    while len(h["pools"]["prefill"]["replicas"]) != 1 and time.monotonic() < deadline:
+        time.sleep(1)
+        h = _health(app)
+    (prefill,) = h["pools"]["prefill"]["replicas"].values()
+    assert prefill["active_leases"] == 0 and prefill["transport"] == "nixl"
+    (decode,) = h["pools"]["decode"]["replicas"].values()
+    stats = h["decode"]
+    assert (
+        decode["kv_recomputed"] == stats["kv_recomputed"] == h["pools"]["decode"]["kv_recomputed"]
+    )
+    failed = stats["kv_recent_failed"] / stats["kv_recent_handoffs"]
+    assert h["pools"]["decode"]["kv_failed_fraction"] == pytest.approx(failed)
+    assert (h["status"] == "degraded") == (failed > 0.2)
+    assert stats["kv_recent_failed"] >= stats["kv_recomputed"]  # recomputed: a failed pull each
 
 
 def _stream_events(base: str, i: int, started: asyncio.Event) -> Any:
@@ -116,18 +138,12 @@ def _stream_events(base: str, i: int, started: asyncio.Event) -> Any:
     return run()
 
 
-def _kill_decode_replica() -> None:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "decode" in a["name"]]
-    assert names, "no decode replica actor found"
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
-
-
 def test_killing_the_decode_replica_mid_stream(app: str) -> None:
     async def load() -> list[list[dict[str, Any]]]:
         started = [asyncio.Event() for _ in range(3)]
         tasks = [asyncio.create_task(_stream_events(app, i, started[i])) for i in range(3)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=60)
-        await asyncio.get_running_loop().run_in_executor(None, _kill_decode_replica)
+        await asyncio.get_running_loop().run_in_executor(None, _kill_replica, "decode")
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)  # nothing hangs
 
     streams = asyncio.run(load())

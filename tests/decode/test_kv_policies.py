@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -121,10 +122,15 @@ def test_sides_on_different_transports_refuse_by_name_and_recompute_nothing(
     assert out.finished and out.error is not None
     assert "transport=object_store" in out.error and "transport=nixl" in out.error
     assert engine.stats().kv_recomputed == 0 and engine.allocator.num_free == 64
+    assert engine.stats().kv_recent_failed == 1  # a failed handoff all the same (/health)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_failed_pulls_follow_the_policy(specs: tuple[ModelSpec, DraftSpec], policy: str) -> None:
+def test_failed_pulls_follow_the_policy(
+    specs: tuple[ModelSpec, DraftSpec], policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every failed pull follows the policy and is counted for /health; the first one is
+    logged as an error, the others only counted."""
     target, draft = specs
     want = _outputs(DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64)), None)
     engine = DecodeEngine(
@@ -140,11 +146,16 @@ def test_failed_pulls_follow_the_policy(specs: tuple[ModelSpec, DraftSpec], poli
         engine.add(
             r, replace(h, lease_seconds=0.0)
         )  # every lease already ended: reads must not start
-    while engine.has_work:
-        for o in engine.step():
-            got[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                errors[o.request_id] = o.error
+    with caplog.at_level(logging.DEBUG, logger="decode.engine"):
+        while engine.has_work:
+            for o in engine.step():
+                got[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    errors[o.request_id] = o.error
+    loud = [r for r in caplog.records if r.name == "decode.engine" and r.levelno >= logging.ERROR]
+    assert len(loud) == 1 and "counted in /health" in loud[0].getMessage()
+    stats = engine.stats()
+    assert stats.kv_handoffs == stats.kv_recent_handoffs == stats.kv_recent_failed == 3
     if policy == "recompute":
         assert [got[r.request_id] for r in reqs] == want  # computed here, same tokens
         assert all(e is None for e in errors.values()) and engine.stats().kv_recomputed == 3

@@ -1,0 +1,173 @@
+"""Every replica's health, per pool: a board each replica publishes to, read by ``/health``.
+
+A ``DeploymentHandle`` reaches one replica per call, so asking a pool for its stats sees one
+replica: a decode replica that fell back to the object store, or one recomputing every prompt,
+would hide behind a healthy sibling. Each pool therefore declares a deployment-scoped actor,
+the ``HealthBoard`` (Ray Serve's ``deployment_actors``: created, health-checked and restarted by
+the Serve controller, shared by the pool's replicas and deleted with the deployment). Every
+replica publishes its stats there every ``PUBLISH_PERIOD_S`` from a ``BoardPublisher`` thread;
+the ingress asks any replica for the board's handle and reads every entry. An entry older than
+``STALE_S`` belongs to a replica that stopped (killed, drained, its node lost) and is dropped.
+
+``pool_health`` sums a pool's entries: replicas on a fallback transport, KV pulls that failed
+and were recomputed (or ended), and whether the share of failed pulls among the replicas'
+recent handoffs passes the configured fraction, which makes the pool *degraded*.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+PUBLISH_PERIOD_S = 1.0
+STALE_S = 10.0
+BOARD = "health"  # the deployment-scoped actor's name in each pool
+
+
+class Board:
+    """The latest stats of each replica of one pool, with when they arrived (this process's
+    monotonic clock, so no clock of another host is compared). ``HealthBoard`` is the actor."""
+
+    def __init__(self, stale_s: float = STALE_S) -> None:
+        self.stale_s = stale_s
+        self._entries: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def publish(self, replica: str, stats: dict[str, Any]) -> None:
+        self._entries[replica] = (time.monotonic(), stats)
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Replica id -> its stats and ``age_s``; stale entries are dropped."""
+        now = time.monotonic()
+        for rid in [r for r, (t, _) in self._entries.items() if now - t > self.stale_s]:
+            del self._entries[rid]
+        return {rid: {**s, "age_s": round(now - t, 3)} for rid, (t, s) in self._entries.items()}
+
+
+HealthBoard = ray.remote(num_cpus=0)(Board)
+
+
+def board_actor_config() -> Any:
+    """The ``deployment_actors`` entry a pool's Serve options carry."""
+    from ray.serve.config import DeploymentActorConfig
+
+    return DeploymentActorConfig(name=BOARD, actor_class=HealthBoard, actor_options={"num_cpus": 0})
+
+
+def pool_board() -> Any:
+    """This replica's pool's board (a fresh lookup: the controller may have recreated it)."""
+    from ray import serve
+
+    return serve.get_deployment_actor(BOARD)
+
+
+class BoardPublisher:
+    """Publishes ``collect()`` to this replica's pool board every ``PUBLISH_PERIOD_S``, on a
+    daemon thread (the stats are copies, safe to take beside the engine's thread). Started
+    only inside a Serve replica of a pool that declares the board; a failed publish is logged
+    at debug and retried next period with a fresh handle."""
+
+    def __init__(self, collect: Callable[[], dict[str, Any]]) -> None:
+        from ray import serve
+
+        self.replica = serve.get_replica_context().replica_tag
+        self._collect = collect
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-health", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def start(collect: Callable[[], dict[str, Any]]) -> BoardPublisher | None:
+        """A publisher when running in a Serve replica, else None (an engine in a test)."""
+        try:
+            from ray import serve
+
+            serve.get_replica_context()
+        except Exception:
+            return None
+        return BoardPublisher(collect)
+
+    def _run(self) -> None:
+        board = None
+        while not self._stop.wait(PUBLISH_PERIOD_S if board is not None else 0.2):
+            try:
+                board = board or pool_board()
+                board.publish.remote(self.replica, self._collect())
+            except Exception as e:  # board being (re)created, or the replica shutting down
+                log.debug("health publish failed: %s", e)
+                board = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    """One pool's replicas as ``/health`` shows them."""
+
+    replicas: dict[str, dict[str, Any]]  # replica id -> its summary
+    fallback_replicas: tuple[str, ...]  # replicas whose KV transport is not NIXL
+    kv_recomputed: int  # pulls that failed and were recomputed on decode, all replicas
+    kv_failed_fraction: float | None  # failed share of the replicas' recent handoffs
+    degraded: str | None  # why the pool is degraded, or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replicas": self.replicas,
+            "num_replicas": len(self.replicas),
+            "fallback_replicas": list(self.fallback_replicas),
+            "kv_recomputed": self.kv_recomputed,
+            "kv_failed_fraction": self.kv_failed_fraction,
+            "degraded": self.degraded,
+        }
+
+
+SUMMARY = (
+    "running",
+    "waiting",
+    "pulling",
+    "free_blocks",
+    "num_blocks",
+    "kv_recomputed",
+    "kv_handoffs",
+    "transport",
+    "transport_fallback",
+    "preemptions",
+    "stalled",
+    "active_leases",
+    "leases_expired",
+    "queued",
+    "rss_bytes",
+    "age_s",
+)
+
+
+def pool_health(pool: str, entries: dict[str, dict[str, Any]], max_failed: float) -> PoolHealth:
+    """Sum a pool's board entries; degraded when the failed share of recent handoffs over all
+    replicas passes ``max_failed`` (``kv.degraded_fraction``)."""
+    replicas = {rid: {k: s[k] for k in SUMMARY if k in s} for rid, s in sorted(entries.items())}
+    fallback = tuple(rid for rid, s in replicas.items() if s.get("transport_fallback"))
+    recent = sum(int(s.get("kv_recent_handoffs", 0)) for s in entries.values())
+    failed = sum(int(s.get("kv_recent_failed", 0)) for s in entries.values())
+    fraction = failed / recent if recent else None
+    degraded = None
+    if fraction is not None and fraction > max_failed:
+        degraded = (
+            f"{pool}: {failed} of the last {recent} KV handoffs failed their pull "
+            f"({fraction:.0%}, over kv.degraded_fraction {max_failed:.0%}); prompts are being "
+            "recomputed on decode"
+        )
+    return PoolHealth(
+        replicas,
+        fallback,
+        sum(int(s.get("kv_recomputed", 0)) for s in entries.values()),
+        fraction,
+        degraded,
+    )
