@@ -39,6 +39,14 @@ class LimitsConfig(Frozen):
     max_concurrent_per_key: int = Field(
         0, ge=0, description="Generation requests one API key may have open at once (0: no cap)."
     )
+    retries: int = Field(
+        1,
+        ge=0,
+        le=3,
+        description="Times a request that has streamed no token yet is sent again after the "
+        "replica serving it is lost (prefill died mid-prompt, decode died while the request was "
+        "queued or pulling); the router then places it on another replica. 0: never.",
+    )
 
 
 class AuthConfig(Frozen):

@@ -235,6 +235,7 @@ def build_app(cfg: TandemConfig) -> Application:
         ),
         max_tokens=cfg.limits.max_tokens,
         degraded_fraction=cfg.kv.degraded_fraction,
+        retries=cfg.limits.retries,
     )
     ingress = serve.deployment(
         name="ingress",

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 
 from decode.outputs import SpecUsage
+from kvtransfer.handoff import KVHandoff
 from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -54,42 +56,89 @@ def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-class Generation:
-    """Runs requests through the deployments behind the ingress."""
+@dataclass
+class Retried:
+    """Requests this ingress replica sent again after losing the replica serving them."""
 
-    def __init__(self, tokenizer: Tokenizer, prefill: Any | None, decode: Any) -> None:
+    prefill: int = 0
+    decode: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
+class Generation:
+    """Runs requests through the deployments behind the ingress.
+
+    A request that has streamed no token yet is sent again, up to ``retries`` times, when the
+    replica serving it is lost (its actor, worker or node died): a prompt whose prefill died,
+    or a request that died on decode while queued or pulling. Ray Serve's router drops a dead
+    replica when a call to it fails, so the retry lands on another one (or on its replacement).
+    A retried decode never pulls the first handoff again: its blocks may be half-read or
+    already released and reused on prefill, so decode computes the prompt itself, continuing
+    after the first token prefill sent (the same tokens: sampling is seeded per position).
+    Anything else (overload, a request the replica refused, a stream cut after tokens) is not
+    retried.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prefill: Any | None, decode: Any, retries: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
         self.decode = decode  # DeploymentHandle of DecodeServer
+        self.retries = retries
+        self.retried = Retried()
+
+    async def _prefill(self, req: Request) -> KVHandoff:
+        assert self.prefill is not None
+        for attempt in range(self.retries + 1):
+            try:
+                handoff: KVHandoff = await self.prefill.prefill.remote(req)
+                return handoff
+            except BackPressureError as e:
+                raise GenerationError(_OVERLOADED.format(pool="prefill"), status=429) from e
+            except Exception as e:
+                if attempt < self.retries and _replica_lost(e):
+                    log.warning("prefill of %s lost its replica (%s); retrying", req.request_id, e)
+                    self.retried.prefill += 1
+                    continue
+                log.warning("prefill of %s failed: %s", req.request_id, e)
+                raise GenerationError(f"prefill failed: {_cause(e)}") from e
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _tokens(self, req: Request) -> AsyncGenerator[_Tokens, None]:
         handoff = None
         if self.prefill is not None:
-            try:
-                handoff = await self.prefill.prefill.remote(req)
-            except BackPressureError as e:
-                raise GenerationError(_OVERLOADED.format(pool="prefill"), status=429) from e
-            except Exception as e:
-                log.warning("prefill of %s failed: %s", req.request_id, e)
-                raise GenerationError(f"prefill failed: {_cause(e)}") from e
+            handoff = await self._prefill(req)
             yield _Tokens((handoff.first_token,), handoff.finish_reason, NO_SPEC, None)
             if handoff.finish_reason:
                 return
-        stream = self.decode.options(stream=True).generate.remote(req, handoff)
-        finished = False
-        try:
-            async for out in stream:
-                finished = out.finished
-                yield _Tokens(out.new_token_ids, out.finish_reason, out.spec, out.error)
-        except BackPressureError as e:
-            finished = True  # never placed on a replica: nothing to cancel (cancel re-raises)
-            raise GenerationError(_OVERLOADED.format(pool="decode"), status=429) from e
-        except Exception as e:
-            log.warning("decode of %s failed: %s", req.request_id, e)
-            raise GenerationError(f"decode failed: {_cause(e)}") from e
-        finally:
-            if not finished:
-                stream.cancel()
+        sent = req
+        for attempt in range(self.retries + 1):
+            stream = self.decode.options(stream=True).generate.remote(sent, handoff)
+            finished = streamed = False
+            try:
+                async for out in stream:
+                    finished, streamed = out.finished, True
+                    yield _Tokens(out.new_token_ids, out.finish_reason, out.spec, out.error)
+                return
+            except BackPressureError as e:
+                finished = True  # never placed on a replica: nothing to cancel (cancel re-raises)
+                raise GenerationError(_OVERLOADED.format(pool="decode"), status=429) from e
+            except Exception as e:
+                if not streamed and attempt < self.retries and _replica_lost(e):
+                    log.warning("decode of %s lost its replica (%s); retrying", req.request_id, e)
+                    self.retried.decode += 1
+                    if handoff is not None:  # computed on decode, after prefill's first token
+                        sent = replace(req, output_token_ids=[handoff.first_token])
+                        handoff = None
+                    continue
+                log.warning("decode of %s failed: %s", req.request_id, e)
+                raise GenerationError(f"decode failed: {_cause(e)}") from e
+            finally:
+                if not finished:
+                    stream.cancel()
 
     async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[str | Final, None]:
         """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`."""
@@ -128,6 +177,12 @@ class Generation:
         finally:
             await tokens.aclose()
         raise GenerationError("the decode stream ended without finishing the request")
+
+
+def _replica_lost(e: BaseException) -> bool:
+    """Whether ``e`` says the replica (its actor, worker process or node) is gone, the one
+    failure a resend to another replica cures."""
+    return isinstance(e, RayActorError | WorkerCrashedError | NodeDiedError)
 
 
 def _cause(e: BaseException) -> str:

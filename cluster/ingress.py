@@ -29,7 +29,7 @@ class OpenAIIngress:
         self.service = OpenAIService(settings, self.tokenizer)
         self.prefill = prefill
         self.decode = decode
-        self.generation = Generation(self.tokenizer, prefill, decode)
+        self.generation = Generation(self.tokenizer, prefill, decode, settings.retries)
         self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
 
     async def health(self) -> dict[str, Any]:
@@ -57,6 +57,7 @@ class OpenAIIngress:
             body["pools"][name] = ph.to_dict()
             if ph.degraded:
                 degraded.append(ph.degraded)
+        body["retries"] = self.generation.retried.snapshot()
         if degraded:
             body["status"] = "degraded"
             body["degraded"] = degraded

@@ -35,6 +35,7 @@ class ServiceSettings:
     # decode.num_blocks x kv.block_size slots, less the one a step writes ahead
     max_sequence_tokens: int | None = None
     degraded_fraction: float = 0.2  # kv.degraded_fraction: failed share of recent handoffs
+    retries: int = 1  # limits.retries: resends of a request that has streamed no token
 
 
 class OpenAIService:
