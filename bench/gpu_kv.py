@@ -34,7 +34,7 @@ def kv_transfer(dev: str) -> dict[int, Any]:
             pull = dst.start_pull(h, list(blocks))
             while (state := dst.poll(pull)) is PullState.PENDING:
                 src.completed()
-            dst.finish(pull)
+            dst.release(pull)
             times.append(time.perf_counter() - t0)
             assert state is PullState.DONE
         x, y = a.tensor("target"), b.tensor("target")

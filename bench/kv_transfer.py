@@ -87,7 +87,7 @@ class Side:
         p = self.t.start_pull(h, list(range(len(h.block_ids))))
         while (s := self.t.poll(p)) is PullState.PENDING:
             pass
-        self.t.finish(p)
+        self.t.release(p)
         assert s is PullState.DONE
         return time.perf_counter() - t0
 

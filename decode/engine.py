@@ -140,6 +140,7 @@ class DecodeEngine:
             self.waiting
             or self.intake.pending
             or self.intake.cancelled
+            or self.intake.quarantine
             or self.running
             or self._outbox
         )
@@ -166,6 +167,7 @@ class DecodeEngine:
             kv_handoffs=self.handoffs,
             kv_recent_handoffs=len(self._recent_failed),
             kv_recent_failed=sum(self._recent_failed),
+            quarantined_blocks=self.intake.quarantined_blocks,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -206,8 +208,11 @@ class DecodeEngine:
 
     def step(self) -> list[StepOutput]:
         self.transport.progress()
-        for r in self.intake.settled():  # cancelled mid-pull, and the read has now ended
+        cancelled, unquarantined = self.intake.settled()
+        for r in cancelled:  # cancelled mid-pull: blocks it still holds are safe to reuse
             self._release(r)
+        if unquarantined:  # reads the transport has now released on every rank
+            self.allocator.free(unquarantined)
         self._admit()
         for req, handoff, error in self.intake.poll():
             if error is not None:

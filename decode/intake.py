@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.metrics import TransferObserver
@@ -10,11 +11,27 @@ from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullS
 from models.request import Request, RequestStatus
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """Blocks a read may still land in, held out of the pool until the transport releases it."""
+
+    request_id: str
+    blocks: tuple[int, ...]
+    pull: PullHandle
+
+
 class KVIntake:
     """Starts one pull per handoff into the request's blocks and reports when each lands.
 
     A pull whose lease ends before it starts (or before it completes) fails: the source may
     already have reused the blocks, so the bytes could belong to another prompt.
+
+    Every pull that ends other than by landing (it failed on some rank, timed out, or its
+    request was cancelled) is released at once, which cancels its reads where the transport
+    can; where a read is still active, the request gives its blocks up to the quarantine and
+    goes on without them (recomputed into other blocks, or ended). ``settled`` retries the
+    release of quarantined pulls each step and hands back the blocks of those the transport
+    has released on every rank: only then may they be reused.
     """
 
     def __init__(
@@ -30,8 +47,8 @@ class KVIntake:
         self.observer = observer or TransferObserver()
         # request id -> (request, handoff, pull, the time.monotonic() its lease ends)
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle, float]] = {}
-        # cancelled requests whose read may still be landing in their blocks
-        self.cancelled: dict[str, tuple[Request, PullHandle]] = {}
+        self.quarantine: list[Quarantined] = []  # reads that may still land in these blocks
+        self.cancelled: dict[str, Request] = {}  # cancelled mid-pull, not yet handed back
 
     def start(self, req: Request, handoff: KVHandoff, lease_end: float) -> str | None:
         """Begin the pull; returns an error message instead when it cannot start.
@@ -52,7 +69,7 @@ class KVIntake:
 
     def poll(self) -> list[tuple[Request, KVHandoff, str | None]]:
         """Requests whose pull ended since the last call (with their handoff), and an error
-        message if it failed.
+        message if it failed (the request's blocks may then have gone to the quarantine).
 
         A landed request has its counters set: the prompt is computed (for every shipped KV
         group) and the first token, sampled by prefill, is its first output.
@@ -69,7 +86,7 @@ class KVIntake:
             if state is PullState.PENDING:
                 continue
             del self.pending[rid]
-            self.transport.finish(pull)
+            self._release(req, pull)
             if state is PullState.FAILED:
                 self.observer.failed(self.transport.name, "read")
                 out.append((req, handoff, "KV transfer failed"))
@@ -86,32 +103,44 @@ class KVIntake:
                 out.append((req, handoff, None))
         return out
 
+    def _release(self, req: Request, pull: PullHandle) -> None:
+        """Release ``pull``; if a read of it may still land, its blocks leave ``req``."""
+        if not self.transport.release(pull):
+            self.quarantine.append(Quarantined(req.request_id, tuple(req.block_table), pull))
+            req.block_table = []
+
     def _fail(self, cause: str) -> None:
         self.transport.counters.fail(cause)
         self.observer.failed(self.transport.name, cause)
 
     def cancel(self, request_id: str) -> bool:
-        """Stop a pull's request (False: no pull of that id). It returns at once: the read may
-        still be landing in the request's blocks, so they stay quarantined until the transport
-        says it ended (``settled``), never blocking the engine thread meanwhile."""
+        """Stop a pull's request (False: no pull of that id). It returns at once: the read is
+        released (cancelled where the transport can) and, if it may still land, its blocks are
+        quarantined; ``settled`` hands the request back either way, never blocking the engine
+        thread meanwhile."""
         entry = self.pending.pop(request_id, None)
         if entry is None:
             return False
         req, _, pull, _ = entry
-        self.cancelled[request_id] = (req, pull)
+        self._release(req, pull)
+        self.cancelled[request_id] = req
         return True
 
-    def settled(self) -> list[Request]:
-        """Cancelled requests whose read has ended (done or failed): their blocks may be reused."""
-        if not self.cancelled:
-            return []
-        entries = list(self.cancelled.items())
-        states = self.transport.poll_many([pull for _, (_, pull) in entries])
-        out = []
-        for (rid, (req, pull)), state in zip(entries, states, strict=True):
-            if state is PullState.PENDING:
-                continue
-            del self.cancelled[rid]
-            self.transport.finish(pull)
-            out.append(req)
-        return out
+    def settled(self) -> tuple[list[Request], list[int]]:
+        """Cancelled requests to release (their blocks, if still theirs, free to reuse), and
+        the blocks of quarantined pulls the transport has now released on every rank."""
+        done, self.cancelled = list(self.cancelled.values()), {}
+        blocks: list[int] = []
+        if self.quarantine:
+            held = []
+            for q in self.quarantine:
+                if self.transport.release(q.pull):
+                    blocks.extend(q.blocks)
+                else:
+                    held.append(q)
+            self.quarantine = held
+        return done, blocks
+
+    @property
+    def quarantined_blocks(self) -> int:
+        return sum(len(q.blocks) for q in self.quarantine)

@@ -48,3 +48,4 @@ class EngineStats:
     kv_handoffs: int = 0  # handoffs whose pull ended, landed or failed
     kv_recent_handoffs: int = 0  # of the latest kv_health_window of them, how many there are
     kv_recent_failed: int = 0  # and how many of those failed
+    quarantined_blocks: int = 0  # blocks a released-but-active read may still land in

@@ -221,7 +221,13 @@ class NixlTransport(KVTransport):
             if ours is None:
                 continue  # a group another rank holds (the draft lives on rank 0)
             for run in self._runs(g, ours, src_tp):
-                peer = self._peer(handoff.sources[run.src_rank])
+                try:
+                    peer = self._peer(handoff.sources[run.src_rank])
+                except Exception as e:  # bad or stale agent metadata: nothing posted yet
+                    self.counters.fail("post")
+                    raise KVTransferError(
+                        f"cannot reach source rank {run.src_rank} of {handoff.request_id}: {e}"
+                    ) from e
                 theirs = peer.regions.get(g)
                 if theirs is None or (theirs.chunk_bytes, theirs.num_layers) != (
                     ours.chunk_bytes,
@@ -246,13 +252,6 @@ class NixlTransport(KVTransport):
         for src_rank, (rem_sl, loc_sl) in plan.items():
             src = handoff.sources[src_rank]
             peer = self._peers[src.agent_name]
-            (rlist, roff), (llist, loff) = self._lists(src, tuple(rem_sl), tuple(loc_sl))
-            remote = [
-                _rows(peer.regions[sl.group], sl, remote_blocks, roff[sl.group]) for sl in rem_sl
-            ]
-            local = [
-                _rows(self._by_group[sl.group], sl, ours_blocks, loff[sl.group]) for sl in loc_sl
-            ]
             nbytes += sum(
                 len(ours_blocks)
                 * self._by_group[sl.group].num_layers
@@ -264,6 +263,15 @@ class NixlTransport(KVTransport):
             n = readers(src_rank, src_tp, self.tp_size, total_heads)
             handle = None
             try:
+                (rlist, roff), (llist, loff) = self._lists(src, tuple(rem_sl), tuple(loc_sl))
+                remote = [
+                    _rows(peer.regions[sl.group], sl, remote_blocks, roff[sl.group])
+                    for sl in rem_sl
+                ]
+                local = [
+                    _rows(self._by_group[sl.group], sl, ours_blocks, loff[sl.group])
+                    for sl in loc_sl
+                ]
                 handle = self.agent.make_prepped_xfer(
                     "READ",
                     llist,
@@ -277,12 +285,18 @@ class NixlTransport(KVTransport):
             except Exception as e:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the source just died
                 why = f"NIXL could not post the read ({e})"
             if why is not None:
-                self._release(handles if handle is None else [*handles, handle])
+                if handle is not None:  # this read never ran
+                    self._release([handle])
                 self.counters.fail("post")
-                raise KVTransferError(f"{why} for {handoff.request_id}")
+                if not handles:
+                    raise KVTransferError(f"{why} for {handoff.request_id}")
+                # the reads from earlier source ranks are running: hand them back as a failed
+                # pull, whose blocks stay quarantined until those reads have ended
+                log.warning("%s for %s; earlier reads still run", why, handoff.request_id)
+                return PullHandle(handoff.request_id, 0, time.perf_counter(), handles, failed=True)
             handles.append(handle)
         self.counters.pulls_started += 1
-        return PullHandle(handoff.request_id, nbytes, time.perf_counter(), tuple(handles))
+        return PullHandle(handoff.request_id, nbytes, time.perf_counter(), handles)
 
     def _runs(self, group: str, ours: KVRegion, src_tp: int) -> list[HeadRun]:
         if group != "target":  # the draft is not split: rank 0 holds it whole on both sides
@@ -302,6 +316,8 @@ class NixlTransport(KVTransport):
 
     def poll(self, pull: PullHandle) -> PullState:
         self.progress()
+        if pull.failed:
+            return PullState.FAILED
         states = [self._xfer_state(h, pull.request_id) for h in pull.token]
         state = "ERR" if "ERR" in states else ("DONE" if all(x == "DONE" for x in states) else "")
         if state == "DONE":
@@ -314,14 +330,26 @@ class NixlTransport(KVTransport):
             return PullState.FAILED
         return PullState.PENDING
 
-    def finish(self, pull: PullHandle) -> None:
-        self._release(pull.token)
+    def release(self, pull: PullHandle) -> bool:
+        """Release each READ of ``pull`` that has ended (NIXL reports it done or failed); a READ
+        still in progress is left running and held in the pull's token for a later call.
+
+        Releasing a running READ is not a cancel here: NIXL's UCX backend frees the handle and
+        reports success, yet the read goes on and lands once the source makes progress (seen on
+        this machine: every byte of a 40-block read landed after its release). So the only
+        proof that no byte can land is the transfer's own end state."""
+        left: list[Any] = pull.token
+        running = [h for h in left if self._xfer_state(h, pull.request_id) == "PROC"]
+        self._release([h for h in left if all(h is not r for r in running)])
+        left[:] = running
+        return not left
 
     def _release(self, handles: Sequence[Any]) -> None:
+        """Release ``handles`` (reads that ended, or never ran)."""
         for handle in handles:
             try:
                 self.agent.release_xfer_handle(handle)
-            except Exception as e:  # a handle of a dead peer's read; nothing left to free
+            except Exception as e:  # a handle of a dead peer's read: nothing left to free
                 log.warning("releasing a NIXL read handle: %s", e)
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ def nixl_self_check(device: str) -> str | None:
         deadline = time.monotonic() + 5
         while (state := dst.poll(pull)) is PullState.PENDING and time.monotonic() < deadline:
             src.completed()
-        dst.finish(pull)
+        dst.release(pull)
         src.close()
         dst.close()
         if state is not PullState.DONE:

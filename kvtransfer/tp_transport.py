@@ -24,7 +24,7 @@ import ray
 
 from kvtransfer.handoff import KVHandoff, KVSource
 from kvtransfer.nixl_transport import NixlTransport
-from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
+from kvtransfer.transport import KVTransport, PullHandle, PullState
 
 log = logging.getLogger(__name__)
 REMOTE_COMPLETIONS_PERIOD_S = 0.01  # how often rank 0 asks the other ranks for completed exports
@@ -61,7 +61,7 @@ class RankPulls:
         with self._lock:
             try:
                 pull = self.transport.start_pull(handoff, blocks)
-            except KVTransferError as e:
+            except Exception as e:  # KVTransferError, or anything else: this rank posted nothing
                 log.warning("rank pull of %s failed: %s", handoff.request_id, e)
                 self.failed.add(handoff.request_id)
                 return 0
@@ -69,23 +69,38 @@ class RankPulls:
             return pull.nbytes
 
     def poll(self, request_ids: Sequence[str]) -> dict[str, str]:
-        """The ``PullState`` value of each pull that has one; finished pulls are released."""
+        """The ``PullState`` value of each pull that has one (released by ``release``)."""
         out = {}
         with self._lock:
             for rid in request_ids:
                 if rid in self.failed:
-                    self.failed.discard(rid)
                     out[rid] = PullState.FAILED.value
                     continue
                 pull = self.pulls.get(rid)
+                if pull is not None:
+                    out[rid] = self.transport.poll(pull).value
+        return out
+
+    def release(self, request_ids: Sequence[str]) -> list[str]:
+        """Release these requests' pulls on this rank (cancelling reads still running); the
+        ids of those whose read may still land (to be released again later)."""
+        held = []
+        with self._lock:
+            for rid in request_ids:
+                self.failed.discard(rid)
+                pull = self.pulls.get(rid)
                 if pull is None:
                     continue
-                state = self.transport.poll(pull)
-                if state is not PullState.PENDING:
-                    self.transport.finish(pull)
+                if self.transport.release(pull):
                     del self.pulls[rid]
-                out[rid] = state.value
-        return out
+                else:
+                    held.append(rid)
+        return held
+
+    def outstanding(self) -> int:
+        """Pulls this rank still holds (a leak check: 0 when the engine is idle)."""
+        with self._lock:
+            return len(self.pulls) + len(self.failed)
 
     def completed(self) -> list[str]:
         """Request ids whose export from this rank was read since the last call."""
@@ -95,10 +110,11 @@ class RankPulls:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Token:
-    local: PullHandle
+    local: PullHandle | None  # None: rank 0 could not post (the other ranks may have)
     remote_bytes: int
+    held: set[int]  # ranks whose read may still land (not yet released)
 
 
 class GroupTransport(KVTransport):
@@ -136,12 +152,24 @@ class GroupTransport(KVTransport):
         return done
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
+        """Every rank posts its read. Once ranks 1.. have posted, a failure of rank 0's post
+        does not raise: the others' reads are running into the blocks, so the pull is handed
+        back failed and its blocks stay quarantined until every rank has released its read."""
         remote = ray.get([a.start_pull.remote(handoff, list(local_blocks)) for a in self.actors])
-        local = self.local.start_pull(handoff, local_blocks)
+        ranks = set(range(len(self.actors) + 1))
+        try:
+            local: PullHandle | None = self.local.start_pull(handoff, local_blocks)
+        except Exception as e:  # KVTransferError or not: rank 0 posted nothing
+            log.warning("rank 0 could not post the read of %s: %s", handoff.request_id, e)
+            local = None
+            ranks.discard(0)
         self._pending[handoff.request_id] = {}
         self.counters.pulls_started += 1
-        token = _Token(local, sum(remote))
-        return PullHandle(handoff.request_id, local.nbytes + sum(remote), local.started_at, token)
+        token = _Token(local, sum(remote), ranks)
+        nbytes = (local.nbytes if local else 0) + sum(remote)
+        return PullHandle(
+            handoff.request_id, nbytes, time.perf_counter(), token, failed=local is None
+        )
 
     def poll(self, pull: PullHandle) -> PullState:
         return self.poll_many([pull])[0]
@@ -157,7 +185,9 @@ class GroupTransport(KVTransport):
             for rank, answer in enumerate(answers, start=1):
                 if p.request_id in answer:
                     states[rank] = answer[p.request_id]
-            if states.get(0) != PullState.DONE.value:  # rank 0 polled until it lands, once
+            if p.token.local is None:
+                states[0] = PullState.FAILED.value
+            elif states.get(0) != PullState.DONE.value:  # rank 0 polled until it lands, once
                 states[0] = self.local.poll(p.token.local).value
             every_rank_done = all(
                 states.get(r) == PullState.DONE.value for r in range(len(self.actors) + 1)
@@ -173,9 +203,26 @@ class GroupTransport(KVTransport):
                 out.append(PullState.PENDING)
         return out
 
-    def finish(self, pull: PullHandle) -> None:
+    def release(self, pull: PullHandle) -> bool:
+        """Release the pull on every rank still holding it; True once no rank's read can land
+        (a rank that could not cancel its read is asked again on the next call)."""
+        token: _Token = pull.token
+        remote = [r for r in token.held if r > 0]
+        if remote:
+            held = ray.get([self.actors[r - 1].release.remote([pull.request_id]) for r in remote])
+            for r, ids in zip(remote, held, strict=True):
+                if not ids:
+                    token.held.discard(r)
+        if 0 in token.held and (token.local is None or self.local.release(token.local)):
+            token.held.discard(0)
+        if token.held:
+            return False
         self._pending.pop(pull.request_id, None)
-        self.local.finish(pull.token.local)
+        return True
+
+    def outstanding(self) -> int:
+        """Pulls the ranks 1.. still hold (a leak check)."""
+        return sum(ray.get([a.outstanding.remote() for a in self.actors]))
 
     def progress(self) -> None:
         self.local.progress()

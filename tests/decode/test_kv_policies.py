@@ -14,6 +14,9 @@ import torch
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from kvtransfer.handoff import KVHandoff
+from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.pool import KVPool
 from kvtransfer.select import make_transport, nixl_self_check
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
@@ -192,3 +195,65 @@ def test_no_block_leaks_after_completed_cancelled_and_expired_handoffs(
     assert prefill.stats().active_leases == 0 and prefill.stats().leases_expired >= 1
     engine.allocator.check()
     prefill.allocator.check()
+
+
+def _stalled_source(
+    prefill: PrefillWorker, h: KVHandoff
+) -> tuple[NixlTransport, KVPool, KVHandoff]:
+    """A copy of prefill's pool behind an agent that makes progress only when the test says so
+    (``completed()``): a read from it stays in flight until then, as from a stalled host."""
+    pool = KVPool(prefill.pool.spec)
+    for g in pool.spec.groups:
+        pool.tensor(g.name).copy_(prefill.pool.tensor(g.name))
+    src = NixlTransport(pool, "stalled")
+    return src, pool, replace(h, sources=src.sources())
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_a_read_still_in_flight_lands_only_in_its_quarantined_blocks(
+    specs: tuple[ModelSpec, DraftSpec], how: str
+) -> None:
+    """A pull ends while its read is still in flight (it timed out, or its client went away):
+    NIXL cannot cancel a running read, so the blocks leave the request for the quarantine, and
+    the other requests decode into other blocks (outputs: the reference). A canary is written
+    into every free block; the source resumes and the late read lands: the canary is intact,
+    the read's bytes are in the quarantined blocks, and once it has ended every block is free."""
+    target, draft = specs
+    want = _outputs(DecodeEngine(DecodeEngineConfig("t", target, draft, num_blocks=64)), None)
+    engine = DecodeEngine(
+        DecodeEngineConfig("t", target, draft, num_blocks=64, pull_timeout_s=0.05)
+    )
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, num_blocks=32))
+    reqs = [make_request(p, GREEDY) for p in _prompts()]
+    src, src_pool, h = _stalled_source(prefill, prefill.prefill(reqs[0]))
+    got: dict[str, list[int]] = {r.request_id: [h.first_token] for r in reqs[:1]}
+    got.update({r.request_id: [] for r in reqs[1:]})
+    engine.add(reqs[0], h)
+    engine.step()  # the pull starts; the source makes no progress, so its read cannot end
+    if how == "cancel":
+        engine.abort(reqs[0].request_id)
+    time.sleep(0.1)
+    for r in reqs[1:]:
+        engine.add(r, None)  # computed here, into blocks the late read cannot reach
+    deadline = time.monotonic() + 120
+    while (engine.running or engine.waiting) and time.monotonic() < deadline:
+        for o in engine.step():
+            assert o.error is None, o.error
+            got[o.request_id].extend(o.new_token_ids)
+    served = list(reqs[1:]) if how == "cancel" else reqs
+    assert [got[r.request_id] for r in served] == (want[1:] if how == "cancel" else want)
+    (q,) = engine.intake.quarantine  # the read is still in flight
+    assert engine.stats().quarantined_blocks == len(q.blocks) == len(h.block_ids)
+    pool = engine.pool.tensor("target")
+    free = [b for b in range(64) if engine.allocator.ref_count(b) == 0]
+    pool[:, free] = 7.0  # the canary
+    while engine.has_work and time.monotonic() < deadline:
+        src.completed()  # the source resumes: the late read lands
+        engine.step()
+    assert bool((pool[:, free] == 7.0).all())  # no byte landed outside the quarantine
+    landed = pool[:, list(q.blocks)].view(torch.int32)  # bitwise: unused slots may hold NaNs
+    assert torch.equal(landed, src_pool.tensor("target")[:, list(h.block_ids)].view(torch.int32))
+    assert engine.stats().quarantined_blocks == 0 and engine.allocator.num_free == 64
+    engine.allocator.check()
+    assert not engine.intake.pending and not engine.intake.quarantine
+    src.close()

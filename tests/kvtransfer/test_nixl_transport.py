@@ -33,7 +33,7 @@ def _pull(
     deadline = time.time() + 10
     while (state := dst.poll(pull)) is PullState.PENDING and time.time() < deadline:
         notices += src.completed()
-    dst.finish(pull)
+    assert dst.release(pull)
     assert state is PullState.DONE
     while handoff.request_id not in notices and time.time() < deadline:
         notices += src.completed()
@@ -112,3 +112,20 @@ def test_a_block_is_one_descriptor_per_layer_or_two_for_a_run_of_heads() -> None
         if whole:  # K and V of a layer in one range
             want = [(want[i][0], want[i + 1][1]) for i in range(0, 6, 2)]
         assert got == want
+
+
+def test_a_running_read_is_not_released_until_it_has_ended() -> None:
+    """NIXL's UCX backend reports a running READ released yet lands it later, so ``release``
+    keeps a read that has not ended (False) and frees it only once it is done."""
+    a, b = KVPool(SPEC), KVPool(SPEC)
+    a.tensor("target").normal_()
+    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
+    pull = dst.start_pull(_handoff(src, "req-1", (1, 2)), [5, 6])
+    time.sleep(0.05)  # the source makes no progress, so the read cannot end
+    assert dst.poll(pull) is PullState.PENDING
+    assert not dst.release(pull) and len(pull.token) == 1
+    deadline = time.time() + 10
+    while not dst.release(pull) and time.time() < deadline:
+        src.completed()  # the source resumes
+    assert not pull.token
+    assert torch.equal(b.tensor("target")[:, [5, 6]], a.tensor("target")[:, [1, 2]])
