@@ -144,6 +144,12 @@ class RankWorker:
     def completed(self) -> list[str]:
         return self.pulls.completed()
 
+    def release(self, request_ids: Sequence[str]) -> list[str]:
+        return self.pulls.release(request_ids)
+
+    def outstanding(self) -> int:
+        return self.pulls.outstanding()
+
 
 class TPRunner(ModelRunner):
     """Runs a step on every rank: the packed batch is broadcast to ranks 1.., then rank 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,21 @@ def _run(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]
     return [out[r.request_id] for r in reqs]
 
 
-def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(specs: tuple[ModelSpec, DraftSpec]) -> None:
+@pytest.fixture(scope="module")
+def tp2(specs: tuple[ModelSpec, DraftSpec]) -> Iterator[tuple[DecodeEngine, PrefillWorker]]:
+    """A TP=2 decode engine and a TP=2 prefill worker, each rank with its own NIXL agent."""
+    target, draft = specs
+    kw = {"num_blocks": 64, "num_threads": 1}
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    yield engine, prefill
+    prefill.close()
+    engine.close()
+
+
+def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(
+    specs: tuple[ModelSpec, DraftSpec], tp2: tuple[DecodeEngine, PrefillWorker]
+) -> None:
     target, draft = specs
     kw = {"num_blocks": 64, "num_threads": 1}
     want_local = _run(DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)), None)  # type: ignore[arg-type]
@@ -58,10 +73,9 @@ def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(specs: tuple[ModelSpec, Dra
         DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
         PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
     )
-    tp_engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    tp_engine, tp_prefill = tp2
     assert _run(tp_engine, None) == want_local
 
-    tp_prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
     assert len(tp_prefill.transport.sources()) == 2  # each rank's agent is in the handoff
     before = tp_engine.transport.counters.bytes_pulled
     assert _run(tp_engine, tp_prefill) == want_disagg
@@ -77,8 +91,38 @@ def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(specs: tuple[ModelSpec, Dra
         time.sleep(0.05)
     assert tp_prefill.stats().active_leases == 0  # every rank reported its read
     assert tp_engine.allocator.num_free == 64
-    tp_prefill.close()
-    tp_engine.close()
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_cannot_post_leaves_no_read_running_and_no_pull_held(
+    tp2: tuple[DecodeEngine, PrefillWorker], bad_rank: int
+) -> None:
+    """One decode rank cannot post its read (its source's agent metadata is unusable) while
+    the other rank's read runs: rank 0 failing after rank 1 posted, or rank 1 failing beside
+    rank 0. The pull fails, its blocks wait until every rank's read has ended, the prompt is
+    recomputed (the output of an unbroken handoff), and no rank holds a pull afterwards."""
+    engine, prefill = tp2
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    first = make_request(_prompts()[1], sp)
+    want = run_all(engine, [first], prefill=prefill)[first.request_id]
+    before = engine.stats().kv_recomputed
+    r = make_request(_prompts()[1], sp)
+    h = prefill.prefill(r)
+    ghost = replace(h.sources[bad_rank], agent_name="ghost", metadata=b"not an agent")
+    h = replace(h, sources=tuple(ghost if i == bad_rank else s for i, s in enumerate(h.sources)))
+    out = [h.first_token]
+    engine.add(r, h)
+    deadline = time.monotonic() + 60
+    while engine.has_work and time.monotonic() < deadline:
+        for o in engine.step():
+            assert o.error is None, o.error
+            out.extend(o.new_token_ids)
+    assert out == want
+    assert engine.stats().kv_recomputed == before + 1
+    assert engine.allocator.num_free == 64 and not engine.intake.quarantine
+    assert engine.transport.outstanding() == 0  # rank 1 holds no pull
+    prefill.reap(now=time.monotonic() + h.lease_seconds + 1)  # the ghost rank never read it
+    assert prefill.stats().active_leases == 0 and prefill.stats().free_blocks == 64
 
 
 @pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
