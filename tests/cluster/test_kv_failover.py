@@ -55,15 +55,16 @@ def _serves_again(base: str, within_s: float = 90) -> bool:
     return False
 
 
-async def _request(client: httpx.AsyncClient, i: int) -> int:
-    """A 400-token prompt: five fill the prefill pool, so the rest queue on the replica."""
+async def _request(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
+    """A 400-token prompt (five fill the prefill pool, so the rest queue on the replica): the
+    status and the text."""
     body = {"model": "tiny", "prompt": [5 + i, 6, 7, 8] * 100, "max_tokens": 30, "temperature": 0}
     r = await client.post("/v1/completions", json=body, timeout=150)
     if r.status_code == 200:
         assert r.json()["usage"]["completion_tokens"] >= 1
-    else:
-        assert r.status_code == 503 and "error" in r.json()  # a clean, explained failure
-    return r.status_code
+        return 200, str(r.json()["choices"][0]["text"])
+    assert r.status_code == 503 and "error" in r.json()  # a clean, explained failure
+    return r.status_code, ""
 
 
 def _kill_replica(pool: str) -> str:
@@ -79,19 +80,25 @@ def _kill_replica(pool: str) -> str:
 
 
 def test_killing_the_prefill_replica_mid_load(app: str) -> None:
-    async def load() -> list[int]:
+    async def load() -> list[tuple[int, str]]:
         async with httpx.AsyncClient(base_url=app) as client:
             tasks = [asyncio.create_task(_request(client, i)) for i in range(16)]
             await asyncio.sleep(0.3)
             await asyncio.get_running_loop().run_in_executor(None, _kill_replica, "prefill")
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)  # nothing hangs
 
-    statuses = asyncio.run(load())
+    answers = asyncio.run(load())
     # Prompts the dead replica held (queued, or mid-prefill) were sent again (limits.retries)
     # and served by its replacement; handoffs it had shipped but decode had not pulled were
-    # recomputed on decode: every request is answered.
-    assert statuses == [200] * 16
+    # recomputed on decode: every request is answered, with the text of an undisturbed run.
+    assert [status for status, _ in answers] == [200] * 16
     assert _health(app)["retries"]["prefill"] >= 1
+
+    async def again() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(base_url=app) as client:
+            return list(await asyncio.gather(*(_request(client, i) for i in range(16))))
+
+    assert asyncio.run(again()) == answers  # greedy: no wrong output anywhere
     # The replica comes back (Serve replaces it) and serves; decode reads from its new agent.
     assert _serves_again(app), "the app did not recover"
     h = _health(app)
