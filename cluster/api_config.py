@@ -14,6 +14,11 @@ class Frozen(BaseModel):
 class HTTPConfig(Frozen):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds to.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    ingress_resource: str | None = Field(
+        None,
+        description="A Ray custom resource the ingress replica needs (0.01 of it), to keep it "
+        "on nodes that advertise it, e.g. the head, where the HTTP proxy runs; none: any node.",
+    )
 
 
 class LimitsConfig(Frozen):

@@ -237,11 +237,12 @@ def build_app(cfg: TandemConfig) -> Application:
         degraded_fraction=cfg.kv.degraded_fraction,
         retries=cfg.limits.retries,
     )
+    where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(
         name="ingress",
         num_replicas=1,
         max_ongoing_requests=1024,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0, **where},
         **ingress_drain_options(cfg),
     )(OpenAIIngress)
     app: Application = ingress.bind(settings, prefill, decode)

@@ -358,4 +358,6 @@ class TandemConfig(_Frozen):
         res = {self.decode.resource: float(self.decode.most_replicas() * self.decode.tp)}
         if self.mode == "disaggregated":
             res[self.prefill.resource] = float(self.prefill.most_replicas() * self.prefill.tp)
+        if self.http.ingress_resource:
+            res[self.http.ingress_resource] = 1.0
         return res
