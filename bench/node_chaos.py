@@ -49,6 +49,7 @@ class FaultReport:
     leaked_blocks: int  # KV blocks held on decode or prefill once traffic drained
     leaked_leases: int
     replicas_back_s: float | None  # from the node's return to the pool's full replica count
+    on_dead_node: int  # replicas /health still places on the killed node afterwards (0)
 
 
 class PoolCluster:
@@ -75,10 +76,11 @@ class PoolCluster:
         node = self.cluster.add_node(num_cpus=1, resources={p.resource: float(p.tp)})
         self.nodes[pool].append(node)
 
-    def kill(self, pool: str) -> None:
-        """Kill the pool's first node: its raylet and every worker process on it."""
+    def kill(self, pool: str) -> str:
+        """Kill the pool's first node: its raylet and every worker process on it; its id."""
         node = self.nodes[pool].pop(0)
         self.cluster.remove_node(node, allow_graceful=False)
+        return str(node.node_id)
 
     def deploy(self, port: int) -> str:
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
@@ -208,7 +210,7 @@ def run_fault(
     want = asyncio.run(_traffic(base, model, prompts, max_tokens, []))
     retried_before = sum(_health(base)["retries"].values())
 
-    async def faulted() -> tuple[list[tuple[str, str]], float, float | None]:
+    async def faulted() -> tuple[list[tuple[str, str]], float, float | None, str]:
         progress: list[int] = []
         task = asyncio.create_task(_traffic(base, model, prompts, max_tokens, progress))
         # decode: every stream has decoded a few tokens; prefill: the first prompt is done
@@ -216,15 +218,15 @@ def run_fault(
             await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         killed = time.monotonic()
-        await loop.run_in_executor(None, pc.kill, pool)
+        dead = await loop.run_in_executor(None, pc.kill, pool)
         returned = None
         if want_replicas == 1:
             await asyncio.sleep(DOWN_S)
             pc.restore(pool)  # in the main thread (a raylet sets signal handlers); the
             returned = time.monotonic()  # loop waits the seconds it takes
-        return await task, killed, returned
+        return await task, killed, returned, dead
 
-    got, killed, returned = asyncio.run(faulted())
+    got, killed, returned, dead = asyncio.run(faulted())
     recover_s = _first_success_s(base, model, killed)
     retried = sum(_health(base)["retries"].values()) - retried_before
     blocks, leases = _leaks(base, within_s=30)
@@ -232,6 +234,11 @@ def run_fault(
         returned = time.monotonic()
         pc.restore(pool)
     back = _replicas_back_s(base, pool, want_replicas, returned, limit_s=180)
+    on_dead = sum(
+        r.get("node_id") == dead
+        for p in _health(base)["pools"].values()
+        for r in p["replicas"].values()
+    )
     outcomes = [o for o, _ in got]
     wrong = sum(o == "ok" and t != w for (o, t), (_, w) in zip(got, want, strict=True))
     errors = outcomes.count("error")
@@ -248,6 +255,7 @@ def run_fault(
         leaked_blocks=blocks,
         leaked_leases=leases,
         replicas_back_s=None if back is None else round(back, 2),
+        on_dead_node=on_dead,
     )
 
 

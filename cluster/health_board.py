@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 PUBLISH_PERIOD_S = 1.0
 STALE_S = 10.0
+PUBLISH_TIMEOUT_S = 5.0
 BOARD = "health"  # the deployment-scoped actor's name in each pool
 
 
@@ -96,10 +97,14 @@ class BoardPublisher:
 
     def _run(self) -> None:
         board = None
+        node = ray.get_runtime_context().get_node_id()
         while not self._stop.wait(PUBLISH_PERIOD_S if board is not None else 0.2):
             try:
                 board = board or pool_board()
-                board.publish.remote(self.replica, self._collect())
+                # waited on, so a board that died (its node lost) is noticed and looked up
+                # again: the controller recreates it elsewhere
+                stats = {**self._collect(), "node_id": node}
+                ray.get(board.publish.remote(self.replica, stats), timeout=PUBLISH_TIMEOUT_S)
             except Exception as e:  # board being (re)created, or the replica shutting down
                 log.debug("health publish failed: %s", e)
                 board = None
@@ -145,6 +150,7 @@ SUMMARY = (
     "leases_expired",
     "queued",
     "rss_bytes",
+    "node_id",
     "age_s",
 )
 

@@ -23,4 +23,4 @@ def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
     assert r.affected >= 1  # the dead node's streams were cut with an error or sent again
     assert r.leaked_blocks == 0 and r.leaked_leases == 0
     assert r.recover_s < 60
-    assert r.replicas_back_s is not None  # both decode replicas serve again
+    assert r.replicas_back_s is not None and r.on_dead_node == 0  # both serve again
