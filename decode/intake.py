@@ -27,11 +27,11 @@ class KVIntake:
     already have reused the blocks, so the bytes could belong to another prompt.
 
     Every pull that ends other than by landing (it failed on some rank, timed out, or its
-    request was cancelled) is released at once, which cancels its reads where the transport
-    can; where a read is still active, the request gives its blocks up to the quarantine and
-    goes on without them (recomputed into other blocks, or ended). ``settled`` retries the
-    release of quarantined pulls each step and hands back the blocks of those the transport
-    has released on every rank: only then may they be reused.
+    request was cancelled) is released at once where its reads have ended; where a read is
+    still running (a read cannot be cancelled: ``KVTransport.release``), the request gives its
+    blocks up to the quarantine and goes on without them (recomputed into other blocks, or
+    ended). ``settled`` retries the release of quarantined pulls each step and hands back the
+    blocks of those the transport has released on every rank: only then may they be reused.
     """
 
     def __init__(
@@ -114,10 +114,9 @@ class KVIntake:
         self.observer.failed(self.transport.name, cause)
 
     def cancel(self, request_id: str) -> bool:
-        """Stop a pull's request (False: no pull of that id). It returns at once: the read is
-        released (cancelled where the transport can) and, if it may still land, its blocks are
-        quarantined; ``settled`` hands the request back either way, never blocking the engine
-        thread meanwhile."""
+        """Stop a pull's request (False: no pull of that id). It returns at once: the pull is
+        released if its reads have ended, else its blocks are quarantined until they have;
+        ``settled`` hands the request back either way, never blocking the engine thread."""
         entry = self.pending.pop(request_id, None)
         if entry is None:
             return False

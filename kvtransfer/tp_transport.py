@@ -82,8 +82,8 @@ class RankPulls:
         return out
 
     def release(self, request_ids: Sequence[str]) -> list[str]:
-        """Release these requests' pulls on this rank (cancelling reads still running); the
-        ids of those whose read may still land (to be released again later)."""
+        """Release these requests' pulls on this rank where their reads have ended; the ids of
+        those whose read is still running (to be released again later)."""
         held = []
         with self._lock:
             for rid in request_ids:
@@ -205,7 +205,7 @@ class GroupTransport(KVTransport):
 
     def release(self, pull: PullHandle) -> bool:
         """Release the pull on every rank still holding it; True once no rank's read can land
-        (a rank that could not cancel its read is asked again on the next call)."""
+        (a rank whose read is still running is asked again on the next call)."""
         token: _Token = pull.token
         remote = [r for r in token.held if r > 0]
         if remote:

@@ -7,9 +7,9 @@ the source calls it often (every millisecond or so while leases are open), becau
 only serve reads while their source makes progress. Destination side (decode):
 :meth:`KVTransport.start_pull` issues one batched read of a handoff's blocks into local blocks and
 returns at once; :meth:`KVTransport.poll` reports progress without blocking, so pulls overlap with
-decoding other requests; :meth:`KVTransport.release` releases what a pull held (cancelling a
-read still running) and says whether any byte can still land: the caller quarantines the blocks
-until it cannot.
+decoding other requests; :meth:`KVTransport.release` releases what a pull held once its reads
+have ended and says whether any byte can still land: the caller quarantines the blocks until it
+cannot.
 
 Thread contract: a transport object is used from one thread (the worker's engine thread).
 """
@@ -97,10 +97,11 @@ class KVTransport(ABC):
 
     @abstractmethod
     def release(self, pull: PullHandle) -> bool:
-        """Release what ``pull`` holds, cancelling its read if it is still running; True when
-        the transport confirms no byte of it can land any more (done, failed, or cancelled),
-        False while a read is still active (call again later). Until True, the pull's local
-        blocks must not be freed or reused: a late read would overwrite another request's KV."""
+        """Release what ``pull`` holds whose reads have ended; True when the transport confirms
+        no byte of it can land any more (its reads are done or failed), False while a read is
+        still running (call again later: a running read is not cancelled). Until True, the
+        pull's local blocks must not be freed or reused: a late read would overwrite another
+        request's KV."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport's own resources (agents, registrations)."""
