@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,7 +53,7 @@ def make_head(
     through (so ``g_s`` starts as ``f_s``), other weights N(0, 0.02) from ``seed``."""
     vd = int(draft_ids.shape[0])
     cfg = EagleConfig(
-        layer=LlamaConfig(**{**asdict(target_cfg), "num_layers": 1}),
+        layer=replace(target_cfg, num_layers=1),
         vocab_size=target_cfg.vocab_size,
         draft_vocab_size=vd,
         fc_bias=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,106 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are rescaled for long contexts (HF ``rope_scaling`` /
+    ``rope_parameters``): ``default`` none; ``linear`` every frequency divided by ``factor``;
+    ``llama3`` (Llama 3.1 and later) low frequencies divided by ``factor``, high ones kept,
+    and a smooth blend between ``low_freq_factor`` and ``high_freq_factor`` of the original
+    context's wavelengths."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
+        """[head_dim / 2] the rotary inverse frequencies, rescaled."""
+        base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if self.rope_type == "linear":
+            return base / self.factor
+        if self.rope_type != "llama3":
+            return base
+        old = self.original_max_position_embeddings
+        low_wavelen = old / self.low_freq_factor  # longer wavelengths: scaled by factor
+        high_wavelen = old / self.high_freq_factor  # shorter ones: kept
+        wavelen = 2 * math.pi / base
+        scaled = torch.where(wavelen > low_wavelen, base / self.factor, base)
+        smooth = (old / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(between, blended, scaled)
+
+
+def _rope(cfg: dict[str, Any]) -> RopeScaling:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling.rope_type {kind!r}: tandem implements {list(ROPE_TYPES)}"
+        )
+    if float(rope.get("attention_factor") or 1.0) != 1.0:
+        raise ValueError(
+            f"unsupported rope_scaling.attention_factor {rope['attention_factor']!r}: only 1.0"
+        )
+    if kind == "default":
+        return RopeScaling()
+    if "factor" not in rope:
+        raise ValueError(f"rope_scaling.rope_type {kind!r} needs rope_scaling.factor")
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    return RopeScaling(
+        "llama3",
+        float(rope["factor"]),
+        float(rope.get("low_freq_factor", 1.0)),
+        float(rope.get("high_freq_factor", 4.0)),
+        int(rope.get("original_max_position_embeddings", 8192)),
+    )
+
+
+# config fields that change the math, with the value tandem implements: any other value is
+# refused at start-up, naming the field (never served silently wrong)
+_MUST_BE: dict[str, tuple[object, ...]] = {
+    "hidden_act": ("silu",),
+    "attention_bias": (False,),
+    "mlp_bias": (False,),
+    "partial_rotary_factor": (1, 1.0),
+    "pretraining_tp": (1,),  # inference treats the whole projection as one: only 1 is exact
+}
+
+
+def _check_fields(cfg: dict[str, Any]) -> None:
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        why = {
+            "qwen2": "its q/k/v projections have biases",
+            "qwen3": "it normalizes queries and keys per head (q_norm/k_norm)",
+        }.get(str(model_type), "tandem implements the llama and mistral architectures")
+        raise ValueError(f"unsupported model_type {model_type!r}: {why}")
+    for field, allowed in _MUST_BE.items():
+        if field in cfg and cfg[field] is not None and cfg[field] not in allowed:
+            raise ValueError(
+                f"unsupported {field} {cfg[field]!r}: tandem implements {allowed[0]!r} only"
+            )
+    window = cfg.get("sliding_window")
+    context = int(cfg.get("max_position_embeddings", 4096))
+    if window is not None and cfg.get("use_sliding_window", True) and int(window) < context:
+        raise ValueError(
+            f"unsupported sliding_window {window}: sliding-window attention is not "
+            f"implemented, and max_position_embeddings ({context}) reaches beyond the window"
+        )
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-family decoder (Llama, SmolLM, Mistral without sliding window)."""
+    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Mistral without a window
+    shorter than its context)."""
 
     vocab_size: int
     hidden_size: int
@@ -33,6 +131,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    rope_scaling: RopeScaling = RopeScaling()
 
     @property
     def q_size(self) -> int:
@@ -44,14 +143,10 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Build from the dict of an HF ``LlamaConfig`` (transformers 4.x or 5.x spelling)."""
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2") and "llama" not in str(model_type):
-            raise ValueError(f"unsupported model_type {model_type!r}: tandem serves Llama-family")
+        """Build from the dict of an HF ``LlamaConfig`` (transformers 4.x or 5.x spelling);
+        a field whose value changes the math in a way tandem does not implement is refused."""
+        _check_fields(cfg)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: only 'default' is implemented")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -71,6 +166,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            rope_scaling=_rope(cfg),
         )
 
     @classmethod

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -68,6 +68,7 @@ class EagleConfig:
             "num_hidden_layers": 1,
             "rms_norm_eps": c.rms_norm_eps,
             "rope_theta": c.rope_theta,
+            "rope_scaling": asdict(c.rope_scaling),
             "max_position_embeddings": c.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
@@ -95,7 +96,9 @@ class EagleHead(nn.Module):
         self.norm: nn.Module = (
             RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, dev) if cfg.final_norm else nn.Identity()
         )
-        self.rope = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, dev)
+        self.rope = RotaryEmbedding(
+            c.head_dim, c.max_position_embeddings, c.rope_theta, dev, c.rope_scaling
+        )
         self.lm_head = nn.Linear(
             c.hidden_size, cfg.draft_vocab_size, bias=False, dtype=dtype, device=dev
         )
@@ -211,7 +214,7 @@ def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
     matter."""
     tc = LlamaConfig.from_folder(target_folder)
     cfg = EagleConfig(
-        layer=LlamaConfig(**{**tc.__dict__, "num_layers": 1}),
+        layer=replace(tc, num_layers=1),
         vocab_size=tc.vocab_size,
         draft_vocab_size=tc.vocab_size,
         fc_bias=True,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.config import RopeScaling
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 as the reference implementation does."""
@@ -29,12 +31,15 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" convention used by HF Llama checkpoints."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, device: torch.device
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        device: torch.device,
+        scaling: RopeScaling | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-        )
+        inv_freq = (scaling or RopeScaling()).inv_freq(head_dim, theta).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
         self.cos: torch.Tensor

@@ -135,7 +135,9 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev)
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev, cfg.rope_scaling
+        )
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings

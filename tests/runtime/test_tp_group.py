@@ -51,28 +51,48 @@ def _run(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]
     return [out[r.request_id] for r in reqs]
 
 
+KW = {"num_blocks": 64, "num_threads": 1}
+
+
+@pytest.fixture(scope="module")
+def tp1(specs: tuple[ModelSpec, DraftSpec]) -> tuple[DecodeEngine, PrefillWorker]:
+    """A TP=1 decode engine and prefill worker: the references, and one side of the
+    heterogeneous handoffs."""
+    target, draft = specs
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, **KW))  # type: ignore[arg-type]
+    return engine, PrefillWorker(PrefillWorkerConfig("t", target, draft, **KW))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def want(tp1: tuple[DecodeEngine, PrefillWorker]) -> tuple[list[list[int]], list[list[int]]]:
+    """TP=1 outputs: the engine computing prompts itself, and prompts handed off by prefill."""
+    engine, prefill = tp1
+    return _run(engine, None), _run(engine, prefill)
+
+
 @pytest.fixture(scope="module")
 def tp2(specs: tuple[ModelSpec, DraftSpec]) -> Iterator[tuple[DecodeEngine, PrefillWorker]]:
     """A TP=2 decode engine and a TP=2 prefill worker, each rank with its own NIXL agent."""
     target, draft = specs
-    kw = {"num_blocks": 64, "num_threads": 1}
-    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
-    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=2, **kw))  # type: ignore[arg-type]
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **KW))  # type: ignore[arg-type]
+    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=2, **KW))  # type: ignore[arg-type]
     yield engine, prefill
     prefill.close()
     engine.close()
 
 
+def _leases_end(prefill: PrefillWorker) -> None:
+    deadline = time.monotonic() + 10  # completion notices arrive asynchronously from each rank
+    while prefill.stats().active_leases and time.monotonic() < deadline:
+        prefill.reap()
+        time.sleep(0.05)
+    assert prefill.stats().active_leases == 0  # released only once every reader reported
+
+
 def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(
-    specs: tuple[ModelSpec, DraftSpec], tp2: tuple[DecodeEngine, PrefillWorker]
+    want: tuple[list[list[int]], list[list[int]]], tp2: tuple[DecodeEngine, PrefillWorker]
 ) -> None:
-    target, draft = specs
-    kw = {"num_blocks": 64, "num_threads": 1}
-    want_local = _run(DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)), None)  # type: ignore[arg-type]
-    want_disagg = _run(
-        DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
-        PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
-    )
+    want_local, want_disagg = want
     tp_engine, tp_prefill = tp2
     assert _run(tp_engine, None) == want_local
 
@@ -85,11 +105,7 @@ def test_tp2_decode_and_tp2_to_tp2_handoff_match_tp1(
     half_target = pool.group("target").block_bytes(pool.block_size)
     blocks = sum((len(p) + 15) // 16 for p in _prompts())
     assert tp_engine.transport.counters.bytes_pulled - before == blocks * (per_block + half_target)
-    deadline = time.monotonic() + 10  # completion notices arrive asynchronously from each rank
-    while tp_prefill.stats().active_leases and time.monotonic() < deadline:
-        tp_prefill.reap()
-        time.sleep(0.05)
-    assert tp_prefill.stats().active_leases == 0  # every rank reported its read
+    _leases_end(tp_prefill)
     assert tp_engine.allocator.num_free == 64
 
 
@@ -127,33 +143,26 @@ def test_a_rank_that_cannot_post_leaves_no_read_running_and_no_pull_held(
 
 @pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
 def test_heterogeneous_tp_handoff_matches_tp1(
-    specs: tuple[ModelSpec, DraftSpec], p: int, d: int
+    want: tuple[list[list[int]], list[list[int]]],
+    tp1: tuple[DecodeEngine, PrefillWorker],
+    tp2: tuple[DecodeEngine, PrefillWorker],
+    p: int,
+    d: int,
 ) -> None:
     """Prefill TP != decode TP: each decode rank reads exactly its heads from whichever prefill
     ranks hold them, and the outputs are the TP=1 ones."""
-    target, draft = specs
-    kw = {"num_blocks": 64, "num_threads": 1}
-    want = _run(
-        DecodeEngine(DecodeEngineConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
-        PrefillWorker(PrefillWorkerConfig("t", target, draft, **kw)),  # type: ignore[arg-type]
-    )
-    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=d, **kw))  # type: ignore[arg-type]
-    prefill = PrefillWorker(PrefillWorkerConfig("t", target, draft, tp_size=p, **kw))  # type: ignore[arg-type]
-    assert _run(engine, prefill) == want
+    engine = (tp1 if d == 1 else tp2)[0]
+    prefill = (tp1 if p == 1 else tp2)[1]
+    before = engine.transport.counters.bytes_pulled
+    assert _run(engine, prefill) == want[1]
     # Every byte of every group arrived exactly once over all decode ranks.
     pool = prefill.pool.spec
     per_block = sum(g.block_bytes(pool.block_size) for g in pool.groups)
     if p == 2:  # rank 0's pool holds half the target's heads; rank 1 holds the other half
         per_block += pool.group("target").block_bytes(pool.block_size)
     blocks = sum((len(x) + 15) // 16 for x in _prompts())
-    assert engine.transport.counters.bytes_pulled == blocks * per_block
-    deadline = time.monotonic() + 10
-    while prefill.stats().active_leases and time.monotonic() < deadline:
-        prefill.reap()
-        time.sleep(0.05)
-    assert prefill.stats().active_leases == 0  # released only once every reader reported
-    prefill.close()
-    engine.close()
+    assert engine.transport.counters.bytes_pulled - before == blocks * per_block
+    _leases_end(prefill)
 
 
 def test_tp2_draft_trees_match_tp1(tiny_folder: Path, tmp_path: Path) -> None:

@@ -1,0 +1,124 @@
+"""Checkpoint families: rotary scaling of Llama 3.x (``llama3``) and ``linear`` against
+transformers on tiny random checkpoints (fp32, ≤ 1e-4), and every config field that would
+change the math in a way tandem does not implement refused at load, naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig
+from transformers import LlamaForCausalLM
+
+from models.attention import kv_pool_shape
+from models.config import LlamaConfig
+from models.spec import ModelSpec
+from runtime.runner import SeqInput, run_step
+
+TOL = 1e-4
+BS = 16
+ROPES = {
+    # original context 64: the positions below cross every band of llama3's blend
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
+
+
+def _checkpoint(folder: Path, rope: dict[str, Any]) -> Path:
+    cfg = HFLlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_scaling=rope,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", sorted(ROPES))
+def test_scaled_rope_matches_transformers(tmp_path: Path, kind: str) -> None:
+    folder = _checkpoint(tmp_path / kind, ROPES[kind])
+    ours = ModelSpec(str(folder)).load()
+    assert ours.cfg.rope_scaling.rope_type == kind
+    ref = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    c = ours.cfg
+    pool = torch.zeros(kv_pool_shape(64, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    table = list(range(3, 3 + 19))
+    out = run_step(ours, pool, BS, [SeqInput(table, 0, ids[:200], list(range(200)))])
+    assert (out.logits - want[:200]).abs().max().item() <= TOL  # prefill
+    pos = 200
+    for n in (1, 1, 5):  # decode steps, then a verification of 4 drafts + 1
+        out = run_step(ours, pool, BS, [SeqInput(table, pos, ids[pos : pos + n], list(range(n)))])
+        assert (out.logits - want[pos : pos + n]).abs().max().item() <= TOL
+        pos += n
+
+
+BASE: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 32768,
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"model_type": "qwen2"}, "model_type 'qwen2'"),
+        ({"model_type": "qwen3"}, "model_type 'qwen3'"),
+        ({"model_type": "gemma2"}, "model_type 'gemma2'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling.factor"),
+        ({"attention_bias": True}, "attention_bias True"),
+        ({"mlp_bias": True}, "mlp_bias True"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ({"pretraining_tp": 2}, "pretraining_tp 2"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
+    ],
+)
+def test_fields_that_change_the_math_are_refused_by_name(
+    change: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError) as e:
+        LlamaConfig.from_hf_dict({**BASE, **change})
+    assert named in str(e.value)
+
+
+def test_what_does_not_change_the_math_is_accepted() -> None:
+    """A Mistral whose window covers its whole context (or is off), and explicit defaults."""
+    for extra in (
+        {"model_type": "mistral", "sliding_window": 32768},
+        {"model_type": "mistral", "sliding_window": 4096, "use_sliding_window": False},
+        {"model_type": "mistral", "sliding_window": None},
+        {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "pretraining_tp": 1},
+    ):
+        assert LlamaConfig.from_hf_dict({**BASE, **extra}).num_layers == 2
