@@ -18,6 +18,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
+MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,6 @@ def _rope(cfg: dict[str, Any]) -> RopeScaling:
 # refused at start-up, naming the field (never served silently wrong)
 _MUST_BE: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu",),
-    "attention_bias": (False,),
     "mlp_bias": (False,),
     "partial_rotary_factor": (1, 1.0),
     "pretraining_tp": (1,),  # inference treats the whole projection as one: only 1 is exact
@@ -93,11 +93,10 @@ _MUST_BE: dict[str, tuple[object, ...]] = {
 
 def _check_fields(cfg: dict[str, Any]) -> None:
     model_type = cfg.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
+    if model_type not in MODEL_TYPES:
         why = {
-            "qwen2": "its q/k/v projections have biases",
             "qwen3": "it normalizes queries and keys per head (q_norm/k_norm)",
-        }.get(str(model_type), "tandem implements the llama and mistral architectures")
+        }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
         raise ValueError(f"unsupported model_type {model_type!r}: {why}")
     for field, allowed in _MUST_BE.items():
         if field in cfg and cfg[field] is not None and cfg[field] not in allowed:
@@ -115,8 +114,8 @@ def _check_fields(cfg: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Mistral without a window
-    shorter than its context)."""
+    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Qwen2/2.5, Mistral without a
+    window shorter than its context)."""
 
     vocab_size: int
     hidden_size: int
@@ -132,6 +131,8 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling = RopeScaling()
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection has one (Llama's attention_bias)
 
     @property
     def q_size(self) -> int:
@@ -167,6 +168,8 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             rope_scaling=_rope(cfg),
+            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
+            o_bias=bool(cfg.get("attention_bias")),
         )
 
     @classmethod

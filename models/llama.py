@@ -32,9 +32,9 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
         self.qkv_proj = ColumnParallelLinear(
-            h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device
+            h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device, bias=cfg.qkv_bias
         )
-        self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device)
+        self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device, bias=cfg.o_bias)
 
     def forward(
         self,
@@ -204,8 +204,15 @@ class LlamaModel(nn.Module):
 def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str) -> None:
     """Load one decoder layer from HF-named tensors under ``prefix`` (each rank its shard)."""
     attn, mlp = layer.self_attn, layer.mlp
-    attn.qkv_proj.load([w(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
-    attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"))
+    qkv = ("q", "k", "v")
+    attn.qkv_proj.load(
+        [w(prefix + f"self_attn.{n}_proj.weight") for n in qkv],
+        [w(prefix + f"self_attn.{n}_proj.bias") for n in qkv]
+        if attn.qkv_proj.bias is not None
+        else [],
+    )
+    o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
+    attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
     mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     if isinstance(layer.input_layernorm, RMSNorm):

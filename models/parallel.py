@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.weights import Sliceable
+from models.weights import Sliceable, whole
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,17 @@ def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight^T``: through oneDNN's reordered ``packed`` weight when there is one.
-    x: [T, in] -> [T, out]."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight^T (+ bias)``: through oneDNN's reordered ``packed`` weight when there is
+    one. x: [T, in] -> [T, out]; bias: [out]."""
     if packed is None:
-        return nn.functional.linear(x, weight)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return nn.functional.linear(x, weight, bias)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
 
@@ -111,6 +116,7 @@ class ColumnParallelLinear(CpuPacked):
         tp: TPContext,
         dtype: torch.dtype,
         device: torch.device,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -119,15 +125,26 @@ class ColumnParallelLinear(CpuPacked):
         self.weight = nn.Parameter(
             torch.empty(local, in_features, dtype=dtype, device=device), requires_grad=False
         )
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(local, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
-    def load(self, full_weights: Sequence[Sliceable]) -> None:
-        """Copy this rank's rows of each full ``[out_i, in]`` weight into the merged shard."""
+    def load(
+        self, full_weights: Sequence[Sliceable], full_biases: Sequence[Sliceable] = ()
+    ) -> None:
+        """Copy this rank's rows of each full ``[out_i, in]`` weight (and ``[out_i]`` bias)
+        into the merged shard."""
         parts = [self.tp.narrow(w, 0, "output features") for w in full_weights]
         self.weight.data.copy_(torch.cat(parts, dim=0))
+        if self.bias is not None:
+            biases = [self.tp.narrow(b, 0, "output features") for b in full_biases]
+            self.bias.data.copy_(torch.cat(biases, dim=0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out_i) / world_size]
-        return linear(x, self.weight, self.packed)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(CpuPacked):
@@ -140,6 +157,7 @@ class RowParallelLinear(CpuPacked):
         tp: TPContext,
         dtype: torch.dtype,
         device: torch.device,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.tp = tp
@@ -147,13 +165,22 @@ class RowParallelLinear(CpuPacked):
         self.weight = nn.Parameter(
             torch.empty(out_features, local_in, dtype=dtype, device=device), requires_grad=False
         )
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
-    def load(self, full_weight: Sliceable) -> None:
+    def load(self, full_weight: Sliceable, full_bias: Sliceable | None = None) -> None:
         self.weight.data.copy_(self.tp.narrow(full_weight, 1, "input features"))
+        if self.bias is not None:
+            assert full_bias is not None
+            self.bias.data.copy_(whole(full_bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in / world_size] -> [T, out], summed over ranks
-        return self.tp.all_reduce(linear(x, self.weight, self.packed))
+        # x: [T, in / world_size] -> [T, out], summed over ranks; the bias added once, after
+        y = self.tp.all_reduce(linear(x, self.weight, self.packed))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,6 +1,7 @@
-"""Checkpoint families: rotary scaling of Llama 3.x (``llama3``) and ``linear`` against
-transformers on tiny random checkpoints (fp32, ≤ 1e-4), and every config field that would
-change the math in a way tandem does not implement refused at load, naming it."""
+"""Checkpoint families against transformers on tiny random checkpoints (fp32, ≤ 1e-4): Llama
+3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
+biases, also over TP = 2), Mistral without a window; and every config field that would change
+the math in a way tandem does not implement refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -9,59 +10,69 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.spec import ModelSpec
 from runtime.runner import SeqInput, run_step
+from tests.models.test_tensor_parallel import check_tp2_matches_tp1
 
 TOL = 1e-4
 BS = 16
-ROPES = {
+SHAPE: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # original context 64: the positions below cross every band of llama3's blend
-    "llama3": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    },
-    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),  # q, k, v and o biases
+    "qwen2": ("qwen2", {"use_sliding_window": False, "tie_word_embeddings": False}),
+    "mistral": ("mistral", {"sliding_window": None}),
 }
 
 
-def _checkpoint(folder: Path, rope: dict[str, Any]) -> Path:
-    cfg = HFLlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rope_scaling=rope,
-        tie_word_embeddings=True,
-    )
+def _checkpoint(folder: Path, family: str) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = FAMILIES[family]
+    cfg = AutoConfig.for_model(model_type, **{**SHAPE, **extra})
     torch.manual_seed(5)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+        for p in model.parameters():  # sharper distributions than the default init; biases too
+            p.normal_(0.0, 0.08)
     model.save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("kind", sorted(ROPES))
-def test_scaled_rope_matches_transformers(tmp_path: Path, kind: str) -> None:
-    folder = _checkpoint(tmp_path / kind, ROPES[kind])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = _checkpoint(tmp_path / family, family)
     ours = ModelSpec(str(folder)).load()
-    assert ours.cfg.rope_scaling.rope_type == kind
-    ref = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     c = ours.cfg
     pool = torch.zeros(kv_pool_shape(64, c.num_kv_heads, c.num_layers, BS, c.head_dim))
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -75,6 +86,13 @@ def test_scaled_rope_matches_transformers(tmp_path: Path, kind: str) -> None:
         out = run_step(ours, pool, BS, [SeqInput(table, pos, ids[pos : pos + n], list(range(n)))])
         assert (out.logits - want[pos : pos + n]).abs().max().item() <= TOL
         pos += n
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias"])
+def test_biased_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
+    """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
+    once, after the all-reduce."""
+    check_tp2_matches_tp1(ModelSpec(str(_checkpoint(tmp_path / family, family))))
 
 
 BASE: dict[str, Any] = {
@@ -91,13 +109,11 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "qwen2"}, "model_type 'qwen2'"),
         ({"model_type": "qwen3"}, "model_type 'qwen3'"),
         ({"model_type": "gemma2"}, "model_type 'gemma2'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling.factor"),
-        ({"attention_bias": True}, "attention_bias True"),
         ({"mlp_bias": True}, "mlp_bias True"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),

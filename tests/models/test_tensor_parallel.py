@@ -18,10 +18,10 @@ from tests.helpers import free_port
 BS = 16
 
 
-def _batches() -> list[list[SeqInput]]:
+def _batches(vocab: int) -> list[list[SeqInput]]:
     g = torch.Generator().manual_seed(0)
-    a = torch.randint(3, 49152, (40,), generator=g).tolist()
-    b = torch.randint(3, 49152, (23,), generator=g).tolist()
+    a = torch.randint(3, vocab, (40,), generator=g).tolist()
+    b = torch.randint(3, vocab, (23,), generator=g).tolist()
     prompt = [SeqInput([0, 1, 2], 0, a[:35], [34]), SeqInput([3, 4], 0, b[:20], [19])]
     verify = [
         SeqInput([0, 1, 2], 35, a[35:40], list(range(5))),
@@ -36,12 +36,13 @@ def _run(spec: ModelSpec, tp: TPContext, out: list[StepResult]) -> None:
     pool = torch.zeros(
         kv_pool_shape(8, c.num_kv_heads // tp.world_size, c.num_layers, BS, c.head_dim)
     )
-    for batch in _batches():
+    for batch in _batches(c.vocab_size):
         out.append(run_step(model, pool, BS, batch))
 
 
-def test_tp2_logits_match_tp1(tiny_folder: Path) -> None:
-    spec = ModelSpec(str(tiny_folder))
+def check_tp2_matches_tp1(spec: ModelSpec) -> None:
+    """TP=2 (two threads over a gloo group) gives TP=1's logits for a prompt step and a
+    verification step, and both ranks gather the same full-vocabulary logits."""
     single: list[StepResult] = []
     _run(spec, TPContext(), single)
 
@@ -66,3 +67,7 @@ def test_tp2_logits_match_tp1(tiny_folder: Path) -> None:
     for tp1, r0, r1 in zip(single, results[0], results[1], strict=True):
         assert (tp1.logits - r0.logits).abs().max().item() <= 1e-5
         assert torch.equal(r0.logits, r1.logits)  # every rank gathers the full vocabulary
+
+
+def test_tp2_logits_match_tp1(tiny_folder: Path) -> None:
+    check_tp2_matches_tp1(ModelSpec(str(tiny_folder)))
