@@ -155,6 +155,17 @@ def _health(base: str) -> dict[str, Any]:
     return body
 
 
+def _retries(base: str) -> int:
+    """Requests the ingress has sent again, from ``/health`` (asked again while it answers
+    without them, e.g. a 503 as a pool recovers)."""
+    for _ in range(60):
+        body = _health(base)
+        if "retries" in body:
+            return int(sum(body["retries"].values()))
+        time.sleep(1)
+    raise RuntimeError(f"/health did not report retries: {body}")
+
+
 def _first_success_s(base: str, model: str, since: float, limit_s: float = 120) -> float:
     """Seconds from ``since`` until a new short request succeeds (``limit_s`` if none does)."""
     body = {"model": model, "prompt": _prompt(999, 8), "max_tokens": 4, "temperature": 0}
@@ -172,24 +183,34 @@ def _leaks(base: str, within_s: float) -> tuple[int, int]:
     """(KV blocks, prefill leases) still held by live replicas once traffic drained, waiting
     up to ``within_s`` (a lease a dead decode replica never pulled ends by expiry)."""
     deadline = time.monotonic() + within_s
-    while True:
-        pools = _health(base)["pools"]
-        blocks = sum(
-            r.get("num_blocks", 0) - r.get("free_blocks", 0)
-            for p in pools.values()
-            for r in p["replicas"].values()
-            if r.get("age_s", 0) < 5
-        )
-        leases = sum(r.get("active_leases", 0) for r in pools["prefill"]["replicas"].values())
-        if (blocks == 0 and leases == 0) or time.monotonic() > deadline:
-            return blocks, leases
+    blocks = leases = -1  # unknown until both pools' boards answer
+    while time.monotonic() < deadline:
+        pools = _replicas(base)
+        if pools is not None:
+            live = [r for rs in pools.values() for r in rs if r.get("age_s", 0) < 5]
+            blocks = sum(r.get("num_blocks", 0) - r.get("free_blocks", 0) for r in live)
+            leases = sum(r.get("active_leases", 0) for r in live)
+            if blocks == 0 and leases == 0:
+                break
         time.sleep(1)
+    return blocks, leases
+
+
+def _replicas(base: str) -> dict[str, list[dict[str, Any]]] | None:
+    """Each pool's replica entries from ``/health``, or None while a board is unavailable."""
+    try:
+        pools = _health(base).get("pools", {})
+    except (httpx.HTTPError, ValueError):
+        return None
+    if any("replicas" not in pools.get(p, {}) for p in ("prefill", "decode")):
+        return None
+    return {p: list(pools[p]["replicas"].values()) for p in ("prefill", "decode")}
 
 
 def _replicas_back_s(base: str, pool: str, want: int, since: float, limit_s: float) -> float | None:
     while time.monotonic() - since < limit_s:
-        live = [r for r in _health(base)["pools"][pool]["replicas"].values() if r["age_s"] < 3]
-        if len(live) == want:
+        pools = _replicas(base)
+        if pools is not None and sum(r["age_s"] < 3 for r in pools[pool]) == want:
             return time.monotonic() - since
         time.sleep(0.5)
     return None
@@ -208,7 +229,7 @@ def run_fault(
     length = 16 if pool == "decode" else 300
     prompts = [_prompt(i + (100 if pool == "prefill" else 0), length) for i in range(n)]
     want = asyncio.run(_traffic(base, model, prompts, max_tokens, []))
-    retried_before = sum(_health(base)["retries"].values())
+    retried_before = _retries(base)
 
     async def faulted() -> tuple[list[tuple[str, str]], float, float | None, str]:
         progress: list[int] = []
@@ -228,17 +249,15 @@ def run_fault(
 
     got, killed, returned, dead = asyncio.run(faulted())
     recover_s = _first_success_s(base, model, killed)
-    retried = sum(_health(base)["retries"].values()) - retried_before
+    retried = _retries(base) - retried_before
     blocks, leases = _leaks(base, within_s=30)
     if returned is None:
         returned = time.monotonic()
         pc.restore(pool)
     back = _replicas_back_s(base, pool, want_replicas, returned, limit_s=180)
-    on_dead = sum(
-        r.get("node_id") == dead
-        for p in _health(base)["pools"].values()
-        for r in p["replicas"].values()
-    )
+    pools = _replicas(base) or {}
+    on_dead = sum(r.get("node_id") == dead for rs in pools.values() for r in rs)
+
     outcomes = [o for o, _ in got]
     wrong = sum(o == "ok" and t != w for (o, t), (_, w) in zip(got, want, strict=True))
     errors = outcomes.count("error")

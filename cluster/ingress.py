@@ -52,7 +52,12 @@ class OpenAIIngress:
         body["pools"] = {}
         degraded = []
         for name, handle in pools.items():
-            entries = await asyncio.wait_for(self._board(name, handle), HEALTH_TIMEOUT_S)
+            try:
+                entries = await asyncio.wait_for(self._board(name, handle), HEALTH_TIMEOUT_S)
+            except Exception as e:  # the board is being recreated (its node was lost); the
+                # pool itself answered above, so the app serves: say so, do not fail the check
+                body["pools"][name] = {"error": f"the pool's health board is unavailable: {e}"}
+                continue
             ph = pool_health(name, entries, self.settings.degraded_fraction)
             body["pools"][name] = ph.to_dict()
             if ph.degraded:
