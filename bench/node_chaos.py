@@ -76,9 +76,12 @@ class PoolCluster:
         node = self.cluster.add_node(num_cpus=1, resources={p.resource: float(p.tp)})
         self.nodes[pool].append(node)
 
-    def kill(self, pool: str) -> str:
-        """Kill the pool's first node: its raylet and every worker process on it; its id."""
-        node = self.nodes[pool].pop(0)
+    def kill(self, pool: str, node_id: str | None = None) -> str:
+        """Kill a node of the pool (``node_id``'s, else the first): its raylet and every
+        worker process on it; its id."""
+        nodes = self.nodes[pool]
+        node = next((n for n in nodes if n.node_id == node_id), nodes[0])
+        nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
         return str(node.node_id)
 
@@ -155,6 +158,20 @@ def _health(base: str) -> dict[str, Any]:
     return body
 
 
+def _busiest_node(base: str, pool: str) -> str | None:
+    """The node of ``pool``'s replica with the most requests (running, waiting or pulling):
+    the one whose loss affects the most streams; None if ``/health`` cannot say."""
+    pools = _replicas(base)
+    if not pools or not pools[pool]:
+        return None
+
+    def load(r: dict[str, Any]) -> int:
+        return int(r.get("running", 0) + r.get("waiting", 0) + r.get("pulling", 0))
+
+    node: str | None = max(pools[pool], key=load).get("node_id")
+    return node
+
+
 def _retries(base: str) -> int:
     """Requests the ingress has sent again, from ``/health`` (asked again while it answers
     without them, e.g. a 503 as a pool recovers)."""
@@ -220,7 +237,8 @@ def run_fault(
     pc: PoolCluster, base: str, model: str, kind: str, n: int = 6, max_tokens: int = 48
 ) -> FaultReport:
     """Traffic of ``n`` greedy streams, a node of ``kind``'s pool killed once they are under
-    way (decode: mid-stream; prefill: with prompts queued and handoffs in flight). A pool with
+    way (decode: mid-stream, the busiest replica's node; prefill: with prompts queued and
+    handoffs in flight). A pool with
     another replica (decode) serves on; the node returns once the app has recovered. A pool
     left with none (the one prefill node) gets its node back ``DOWN_S`` after the kill, as a
     replaced VM would. See ``FaultReport``."""
@@ -239,7 +257,7 @@ def run_fault(
             await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         killed = time.monotonic()
-        dead = await loop.run_in_executor(None, pc.kill, pool)
+        dead = await loop.run_in_executor(None, pc.kill, pool, _busiest_node(base, pool))
         returned = None
         if want_replicas == 1:
             await asyncio.sleep(DOWN_S)
