@@ -129,7 +129,7 @@ def test_cpu_profile_is_the_measured_curve() -> None:
 @pytest.mark.timeout(120)
 def test_command_line_writes_json_and_png(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    args = ["--decode-replicas", "4", "--requests", "400", "--loads", "0.8", "--out", str(out)]
+    args = ["--decode-replicas", "4", "--requests", "200", "--loads", "0.8", "--out", str(out)]
     policies = ["--policies", "power_of_two", "acceptance_aware", "slo_aware"]
     assert router_sim.main([*args, *policies, "--split-shares", "0.5"]) == out
     doc = json.loads(out.read_text())

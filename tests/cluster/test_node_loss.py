@@ -15,7 +15,7 @@ def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
     pc = PoolCluster(cfg)
     try:
         base = pc.deploy(free_port())
-        r = run_fault(pc, base, "tiny", "decode_node", n=6, max_tokens=200)
+        r = run_fault(pc, base, "tiny", "decode_node", n=4, max_tokens=150)
     finally:
         pc.close()
     assert r.unexplained == 0 and r.wrong_outputs == 0
