@@ -111,11 +111,13 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
     while len(h["pools"]["prefill"]["replicas"]) != 1 and time.monotonic() < deadline:
         time.sleep(1)
         h = _health(app)
+    # board entries are what each replica published up to a second ago: compared with each
+    # other and with the pool's summary of them, not with the live stats above
     (prefill,) = h["pools"]["prefill"]["replicas"].values()
-    assert prefill["active_leases"] == 0 and prefill["transport"] == "nixl"
-    (decode,) = h["pools"]["decode"]["replicas"].values()  # its latest published entry
+    assert prefill["transport"] == "nixl" and prefill["node_id"]
+    (decode,) = h["pools"]["decode"]["replicas"].values()
     pool = h["pools"]["decode"]
-    assert decode["kv_recomputed"] == pool["kv_recomputed"] == h["decode"]["kv_recomputed"]
+    assert decode["kv_recomputed"] == pool["kv_recomputed"]
     failed = decode["kv_recent_failed"] / decode["kv_recent_handoffs"]
     assert pool["kv_failed_fraction"] == pytest.approx(failed)
     assert (h["status"] == "degraded") == (failed > 0.2)
