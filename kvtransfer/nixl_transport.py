@@ -334,10 +334,10 @@ class NixlTransport(KVTransport):
         """Release each READ of ``pull`` that has ended (NIXL reports it done or failed); a READ
         still in progress is left running and held in the pull's token for a later call.
 
-        Releasing a running READ is not a cancel here: NIXL's UCX backend frees the handle and
-        reports success, yet the read goes on and lands once the source makes progress (seen on
-        this machine: every byte of a 40-block read landed after its release). So the only
-        proof that no byte can land is the transfer's own end state."""
+        Releasing a running READ is not a cancel: NIXL's UCX backend frees the handle and
+        reports success, yet the read goes on and lands once the source makes progress
+        (``BENCHMARKS.md``, "Overload and faults"). So the only proof that no byte can land
+        is the transfer's own end state."""
         left: list[Any] = pull.token
         running = [h for h in left if self._xfer_state(h, pull.request_id) == "PROC"]
         self._release([h for h in left if all(h is not r for r in running)])

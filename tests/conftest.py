@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from tests.helpers import make_tiny_checkpoint
 
@@ -36,3 +37,26 @@ def tiny_draft_folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFa
         heads=2,
         kv_heads=1,
     )
+
+
+@pytest.fixture(scope="session")
+def small_vocab(
+    embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ModelSpec, ModelSpec]:
+    """A target and a draft model over 64 tokens: sampled outputs repeat some tokens and not
+    others (n-gram lookup matches at some positions and not at the next), and exactness tests
+    see enough of each token."""
+    t = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("t64"), embedded_folder, seed=11, vocab_size=64
+    )
+    d = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("d64"),
+        embedded_folder,
+        seed=12,
+        vocab_size=64,
+        num_layers=1,
+        hidden=32,
+        heads=2,
+        kv_heads=1,
+    )
+    return ModelSpec(str(t)), ModelSpec(str(d))

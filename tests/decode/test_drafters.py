@@ -20,7 +20,6 @@ from models.spec import DraftKind, DraftSpec, ModelSpec
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
-from tests.helpers import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -208,34 +207,17 @@ def test_lookup_first_probe_scores_lookup_where_it_matches(
     assert probes["eagle+lookup"] != pytest.approx(probes["eagle"], abs=1e-3)
 
 
-@pytest.fixture(scope="module")
-def small_vocab(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A target and a draft model over 64 tokens: sampled outputs repeat some tokens and not
-    others, so n-gram lookup finds a match at some positions and none at the next."""
-    root = tmp_path_factory.mktemp("small_vocab")
-    make_tiny_checkpoint(root / "target", embedded_folder, seed=3, vocab_size=64)
-    make_tiny_checkpoint(
-        root / "draft",
-        embedded_folder,
-        seed=4,
-        num_layers=1,
-        hidden=32,
-        heads=2,
-        kv_heads=1,
-        vocab_size=64,
-    )
-    return root
-
-
-def test_seeded_lookup_first_sampling_does_not_depend_on_the_batch(small_vocab: Path) -> None:
+def test_seeded_lookup_first_sampling_does_not_depend_on_the_batch(
+    small_vocab: tuple[ModelSpec, ModelSpec],
+) -> None:
     """Lookup first proposes by lookup where the step's first position matches and by the model
     otherwise, so a position's proposal depends on where the step began; a client-seeded
     sampled request is held at its cap, and its tokens alone (pinned k) equal its tokens in a
     crowd (adaptive k), while lookup switches on and off during its output."""
-    target = ModelSpec(str(small_vocab / "target"))
+    target, draft = small_vocab
     spec = DraftSpec(
         DraftKind.DRAFT_MODEL,
-        model=ModelSpec(str(small_vocab / "draft")),
+        model=draft,
         num_speculative_tokens=3,
         adaptive=False,
         lookup_first=True,

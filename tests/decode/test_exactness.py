@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +23,6 @@ from decode.rejection import rejection_sample
 from models.sampling import SamplingParams, probs_from_logits
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from tests.decode.engine_utils import make_request, run_all
-from tests.helpers import make_tiny_checkpoint
 
 V = 8
 POSITIONS = 3
@@ -151,26 +149,6 @@ def test_truncated_sampling(top_k: int, top_p: float) -> None:
 
 
 # ---- (b) through the real decode engine ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_vocab(
-    embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[ModelSpec, ModelSpec]:
-    t = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("t64"), embedded_folder, seed=11, vocab_size=64
-    )
-    d = make_tiny_checkpoint(
-        tmp_path_factory.mktemp("d64"),
-        embedded_folder,
-        seed=12,
-        vocab_size=64,
-        num_layers=1,
-        hidden=32,
-        heads=2,
-        kv_heads=1,
-    )
-    return ModelSpec(str(t)), ModelSpec(str(d))
 
 
 def _tokens(engine: DecodeEngine, n: int, sp: SamplingParams) -> torch.Tensor:
