@@ -81,14 +81,14 @@ def check_eagle_head(target_folder: Path, head_folder: Path) -> None:
 def resolve_models(cfg: TandemConfig) -> ResolvedModels:
     folder = resolve_checkpoint(cfg.model.source)
     name = cfg.model.name or (EMBEDDED_NAME if cfg.model.source == "embedded" else folder.name)
-    target = ModelSpec(str(folder), cfg.model.dtype)
+    target = ModelSpec(str(folder), cfg.model.dtype, cfg.model.quantization)
     d = cfg.draft
     draft_model = None
     if d.kind == "draft_model":
         assert d.source is not None
         draft_folder = resolve_checkpoint(d.source)
         check_draft_vocab(folder, draft_folder)
-        draft_model = ModelSpec(str(draft_folder), d.dtype)
+        draft_model = ModelSpec(str(draft_folder), d.dtype, d.quantization)
     elif d.kind == "eagle":
         assert d.source is not None
         head_folder = (
@@ -97,7 +97,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
             else Path(d.source).expanduser().resolve()  # replicas may run elsewhere
         )
         check_eagle_head(folder, head_folder)
-        draft_model = ModelSpec(str(head_folder), d.dtype)
+        draft_model = ModelSpec(str(head_folder), d.dtype, d.quantization)
     draft = DraftSpec(
         kind=DraftKind(d.kind),
         model=draft_model,

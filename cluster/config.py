@@ -327,6 +327,20 @@ class TandemConfig(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _fp8_on_gpus(self) -> TandemConfig:
+        pools = [("decode", self.decode)] + (
+            [("prefill", self.prefill)] if self.mode == "disaggregated" else []
+        )
+        for what, quant in (("model", self.model.quantization), ("draft", self.draft.quantization)):
+            for name, pool in pools:
+                if quant == "fp8" and pool.device == "cpu":
+                    raise ValueError(
+                        f"{what}.quantization=fp8 needs a GPU of compute capability >= 8.9; "
+                        f"{name}.device is cpu (int8 serves on CPUs)"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _decode_always_up(self) -> TandemConfig:
         a = self.decode.autoscaling
         if self.mode == "disaggregated" and a is not None and a.min_replicas == 0:

@@ -10,6 +10,14 @@ from pydantic import Field, model_validator
 from cluster.api_config import Frozen as _Frozen
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["none", "int8", "fp8"]
+
+QUANTIZATION_HELP = (
+    "How the matmul weights are served: none; int8 (weight-only, one scale per output "
+    "channel, CPU and GPU); fp8 (e4m3 weights and per-token activations, GPUs of compute "
+    "capability 8.9+). Quantized at load from the same checkpoint; the embedding lookup "
+    "stays at dtype."
+)
 
 
 class ModelConfig(_Frozen):
@@ -22,6 +30,7 @@ class ModelConfig(_Frozen):
         None, description="Model id clients send in 'model'; defaults to the checkpoint's name."
     )
     dtype: Dtype = Field("float32", description="Weights and KV cache dtype of the target.")
+    quantization: Quantization = Field("none", description=QUANTIZATION_HELP)
 
 
 class DraftConfig(_Frozen):
@@ -38,6 +47,9 @@ class DraftConfig(_Frozen):
         "(models/drafts/smollm2-135m-eagle, found wherever tandem is installed).",
     )
     dtype: Dtype = Field("float32", description="Draft model dtype.")
+    quantization: Quantization = Field(
+        "none", description="The draft model's or EAGLE head's; as model.quantization."
+    )
     num_speculative_tokens: int = Field(
         4,
         ge=1,
@@ -81,6 +93,11 @@ class DraftConfig(_Frozen):
             raise ValueError(
                 f"draft.lookup_first needs kind=draft_model or eagle (the model that drafts "
                 f"where lookup finds nothing), not {self.kind}"
+            )
+        if self.quantization != "none" and not needs_source:
+            raise ValueError(
+                f"draft.quantization={self.quantization} needs a draft checkpoint "
+                f"(kind draft_model or eagle), not kind={self.kind}"
             )
         if self.tree_width > 1 and self.kind != "eagle":
             raise ValueError(f"draft.tree_width > 1 needs kind=eagle, not {self.kind}")

@@ -30,8 +30,9 @@ from torch import nn
 
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
-from models.llama import LlamaDecoderLayer, load_layer
-from models.parallel import CpuPacked, TPContext, linear, onednn_pack
+from models.llama import LlamaDecoderLayer, load_layer, quantize_layers
+from models.parallel import ServedLinear, TPContext, linear, onednn_pack
+from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
 
@@ -106,10 +107,19 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         for p in self.parameters():
             p.requires_grad_(False)
-        # oneDNN reorderings of fc and the LM head for inference on a CPU (pack_for_cpu); the
-        # nn.Linear weights stay, for checkpoints and training
+        # oneDNN reorderings (pack_for_cpu) or quantized copies (quantize) of fc and the LM
+        # head for inference; the nn.Linear weights stay, for checkpoints and training
         self._packed_fc: torch.Tensor | None = None
         self._packed_head: torch.Tensor | None = None
+        self._quant_fc: QuantizedWeight | None = None
+        self._quant_head: QuantizedWeight | None = None
+
+    def quantize(self, kind: Quant) -> None:
+        """Quantize the head's matmuls (``models.quant``) for drafting, after loading."""
+        quantize_layers(self.layer, kind, None)
+        fc, head = self.fc.weight.data, self.lm_head.weight.data
+        self._quant_fc = quantize(fc, kind, row_absmax(fc))
+        self._quant_head = quantize(head, kind, row_absmax(head))
 
     def pack_for_cpu(self) -> bool:
         """Reorder the head's matmul weights for oneDNN (``models.parallel.onednn_pack``), for
@@ -117,7 +127,9 @@ class EagleHead(nn.Module):
         CPU has no such path."""
         if self.device.type != "cpu":
             return False
-        layer = all(m.pack_for_cpu() for m in self.layer.modules() if isinstance(m, CpuPacked))
+        layer = all(m.pack_for_cpu() for m in self.layer.modules() if isinstance(m, ServedLinear))
+        if self._quant_fc is not None:  # quantized matmuls have their own kernel
+            return layer
         self._packed_fc = onednn_pack(self.fc.weight.data)
         self._packed_head = onednn_pack(self.lm_head.weight.data)
         return layer and self._packed_fc is not None and self._packed_head is not None
@@ -128,7 +140,7 @@ class EagleHead(nn.Module):
         """input_ids: [T] the tokens after each feature's position; features: [T, H];
         kv_pool: [1, num_blocks, 2, Hkv, block_size, D]. Returns predicted features [T, H]."""
         mixed = torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1)
-        x = linear(mixed, self.fc.weight, self._packed_fc)  # [T, H]
+        x = linear(mixed, self.fc.weight, self._packed_fc, quantized=self._quant_fc)  # [T, H]
         if self.fc.bias is not None:
             x = x + self.fc.bias
         h: torch.Tensor = self.layer(x, self.rope, kv_pool[0], meta)
@@ -137,7 +149,9 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
         normed = self.norm(hidden)
-        small = linear(normed, self.lm_head.weight, self._packed_head).float()  # [N, V_draft]
+        small = linear(
+            normed, self.lm_head.weight, self._packed_head, quantized=self._quant_head
+        ).float()  # [N, V_draft]
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             return small
         full = small.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"))
@@ -229,7 +243,15 @@ def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
     return folder
 
 
-def load_eagle(folder: Path, target_folder: Path, dtype: torch.dtype, device: str) -> EagleHead:
+def load_eagle(
+    folder: Path,
+    target_folder: Path,
+    dtype: torch.dtype,
+    device: str,
+    quant: Quant = Quant.NONE,
+) -> EagleHead:
     head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
     head.load(load_state_dict(folder), open_checkpoint(target_folder))
+    if quant is not Quant.NONE:
+        head.quantize(quant)
     return head.eval()

@@ -13,11 +13,13 @@ from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (
     ColumnParallelLinear,
-    CpuPacked,
     RowParallelLinear,
+    ServedLinear,
     TPContext,
     VocabParallelEmbedding,
+    tp_group,
 )
+from models.quant import Quant
 from models.weights import Sliceable, whole
 
 
@@ -178,10 +180,17 @@ class LlamaModel(nn.Module):
         inference on the CPU, after ``load_weights``. False where the CPU has no such path."""
         if self.device.type != "cpu":
             return False
-        layers = [m for m in self.modules() if isinstance(m, CpuPacked)]
+        layers = [m for m in self.modules() if isinstance(m, ServedLinear)]
         done = [m.pack_for_cpu() for m in layers]
         head = self.lm_head.pack_for_cpu()
         return all(done) and head
+
+    def quantize(self, kind: Quant) -> None:
+        """Quantize every matmul weight and the LM head (``models.quant``), after
+        ``load_weights``; the embedding table stays plain for the lookup. Every rank of a TP
+        group must call it (row scales are a max over the group)."""
+        quantize_layers(self, kind, tp_group(self.tp))
+        self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
 
     def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
         """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's
@@ -199,6 +208,16 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.")
+
+
+def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:
+    """Quantize the decoder layers' matmuls under ``module``; a row-parallel weight's rows
+    are split over the TP ``group``, whose max gives each row its scale."""
+    for m in module.modules():
+        if isinstance(m, RowParallelLinear):
+            m.quantize(kind, group)
+        elif isinstance(m, ServedLinear):
+            m.quantize(kind)
 
 
 def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, whole
 
 
@@ -76,24 +77,46 @@ def linear(
     weight: torch.Tensor,
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """``x @ weight^T (+ bias)``: through oneDNN's reordered ``packed`` weight when there is
-    one. x: [T, in] -> [T, out]; bias: [out]."""
+    """``x @ weight^T (+ bias)``: through the ``quantized`` weight when there is one, else
+    oneDNN's reordered ``packed`` weight when there is one. x: [T, in] -> [T, out]; bias:
+    [out]."""
+    if quantized is not None:
+        y = quantized.matmul(x)
+        return y if bias is None else y + bias
     if packed is None:
         return nn.functional.linear(x, weight, bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
 
-class CpuPacked(nn.Module):
-    """A layer whose ``weight`` [out, in] may be replaced by its oneDNN reordering for
-    inference on the CPU (``pack_for_cpu``; the plain weight is then dropped)."""
+def tp_group(tp: TPContext) -> Any:
+    """The group to reduce over across ranks, None for one rank."""
+    return tp.group if tp.world_size > 1 else None
+
+
+class ServedLinear(nn.Module):
+    """A layer whose ``weight`` [out, in] is served plain, reordered for oneDNN on the CPU
+    (``pack_for_cpu``), or quantized (``quantize``); either of the last two drops the plain
+    weight."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
+
+    def quantize(self, kind: Quant, group: Any = None) -> None:
+        """Quantize the loaded weight per output channel, over whole rows (``group``: the TP
+        ranks holding the other columns of each row)."""
+        w = self.weight.data
+        self.quantized = quantize(w, kind, row_absmax(w, group))
+        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     def pack_for_cpu(self) -> bool:
-        """Reorder the loaded weight for oneDNN; False where this CPU has no such path."""
+        """Reorder the loaded weight for oneDNN; False where this CPU has no such path (a
+        quantized weight has its own kernel and stays as it is)."""
+        if self.quantized is not None:
+            return True
         packed = onednn_pack(self.weight.data)
         if packed is None:
             return False
@@ -101,8 +124,12 @@ class CpuPacked(nn.Module):
         self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
         return True
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out]"""
+        return linear(x, self.weight, self.packed, bias, self.quantized)
 
-class ColumnParallelLinear(CpuPacked):
+
+class ColumnParallelLinear(ServedLinear):
     """``y = x W^T`` with the output features split across ranks.
 
     Several logical outputs (e.g. q, k, v) can be merged: each is split across ranks separately
@@ -144,10 +171,10 @@ class ColumnParallelLinear(CpuPacked):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, sum(out_i) / world_size]
-        return linear(x, self.weight, self.packed, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class RowParallelLinear(CpuPacked):
+class RowParallelLinear(ServedLinear):
     """``y = x W^T`` with the input features split across ranks, followed by an all-reduce."""
 
     def __init__(
@@ -179,7 +206,7 @@ class RowParallelLinear(CpuPacked):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / world_size] -> [T, out], summed over ranks; the bias added once, after
-        y = self.tp.all_reduce(linear(x, self.weight, self.packed))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -192,6 +219,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.packed: torch.Tensor | None = None  # a oneDNN reordering for logits (CPU)
+        self.quantized: QuantizedWeight | None = None  # a quantized copy for logits
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
         self.weight = nn.Parameter(
@@ -213,10 +241,21 @@ class VocabParallelEmbedding(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Keep a oneDNN reordering of the table for ``logits`` (the table itself stays: the
-        embedding lookup reads it)."""
+        embedding lookup reads it); a quantized table needs none."""
+        if self.quantized is not None:
+            return True
         self.packed = onednn_pack(self.weight.data)
         return self.packed is not None
 
+    def quantize(self, kind: Quant, keep_table: bool) -> None:
+        """Quantize the table for ``logits`` (its rows are whole on every rank). With
+        ``keep_table`` the plain table stays for the embedding lookup (tied embeddings)."""
+        w = self.weight.data
+        self.quantized = quantize(w, kind, row_absmax(w))
+        if not keep_table:
+            self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] (full vocabulary on every rank)
-        return self.tp.all_gather_last(linear(hidden, self.weight, self.packed))
+        local = linear(hidden, self.weight, self.packed, quantized=self.quantized)
+        return self.tp.all_gather_last(local)

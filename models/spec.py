@@ -13,6 +13,7 @@ import torch
 from models.config import DTYPES, LlamaConfig
 from models.llama import LlamaModel
 from models.parallel import TPContext
+from models.quant import Quant, check_supported
 from models.weights import open_checkpoint
 
 
@@ -27,13 +28,24 @@ class DraftKind(enum.Enum):
 class ModelSpec:
     folder: str  # a local HF folder (resolved by models.weights.resolve_checkpoint)
     dtype: str = "float32"
+    quantization: str = "none"  # a models.quant.Quant value: how the matmul weights are served
+
+    def __post_init__(self) -> None:
+        Quant(self.quantization)  # a ValueError naming the value if it is not one
+
+    @property
+    def quant(self) -> Quant:
+        return Quant(self.quantization)
 
     def fingerprint(self) -> str:
-        """Identifies the weights: config.json and the weight files' names and sizes."""
+        """Identifies the weights as served: config.json, the weight files' names and sizes,
+        and the quantization (quantized weights give other KV and other tokens)."""
         folder = Path(self.folder)
         h = hashlib.sha256((folder / "config.json").read_bytes())
         for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
             h.update(f"{f.name}:{f.stat().st_size}".encode())
+        if self.quant is not Quant.NONE:
+            h.update(f"quantization:{self.quantization}".encode())
         return h.hexdigest()[:16]
 
     def config(self) -> LlamaConfig:
@@ -42,8 +54,11 @@ class ModelSpec:
     def load(self, device: torch.device | str = "cpu", tp: TPContext | None = None) -> LlamaModel:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        check_supported(self.quant, device)
         model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
         model.load_weights(open_checkpoint(Path(self.folder)))
+        if self.quant is not Quant.NONE:
+            model.quantize(self.quant)
         return model.eval()
 
 

@@ -20,6 +20,7 @@ from models.config import DTYPES
 from models.eagle import EagleHead, load_eagle
 from models.llama import LlamaModel
 from models.parallel import TPContext
+from models.quant import check_supported
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from runtime.runner import EagleRunner, LocalRunner, ModelRunner
 
@@ -84,8 +85,13 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
     if d.model is None:
         return None
     if d.kind is DraftKind.EAGLE:
+        check_supported(d.model.quant, spec.device)
         head = load_eagle(
-            Path(d.model.folder), Path(spec.target.folder), DTYPES[d.model.dtype], spec.device
+            Path(d.model.folder),
+            Path(spec.target.folder),
+            DTYPES[d.model.dtype],
+            spec.device,
+            d.model.quant,
         )
         _pack(head, "EAGLE head")
         return EagleRunner(head, pool.tensor("draft"), spec.block_size)

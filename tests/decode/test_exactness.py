@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -175,11 +176,15 @@ def _same_distribution(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(chi2_contingency(table.numpy()).pvalue)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "quantization"), [(1.0, 1.0, "none"), (0.7, 0.9, "int8")]
+)
 def test_engine_second_and_third_tokens_match_plain_sampling(
-    small_vocab: tuple[ModelSpec, ModelSpec], temperature: float, top_p: float
+    small_vocab: tuple[ModelSpec, ModelSpec], temperature: float, top_p: float, quantization: str
 ) -> None:
-    target, draft = small_vocab
+    """Exact relative to the target as served: with int8 weights, speculation samples what
+    the int8 target samples plainly."""
+    target, draft = (replace(s, quantization=quantization) for s in small_vocab)
     spec = DraftSpec(DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=False)
     kw = {"num_blocks": 512, "max_batch_size": 128}
     with_spec = DecodeEngine(DecodeEngineConfig("t", target, spec, **kw))  # type: ignore[arg-type]

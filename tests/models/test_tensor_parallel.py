@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from runtime.runner import SeqInput, StepResult, run_step
 from tests.helpers import free_port
 
 BS = 16
+T = TypeVar("T")
 
 
 def _batches(vocab: int) -> list[list[SeqInput]]:
@@ -40,21 +43,17 @@ def _run(spec: ModelSpec, tp: TPContext, out: list[StepResult]) -> None:
         out.append(run_step(model, pool, BS, batch))
 
 
-def check_tp2_matches_tp1(spec: ModelSpec) -> None:
-    """TP=2 (two threads over a gloo group) gives TP=1's logits for a prompt step and a
-    verification step, and both ranks gather the same full-vocabulary logits."""
-    single: list[StepResult] = []
-    _run(spec, TPContext(), single)
-
+def on_two_ranks(work: Callable[[TPContext], T]) -> list[T]:
+    """``work`` on ranks 0 and 1 of a TP = 2 group (two threads over gloo), in rank order."""
     port = free_port()
-    results: list[list[StepResult]] = [[], []]
+    results: dict[int, T] = {}
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
             store = dist.TCPStore("127.0.0.1", port, 2, is_master=r == 0, use_libuv=False)  # type: ignore[attr-defined]
             group = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60))
-            _run(spec, TPContext(r, 2, group), results[r])
+            results[r] = work(TPContext(r, 2, group))
         except BaseException as e:
             errors.append(e)
 
@@ -64,8 +63,23 @@ def check_tp2_matches_tp1(spec: ModelSpec) -> None:
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    for tp1, r0, r1 in zip(single, results[0], results[1], strict=True):
-        assert (tp1.logits - r0.logits).abs().max().item() <= 1e-5
+    return [results[0], results[1]]
+
+
+def check_tp2_matches_tp1(spec: ModelSpec, tol: float = 1e-5) -> None:
+    """TP=2 gives TP=1's logits (to ``tol``) for a prompt step and a verification step, and
+    both ranks gather the same full-vocabulary logits."""
+    single: list[StepResult] = []
+    _run(spec, TPContext(), single)
+
+    def steps(tp: TPContext) -> list[StepResult]:
+        out: list[StepResult] = []
+        _run(spec, tp, out)
+        return out
+
+    r0s, r1s = on_two_ranks(steps)
+    for tp1, r0, r1 in zip(single, r0s, r1s, strict=True):
+        assert (tp1.logits - r0.logits).abs().max().item() <= tol
         assert torch.equal(r0.logits, r1.logits)  # every rank gathers the full vocabulary
 
 
