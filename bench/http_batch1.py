@@ -8,7 +8,8 @@ prompt lookup finds no match: ``draft.lookup_first``), k = 4 adaptive, as served
 suffix (``eagle+tree4``, ``eagle+lookup+tree4``) drafts trees ``W`` wide (``draft.tree_width``).
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
-        [--drafts ngram eagle eagle+lookup] [--out bench/results/http_batch1.json]
+        [--drafts ngram eagle eagle+lookup] [--quantization int8]
+        [--out bench/results/http_batch1.json]
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ RESULTS = Path(__file__).parent / "results"
 EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
-def _config(draft: str, port: int) -> TandemConfig:
-    """``draft``: a kind, then ``+lookup`` (lookup first) and ``+treeW`` (trees W wide)."""
+def _config(draft: str, port: int, quantization: str = "none") -> TandemConfig:
+    """``draft``: a kind, then ``+lookup`` (lookup first) and ``+treeW`` (trees W wide);
+    ``quantization`` applies to the target and to an EAGLE head."""
     kind, *extras = draft.split("+")
     trees = [int(e.removeprefix("tree")) for e in extras if e.startswith("tree")]
     return TandemConfig.model_validate(
         {
             "mode": "disaggregated",
+            "model": {"quantization": quantization},
             "draft": {"kind": kind, "num_speculative_tokens": 4}
-            | ({"source": EAGLE_HEAD} if kind == "eagle" else {})
+            | ({"source": EAGLE_HEAD, "quantization": quantization} if kind == "eagle" else {})
             | ({"lookup_first": True} if "lookup" in extras else {})
             | ({"tree_width": trees[0]} if trees else {}),
             "prefill": {"num_blocks": 256, "num_threads": 2},
@@ -65,10 +68,10 @@ def _summary(ts: list[Timing]) -> dict[str, float]:
 
 
 def run_config(
-    draft: str, sets: dict[str, list[str]], max_tokens: int, port: int
+    draft: str, sets: dict[str, list[str]], max_tokens: int, port: int, quantization: str = "none"
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Per prompt set: the summary, and the texts (greedy: to compare across drafters)."""
-    cfg = _config(draft, port)
+    cfg = _config(draft, port, quantization)
     with local_app(cfg, num_cpus=2) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="x", timeout=600)
         model = resolve_models(cfg).name
@@ -94,11 +97,17 @@ def main() -> None:
         default=["ngram"],
         help="ngram, eagle or eagle+lookup, an eagle one with +treeW (e.g. eagle+lookup+tree4)",
     )
+    ap.add_argument(
+        "--quantization", default="none", help="model.quantization (and an EAGLE head's)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "http_batch1.json")
     args = ap.parse_args()
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
     t0 = time.time()
-    runs = {d: run_config(d, sets, args.max_tokens, args.port) for d in ["none", *args.drafts]}
+    runs = {
+        d: run_config(d, sets, args.max_tokens, args.port, args.quantization)
+        for d in ["none", *args.drafts]
+    }
     results = {d: r[0] for d, r in runs.items()}
     identical = {d: runs[d][1] == runs["none"][1] for d in args.drafts}
     ratios = {
@@ -117,6 +126,7 @@ def main() -> None:
         "benchmark": "http_batch1",
         "machine": {"cpus": 2, "platform": platform.platform()},
         "max_tokens": args.max_tokens,
+        "quantization": args.quantization,
         "prompts": {k: len(v) for k, v in sets.items()},
         "results": results,
         **ratios,

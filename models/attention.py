@@ -137,9 +137,11 @@ def _group(
     block_size: int,
     device: torch.device,
     flex: FlexPool | None,
+    window: int | None = None,
 ) -> AttentionGroup:
     """The padded layout of ``seqs[members]``: ``all_tables`` [B, NBmax] and ``need`` are every
-    sequence's blocks, ``starts[i]`` sequence i's first token in the step (``starts[-1]``: T)."""
+    sequence's blocks, ``starts[i]`` sequence i's first token in the step (``starts[-1]``: T);
+    with a sliding ``window``, a query sees only the keys of its last ``window`` positions."""
     part = [seqs[i] for i in members]
     num_new = torch.tensor([s.num_new for s in part])  # [b]
     cached = torch.tensor([s.num_cached for s in part])  # [b]
@@ -152,6 +154,8 @@ def _group(
     q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)  # [b, q]
     ctx_pos = torch.arange(c)  # [C]
     mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [b, q, C]
+    if window is not None:  # Mistral: key j is seen from query i when i - window < j <= i
+        mask &= ctx_pos.view(1, 1, c) > q_pos.unsqueeze(2) - window
     for row, s in enumerate(part):  # a tree's tokens see their ancestors only, inside it
         if s.tree is not None:
             t = s.tree
@@ -190,9 +194,12 @@ def build_attention_metadata(
     rope_cos: torch.Tensor,
     rope_sin: torch.Tensor,
     flex: FlexPool | None = None,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch);
-    with ``flex``, the groups it serves read the pool in place (``models.flex_paged``)."""
+    with ``flex``, the groups it serves read the pool in place (``models.flex_paged``). With a
+    sliding ``window`` (``LlamaConfig.sliding_window``) every group gathers: the in-place
+    kernel's block masks have no window."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
@@ -208,7 +215,7 @@ def build_attention_metadata(
     # Decodes and verifications the in-place kernel serves go together, whatever their
     # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
     in_place: list[int] = []
-    if flex is not None:
+    if flex is not None and window is None:
         fits = [i for i, s in enumerate(seqs) if flex.kernel.fits(flex.group_size, s)]
         if flex.kernel.applies(sum(need[i] for i in fits) * block_size):
             in_place = fits
@@ -218,7 +225,7 @@ def build_attention_metadata(
         if i not in taken:
             by_bucket.setdefault((_pow2_bucket(s.num_new), _pow2_bucket(need[i])), []).append(i)
     gathered = (
-        _group(seqs, members, tables, need, starts, block_size, device, None)
+        _group(seqs, members, tables, need, starts, block_size, device, None, window)
         for _, members in sorted(by_bucket.items())
     )
     groups = tuple(gathered)

@@ -18,7 +18,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _check_fields(cfg: dict[str, Any]) -> None:
     model_type = cfg.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         why = {
-            "qwen3": "it normalizes queries and keys per head (q_norm/k_norm)",
+            "qwen3_moe": "mixture-of-experts layers are not implemented",
         }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
         raise ValueError(f"unsupported model_type {model_type!r}: {why}")
     for field, allowed in _MUST_BE.items():
@@ -103,19 +103,30 @@ def _check_fields(cfg: dict[str, Any]) -> None:
             raise ValueError(
                 f"unsupported {field} {cfg[field]!r}: tandem implements {allowed[0]!r} only"
             )
+    window = _window(cfg)
+    if window is not None and model_type != "mistral":
+        raise ValueError(
+            f"unsupported sliding_window {window} for model_type {model_type!r}: its window "
+            f"applies to some layers only (max_window_layers), which is not implemented"
+        )
+    kinds = set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise ValueError(f"unsupported layer_types {sorted(kinds)}: only full and sliding")
+
+
+def _window(cfg: dict[str, Any]) -> int | None:
+    """The sliding window that changes the attention: one shorter than the context, on."""
     window = cfg.get("sliding_window")
     context = int(cfg.get("max_position_embeddings", 4096))
-    if window is not None and cfg.get("use_sliding_window", True) and int(window) < context:
-        raise ValueError(
-            f"unsupported sliding_window {window}: sliding-window attention is not "
-            f"implemented, and max_position_embeddings ({context}) reaches beyond the window"
-        )
+    if window is None or not cfg.get("use_sliding_window", True) or int(window) >= context:
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Qwen2/2.5, Mistral without a
-    window shorter than its context)."""
+    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Qwen2/2.5 and Qwen3 without
+    sliding windows, Mistral with or without its window)."""
 
     vocab_size: int
     hidden_size: int
@@ -133,6 +144,9 @@ class LlamaConfig:
     rope_scaling: RopeScaling = RopeScaling()
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # the output projection has one (Llama's attention_bias)
+    qk_norm: bool = False  # queries and keys are RMS-normalized per head before RoPE (Qwen3)
+    # each query attends to the keys of its last ``sliding_window`` positions only (Mistral)
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -170,6 +184,8 @@ class LlamaConfig:
             rope_scaling=_rope(cfg),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),
+            qk_norm=cfg.get("model_type") == "qwen3",
+            sliding_window=_window(cfg),
         )
 
     @classmethod

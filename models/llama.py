@@ -37,6 +37,12 @@ class LlamaAttention(nn.Module):
             h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device, bias=cfg.qkv_bias
         )
         self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device, bias=cfg.o_bias)
+        # Qwen3: one RMSNorm over head_dim for every query head, one for every key head
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -53,6 +59,8 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
         k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
         q = rope(meta.cos, meta.sin, q)
         k = rope(meta.cos, meta.sin, k)
         out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
@@ -232,6 +240,9 @@ def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: 
     )
     o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
     attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        attn.q_norm.weight.data.copy_(whole(w(prefix + "self_attn.q_norm.weight")))
+        attn.k_norm.weight.data.copy_(whole(w(prefix + "self_attn.k_norm.weight")))
     mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     if isinstance(layer.input_layernorm, RMSNorm):

@@ -117,11 +117,15 @@ def quantize(weight: torch.Tensor, kind: Quant, absmax: torch.Tensor) -> Quantiz
     w = weight.detach().float()
     limit = _INT8_MAX if kind is Quant.INT8 else _FP8_MAX
     scale = absmax.to(w.device).clamp(min=1e-12) / limit  # [out]
-    q = w / scale.unsqueeze(1)
     if kind is Quant.INT8:
+        # The kernel takes its scales in the activation dtype: round them first (up, so that
+        # no row's largest value leaves the int8 range) and quantize against the stored scale,
+        # so each value is off by at most half a step of the scale the matmul multiplies by.
+        act = _activation_dtype(weight.dtype)
+        stored = (scale * (1 + 2**-7)).to(act)  # 2^-7: twice bf16's relative rounding error
+        q = w / stored.float().unsqueeze(1)
         data = q.round_().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-        stored = scale.to(_activation_dtype(weight.dtype))
     else:
-        data = q.clamp_(-_FP8_MAX, _FP8_MAX).to(FP8)
         stored = scale
+        data = (w / scale.unsqueeze(1)).clamp_(-_FP8_MAX, _FP8_MAX).to(FP8)
     return QuantizedWeight(kind, data.contiguous(), stored.contiguous(), weight.dtype)

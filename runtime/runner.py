@@ -58,6 +58,7 @@ def run_step(
         model.rope.cos,
         model.rope.sin,
         model.flex_pool(kv_pool),
+        model.cfg.sliding_window,
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
     hidden = model(ids, kv_pool, meta)  # [T, hidden]

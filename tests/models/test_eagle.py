@@ -1,4 +1,5 @@
-"""The EAGLE head: checkpoint round trip in the published layout, paged forward consistency."""
+"""The EAGLE head: checkpoint round trip in the published layout, paged forward consistency,
+int8 weights."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from models.quant import Quant
 from models.weights import load_state_dict
 from runtime.runner import EagleRunner, SeqInput
 
@@ -61,5 +63,10 @@ def test_checkpoint_round_trip_and_paged_consistency(tiny_folder: Path, tmp_path
     packed = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu")
     assert packed.pack_for_cpu()  # as a CPU runtime loads it: weights reordered for oneDNN
     assert (run(packed, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4
+    # int8 weights (models.quant): near the float32 head's logits, and not equal to them
+    int8 = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu", Quant.INT8)
+    assert int8.pack_for_cpu()
+    err = (run(int8, [5, 1, 6])[finite] - whole[finite]).abs()
+    assert 0 < float(err.max()) <= 0.05 * float(whole[finite].abs().max())
     assert finite.sum(-1).tolist() == [100] * 12  # a reduced vocabulary: only its 100 ids
     assert bool(finite[:, 3].all()) and not bool(finite[:, 4].any())  # mapped through d2t

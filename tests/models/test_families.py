@@ -1,7 +1,8 @@
 """Checkpoint families against transformers on tiny random checkpoints (fp32, ≤ 1e-4): Llama
 3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
-biases, also over TP = 2), Mistral without a window; and every config field that would change
-the math in a way tandem does not implement refused at load, naming it."""
+biases), Qwen3 (per-head q/k norms), both also over TP = 2, Mistral with and without its
+sliding window; and every config field that would change the math in a way tandem does not
+implement refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-attention-bias": ("llama", {"attention_bias": True}),  # q, k, v and o biases
     "qwen2": ("qwen2", {"use_sliding_window": False, "tie_word_embeddings": False}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # a window of 64 positions: the 300-token prompt and the steps after it reach past it
+    "mistral-window": ("mistral", {"sliding_window": 64}),
+    "qwen3": ("qwen3", {"use_sliding_window": False, "tie_word_embeddings": False}),
 }
 
 
@@ -88,10 +92,11 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
         pos += n
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias"])
-def test_biased_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias", "qwen3"])
+def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
     """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
-    once, after the all-reduce."""
+    once, after the all-reduce; every rank normalizes its own heads with the shared per-head
+    q/k norms."""
     check_tp2_matches_tp1(ModelSpec(str(_checkpoint(tmp_path / family, family))))
 
 
@@ -109,7 +114,7 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "qwen3"}, "model_type 'qwen3'"),
+        ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe'"),
         ({"model_type": "gemma2"}, "model_type 'gemma2'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
@@ -118,7 +123,11 @@ BASE: dict[str, Any] = {
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
         ({"pretraining_tp": 2}, "pretraining_tp 2"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
+        (
+            {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True},
+            "sliding_window 4096",
+        ),
+        ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
     ],
 )
 def test_fields_that_change_the_math_are_refused_by_name(
@@ -130,11 +139,16 @@ def test_fields_that_change_the_math_are_refused_by_name(
 
 
 def test_what_does_not_change_the_math_is_accepted() -> None:
-    """A Mistral whose window covers its whole context (or is off), and explicit defaults."""
+    """A Mistral whose window covers its whole context (or is off), a Qwen2 whose window is
+    off, and explicit defaults: no window to honour."""
     for extra in (
         {"model_type": "mistral", "sliding_window": 32768},
         {"model_type": "mistral", "sliding_window": 4096, "use_sliding_window": False},
         {"model_type": "mistral", "sliding_window": None},
+        {"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False},
         {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "pretraining_tp": 1},
     ):
-        assert LlamaConfig.from_hf_dict({**BASE, **extra}).num_layers == 2
+        cfg = LlamaConfig.from_hf_dict({**BASE, **extra})
+        assert cfg.num_layers == 2 and cfg.sliding_window is None
+    windowed = LlamaConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": 4096})
+    assert windowed.sliding_window == 4096  # honoured in attention

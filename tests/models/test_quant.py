@@ -33,12 +33,11 @@ def test_int8_rows_have_their_own_scale_and_round_to_nearest() -> None:
     w = _weight()
     q = quantize(w, Quant.INT8, row_absmax(w))
     assert q.data.dtype == torch.int8 and q.data.shape == w.shape
-    assert torch.equal(q.data.abs().amax(1), torch.full((48,), 127, dtype=torch.int8))
+    top = q.data.abs().amax(1)  # [out]: each row spans the int8 range (its scale rounded up)
+    assert bool((top >= 125).all()) and bool((top <= 127).all())
     scale = q.scale.float().unsqueeze(1)  # [out, 1], as stored (bf16)
     err = (q.dequantized() - w).abs()
-    # Round to nearest on the stored scale: within half a step, plus the bf16 scale's rounding
-    # of the row's largest value (|w| / scale = 127 at most, relative error 2^-8).
-    assert bool((err <= scale * (0.5 + 127 * 2**-8)).all())
+    assert bool((err <= scale * (0.5 + 1e-5)).all())  # round to nearest on the stored scale
     assert float(err.max()) > 0  # it really is quantized
 
 
@@ -116,12 +115,11 @@ def test_int8_model_serves_its_dequantized_weights(tiny_folder: Path) -> None:
     want = [_bf16(_bf16(r.hidden) @ head.dequantized().T) for r in ref]
     fp32 = _steps(ModelSpec(str(tiny_folder)).load())
     for g, w, f in zip(got, want, fp32, strict=True):
-        spread = float(w.std())
-        near = float((g.logits - w).abs().max())
-        # The same arithmetic but for float32 summation order (a bf16 rounding may flip) ...
-        assert near <= 0.02 * spread
-        # ... and far from the unquantized model: the weights really are int8.
-        assert float((g.logits - f.logits).abs().max()) > 5 * near
+        # The same arithmetic but for float32 summation order, where a bf16 rounding may
+        # flip: a few bf16 steps of the largest logit at most ...
+        assert float((g.logits - w).abs().max()) <= 2**-5 * float(w.abs().max())
+        # ... and far closer to it than to the unquantized model: the weights really are int8.
+        assert float((g.logits - w).abs().mean()) <= 0.2 * float((g.logits - f.logits).abs().mean())
 
 
 def _served_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
