@@ -10,7 +10,11 @@ node: a row-parallel slice touches every row of a weight, so every page).
 Each load runs in a fresh process (peak RSS is per process) over the embedded
 SmolLM2-135M-Instruct, whose 3 KV heads allow TP = 3 (or 1):
 
-    .venv/bin/python -m bench.tp_load [--tp 3] [--out bench/results/tp_load.json]
+    .venv/bin/python -m bench.tp_load [--tp 3] [--max-shard-size 100MB]
+        [--out bench/results/tp_load.json]
+
+With ``--max-shard-size`` the checkpoint is first saved again as a sharded one (several
+safetensors files and their index), and each rank reads its slices across the shards.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,23 +68,53 @@ def main(argv: list[str] | None = None) -> Path:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="re-save the checkpoint in shards of at most this size (e.g. 100MB) with an "
+        "index, as large checkpoints come, and load that",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "tp_load.json")
     args = ap.parse_args(argv)
     folder = resolve_checkpoint("embedded")
-    files = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.max_shard_size:
+            folder = _sharded(folder, Path(tmp), args.max_shard_size)
+        return _measure(folder, args.tp, args.out, args.max_shard_size)
+
+
+def _sharded(folder: Path, tmp: Path, max_shard_size: str) -> Path:
+    """``folder``'s model saved again in shards of at most ``max_shard_size``, with an index."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp / "sharded"
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(out, max_shard_size=max_shard_size)
+    return out
+
+
+def _measure(folder: Path, tp: int, out: Path, max_shard_size: str | None) -> Path:
+    from models.weights import safetensors_files
+
+    shards = safetensors_files(folder)
+    files = sum(f.stat().st_size for f in shards)
     ranks: list[dict[str, Any]] = []
-    for rank in range(args.tp):
+    for rank in range(tp):
         row: dict[str, Any] = {"rank": rank}
         for mode in ("whole", "lazy"):
-            r = _load(folder, rank, args.tp, mode)
+            r = _load(folder, rank, tp, mode)
             row[f"{mode}_anon_bytes"] = r["anon_growth"]
             row[f"{mode}_peak_rss_growth_bytes"] = r["peak_growth"]
             row["shard_bytes"] = r["shard_bytes"]
         row["anon_ratio"] = row["lazy_anon_bytes"] / row["whole_anon_bytes"]
         ranks.append(row)
         print(json.dumps(row), flush=True)
-    doc = {"tp": args.tp, "checkpoint_bytes": files, "ranks": ranks}
-    out: Path = args.out
+    doc = {
+        "tp": tp,
+        "checkpoint_bytes": files,
+        "shards": len(shards),
+        "max_shard_size": max_shard_size,
+        "ranks": ranks,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")

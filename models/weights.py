@@ -58,10 +58,28 @@ class LazyTensor:
         return out
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index (``model.safetensors.index.json``,
+    a sharded checkpoint) names, each of which must be there; else every ``*.safetensors``."""
+    index = folder / INDEX
+    if not index.exists():
+        return sorted(folder.glob("*.safetensors"))
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"{index} names shards that are not in {folder}: {missing}")
+    return files
+
+
 def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
-    """Every tensor of an HF checkpoint folder, unread: safetensors files are opened lazily
-    (``LazyTensor``); ``*.bin`` files, the last resort, can only be read whole."""
-    files = sorted(folder.glob("*.safetensors"))
+    """Every tensor of an HF checkpoint folder, unread: safetensors files (every shard of a
+    sharded checkpoint) are opened lazily (``LazyTensor``); ``*.bin`` files, the last resort,
+    can only be read whole."""
+    files = safetensors_files(folder)
     if not files:
         return dict(load_state_dict(folder))
     out: dict[str, LazyTensor | torch.Tensor] = {}
@@ -79,7 +97,7 @@ def whole(t: Sliceable) -> torch.Tensor:
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of an HF checkpoint folder (``*.safetensors``, or ``*.bin`` as a last resort)."""
-    files = sorted(folder.glob("*.safetensors"))
+    files = safetensors_files(folder)
     if files:
         out: dict[str, torch.Tensor] = {}
         for f in files:
