@@ -274,7 +274,8 @@ def run_fault(
         pc.restore(pool)
     back = _replicas_back_s(base, pool, want_replicas, returned, limit_s=180)
     pools = _replicas(base) or {}
-    on_dead = sum(r.get("node_id") == dead for rs in pools.values() for r in rs)
+    # live entries only: the dead replica's last entry lingers on the board until it is stale
+    on_dead = sum(r.get("node_id") == dead and r["age_s"] < 3 for rs in pools.values() for r in rs)
 
     outcomes = [o for o, _ in got]
     wrong = sum(o == "ok" and t != w for (o, t), (_, w) in zip(got, want, strict=True))

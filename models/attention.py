@@ -107,6 +107,9 @@ class AttentionMetadata:
     groups: tuple[AttentionGroup, ...]  # the sequences, by new-token count
     cos: torch.Tensor  # [T, 1, head_dim / 2] rotary cosines at the new tokens' positions
     sin: torch.Tensor  # [T, 1, head_dim / 2]
+    # Attention in float64 (``build_attention_metadata``'s ``invariant``): a row's result then
+    # does not depend on the other rows and sequences of the call, once rounded back.
+    invariant: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -195,11 +198,21 @@ def build_attention_metadata(
     rope_sin: torch.Tensor,
     flex: FlexPool | None = None,
     window: int | None = None,
+    invariant: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch);
     with ``flex``, the groups it serves read the pool in place (``models.flex_paged``). With a
     sliding ``window`` (``LlamaConfig.sliding_window``) every group gathers: the in-place
-    kernel's block masks have no window."""
+    kernel's block masks have no window.
+
+    ``invariant`` computes attention in float64. SDPA's CPU kernels round a row differently
+    depending on how many query rows and sequences share the call (by ~1e-7 relative), so a
+    verification of k + 1 tokens and k + 1 single decodes differ in the last bits. In float32
+    that rarely moves an argmax; a model whose activations are rounded to 16 bits (bf16, or
+    int8 weights, whose kernel takes bf16) amplifies it into different greedy tokens. In
+    float64 the difference is far below what rounding back to float32 keeps, so speculation
+    stays token-identical to plain decoding. Those groups gather (the in-place kernel runs at
+    the model's dtype)."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
@@ -215,7 +228,7 @@ def build_attention_metadata(
     # Decodes and verifications the in-place kernel serves go together, whatever their
     # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
     in_place: list[int] = []
-    if flex is not None and window is None:
+    if flex is not None and window is None and not invariant:
         fits = [i for i, s in enumerate(seqs) if flex.kernel.fits(flex.group_size, s)]
         if flex.kernel.applies(sum(need[i] for i in fits) * block_size):
             in_place = fits
@@ -239,6 +252,7 @@ def build_attention_metadata(
         groups=groups,
         cos=rope_cos[pos_dev].unsqueeze(1),
         sin=rope_sin[pos_dev].unsqueeze(1),
+        invariant=invariant,
     )
 
 
@@ -256,12 +270,13 @@ def paged_attention(
     of the pool). Returns [T, Hq * D].
     """
     layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
+    exact = meta.invariant
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, layer_kv, meta.groups[0], scale)
+        return _attend(q, layer_kv, meta.groups[0], scale, exact)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
     for g in meta.groups:
         assert g.rows is not None  # only a lone group covering the whole step has none
-        out[g.rows] = _attend(q[g.rows], layer_kv, g, scale)
+        out[g.rows] = _attend(q[g.rows], layer_kv, g, scale, exact)
     return out
 
 
@@ -283,10 +298,10 @@ def _gather(layer_kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(
-    q: torch.Tensor, layer_kv: torch.Tensor, g: AttentionGroup, scale: float
+    q: torch.Tensor, layer_kv: torch.Tensor, g: AttentionGroup, scale: float, exact: bool
 ) -> torch.Tensor:
-    """One group's attention. q: [t, Hq, D]; layer_kv: [NB, 2, Hkv, BS, D]. Returns
-    [t, Hq * D]."""
+    """One group's attention (in float64 when ``exact``). q: [t, Hq, D]; layer_kv:
+    [NB, 2, Hkv, BS, D]. Returns [t, Hq * D]."""
     _t, hq, d = q.shape
     hkv = layer_kv.shape[2]
     b, qn = g.num_seqs, g.max_query
@@ -302,8 +317,11 @@ def _attend(
             flat = found.reshape(b * qn, hq * d)
             return flat if g.dense else flat[g.token_index]
     keys, values = _gather(layer_kv, g.tables)  # [b, Hkv, C, D] each
+    queries = qp.transpose(1, 2)  # [b, Hq, q, D]
+    if exact:
+        queries, keys, values = queries.double(), keys.double(), values.double()
     out = F.scaled_dot_product_attention(
-        qp.transpose(1, 2), keys, values, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
-    )  # [b, Hq, q, D]
+        queries, keys, values, attn_mask=g.mask, scale=scale, enable_gqa=hq != hkv
+    ).to(q.dtype)  # [b, Hq, q, D]
     out = out.transpose(1, 2).reshape(b * qn, hq * d)
     return out if g.dense else out[g.token_index]

@@ -138,6 +138,7 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.dtype = dtype
         self.device = dev
+        self.quant = Quant.NONE  # set by quantize()
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.paged_flex = FlexPagedAttention()  # in-place attention at long contexts
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
@@ -167,6 +168,15 @@ class LlamaModel(nn.Module):
             x = layer(x, self.rope, kv_pool[i], meta)
         y: torch.Tensor = self.norm(x)
         return y
+
+    @property
+    def invariant_attention(self) -> bool:
+        """Whether attention runs in float64 (``build_attention_metadata``): on a CPU, for a
+        model whose activations are rounded to 16 bits (bf16 or fp16 weights, or quantized
+        ones), so that greedy speculation stays token-identical to plain decoding."""
+        return self.device.type == "cpu" and (
+            self.dtype != torch.float32 or self.quant is not Quant.NONE
+        )
 
     def flex_pool(self, kv_pool: torch.Tensor) -> FlexPool:
         """What the metadata builder needs to let long-context groups read ``kv_pool`` in
@@ -199,6 +209,7 @@ class LlamaModel(nn.Module):
         group must call it (row scales are a max over the group)."""
         quantize_layers(self, kind, tp_group(self.tp))
         self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
+        self.quant = kind
 
     def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
         """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's

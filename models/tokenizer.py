@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,33 +49,56 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
+    @property
+    def backend(self) -> Any:
+        """The Rust ``tokenizers.Tokenizer`` under the HF one (for incremental decoding)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(
+                f"the tokenizer in {self.folder} is not a fast (tokenizers) one: tandem "
+                "needs tokenizer.json"
+            )
+        return backend
+
     def vocabulary(self) -> dict[str, int]:
         return dict(self._tok.get_vocab())
 
 
-@dataclass
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
+    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters,
+    at a cost per token that does not grow with the output.
 
-    Each call to :meth:`push` decodes the ids seen so far and returns the text not yet emitted,
-    holding back a trailing replacement character until the next token completes it.
+    ``tokenizers``' ``DecodeStream`` keeps a short window of recent ids and decodes only that
+    window per token (it holds back bytes that do not yet form a character). ``flush``, once
+    at the end, decodes the whole output and emits whatever the stream held back (a dangling
+    partial character comes out as U+FFFD, as a full decode writes it).
     """
 
-    tokenizer: Tokenizer
-    ids: list[int] = field(default_factory=list)
-    emitted: str = ""
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._parts: list[str] = []
+        self._backend = tokenizer.backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    @property
+    def emitted(self) -> str:
+        return "".join(self._parts)
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        if not new_ids:
             return ""
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text if text.startswith(self.emitted) else self.emitted
+        delta = self._stream.step(self._backend, list(new_ids)) or ""
+        if delta:
+            self._parts.append(delta)
         return delta
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted += delta
+        text, emitted = self.tokenizer.decode(self.ids), self.emitted
+        delta = text[len(emitted) :] if text.startswith(emitted) else ""
+        if delta:
+            self._parts.append(delta)
         return delta

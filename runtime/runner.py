@@ -59,6 +59,7 @@ def run_step(
         model.rope.sin,
         model.flex_pool(kv_pool),
         model.cfg.sliding_window,
+        model.invariant_attention,
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
     hidden = model(ids, kv_pool, meta)  # [T, hidden]

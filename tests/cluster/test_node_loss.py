@@ -15,7 +15,9 @@ def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
     pc = PoolCluster(cfg)
     try:
         base = pc.deploy(free_port())
-        r = run_fault(pc, base, "tiny", "decode_node", n=4, max_tokens=150)
+        # long enough that the streams are still running when the node is gone (the kill
+        # takes a second or two; the tiny model decodes hundreds of tokens a second)
+        r = run_fault(pc, base, "tiny", "decode_node", n=4, max_tokens=600)
     finally:
         pc.close()
     assert r.unexplained == 0 and r.wrong_outputs == 0

@@ -171,3 +171,32 @@ def test_quantization_changes_the_fingerprint(tiny_folder: Path) -> None:
     plain, int8 = ModelSpec(str(tiny_folder)), ModelSpec(str(tiny_folder), quantization="int8")
     assert plain.fingerprint() != int8.fingerprint()
     assert plain.fingerprint() == ModelSpec(str(tiny_folder), quantization="none").fingerprint()
+
+
+def test_int8_verification_rounds_exactly_like_one_token_decodes(tiny_folder: Path) -> None:
+    """Greedy speculation is token-identical to plain decoding only if verifying k + 1 tokens
+    gives each row the logits a one-token decode gives it, bit for bit: the int8 kernel's bf16
+    activations would amplify attention's call-shape rounding, so attention runs in float64."""
+    model = ModelSpec(str(tiny_folder), quantization="int8").load()
+    assert model.invariant_attention
+    c = model.cfg
+    g = torch.Generator().manual_seed(3)
+    n, k = 300, 8
+    prompt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
+    tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
+    table = list(range(20))
+
+    def fresh() -> torch.Tensor:
+        pool = torch.zeros(kv_pool_shape(20, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+        run_step(model, pool, BS, [SeqInput(table, 0, prompt, [n - 1])])
+        return pool
+
+    pool = fresh()
+    one_by_one = [
+        run_step(model, pool, BS, [SeqInput(table, n + i, [t], [0])]).logits[0]
+        for i, t in enumerate(tokens)
+    ]
+    pool = fresh()
+    verified = run_step(model, pool, BS, [SeqInput(table, n, tokens, list(range(k)))]).logits
+    for i in range(k):
+        assert torch.equal(verified[i], one_by_one[i])
