@@ -206,7 +206,7 @@ def build_attention_metadata(
     kernel's block masks have no window.
 
     ``invariant`` computes attention in float64. SDPA's CPU kernels round a row differently
-    depending on how many query rows and sequences share the call (by ~1e-7 relative), so a
+    depending on how many query rows and sequences share the call (in the last bits), so a
     verification of k + 1 tokens and k + 1 single decodes differ in the last bits. In float32
     that rarely moves an argmax; a model whose activations are rounded to 16 bits (bf16, or
     int8 weights, whose kernel takes bf16) amplifies it into different greedy tokens. In
