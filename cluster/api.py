@@ -14,7 +14,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.errors import APIError, install_error_handlers
 from cluster.generation import Final, Generation, GenerationError
 from cluster.guard import RETRY_AFTER_S, AdmissionGuard, AdmissionState
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from cluster.service import OpenAIService
 from models.request import Request
 
@@ -170,20 +175,46 @@ def build_api(
             return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
         return JSONResponse(body | {"admission": admission.snapshot()})
 
+    card = {
+        "id": settings.model_name,
+        "object": "model",
+        "created": settings.created,
+        "owned_by": "tandem",
+        "max_model_len": settings.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        service.check_model(model_id)
+        return card
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            service.check_model(body.model)
+        if body.messages is not None:
+            ids = service.chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
+        strs = service.tokenizer.token_strs(ids) if body.return_token_strs else None
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": settings.created,
-                    "owned_by": "tandem",
-                    "max_model_len": settings.max_model_len,
-                }
-            ],
+            "count": len(ids),
+            "max_model_len": settings.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
         }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            service.check_model(body.model)
+        service.check_token_ids(body.tokens, "tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
@@ -196,7 +227,7 @@ def build_api(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
         service.check_model(body.model)
-        ids = service.chat_prompt(body)
+        ids = service.chat_prompt(body.messages)
         req = service.build_request(body, ids, body.requested_max_tokens, "messages")
         shape = _Shape(True, req.request_id, settings.model_name)
         return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)

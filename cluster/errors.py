@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.protocol import UNSUPPORTED
+
 
 class APIError(Exception):
     """An error a client caused or should know about, rendered as an OpenAI error body."""
@@ -46,23 +48,51 @@ class APIError(Exception):
 
 
 def _param(loc: Sequence[Any]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    # Drop pydantic's union-branch tags (e.g. "str", "list[int]") from the location.
-    parts = [p for p in parts if not (p.startswith(("list[", "function-")) or p in ("str", "int"))]
+    """The dotted field path of a pydantic error location, without pydantic's union-branch
+    tags ("str", "list[int]", and the tag after a tagged union's index)."""
+    parts: list[str] = []
+    tag_next = False
+    for p in (str(x) for x in loc if x != "body"):
+        if "tagged-union[" in p:
+            tag_next = True
+        elif tag_next and not p.isdigit():
+            tag_next = False
+        elif not (p.startswith(("list[", "function-")) or p in ("str", "int")):
+            parts.append(p)
     return ".".join(parts) or None
 
 
+def _rank(error: dict[str, Any]) -> tuple[int, int]:
+    """Which of several errors to report: a refusal or an unknown field first (they say what to
+    change), then the deepest location (the union branch that matched the input's shape)."""
+    kind = error.get("type")
+    return (kind in (UNSUPPORTED, "extra_forbidden"), len(error.get("loc", ())))
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    first: dict[str, Any] = dict(errors[0]) if errors else {"loc": (), "msg": "invalid request"}
-    if first.get("type") == "json_invalid":
+    errors = [dict(e) for e in exc.errors()]
+    first: dict[str, Any] = (
+        max(errors, key=_rank) if errors else {"loc": (), "msg": "invalid request"}
+    )
+    kind = first.get("type")
+    if kind == "json_invalid":
         ctx: dict[str, Any] = first.get("ctx") or {}
         detail = ctx.get("error", first.get("msg"))
         return APIError(400, f"request body is not valid JSON: {detail}", code="invalid_json")
     param = _param(first.get("loc", ()))
-    msg = str(first.get("msg", "invalid value"))
-    if first.get("type") == "missing":
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind == "missing":
         return APIError(400, f"'{param}' is a required property", param=param, code="missing_field")
+    if kind == UNSUPPORTED:
+        text = msg if param and f"'{param}'" in msg else f"{msg} (at '{param}')"
+        return APIError(400, text, param=param, code="unsupported_parameter")
+    if kind == "extra_forbidden":
+        return APIError(
+            400,
+            f"unrecognised field '{param}': this server takes the fields listed in docs/api.md",
+            param=param,
+            code="unknown_parameter",
+        )
     return APIError(400, f"invalid value for '{param}': {msg}", param=param, code="invalid_value")
 
 

@@ -21,7 +21,11 @@ from cluster.auth import KeyRing
 from cluster.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Paths that do work per request (tokenizing at least): their bodies are bounded and they count
+# against the in-flight caps.
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+)
 RETRY_AFTER_S = 1
 
 

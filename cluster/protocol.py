@@ -1,29 +1,144 @@
-"""OpenAI-compatible request bodies (the part of the API tandem implements).
+"""OpenAI-compatible request bodies: every field is implemented, accepted as inert, or refused.
 
 Constraints live on the fields, so a bad value is rejected with the field's name before any
-work is done. The options declared here but not implemented (``n`` above 1, penalties,
-``echo``, ``logprobs``) are refused by name when set. Fields not declared at all are ignored
-(``extra="ignore"``): a client sending e.g. ``tools`` or ``response_format`` gets no error.
+work is done. Each body is an allow-list (``extra="forbid"``): a field this server does not
+know is a 400 naming it, never silently dropped. The fields of the OpenAI API fall in three
+kinds, listed per body in :data:`CHAT_FIELDS` and :data:`COMPLETION_FIELDS`:
+
+- implemented (``model``, ``messages``, ``temperature``, ...);
+- inert: accepted and ignored because they cannot change the output (``user``, ``metadata``,
+  caching and scheduling hints, ``prediction``); listed in :data:`INERT`;
+- refused: declared so the refusal can name them and say why, accepted only at the value that
+  means "off" (``tools: []``, ``n: 1``, ``response_format: {"type": "text"}``); listed with
+  their reasons in :data:`REFUSED`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_SEED = 2**63 - 1
+UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field (see cluster.errors)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+@dataclass(frozen=True)
+class Refusal:
+    """Why a declared field is not served, and the values that leave it off (accepted)."""
+
+    reason: str
+    off: tuple[Any, ...] = (None,)
+
+
+_TOOLS = "tool calling is not implemented"
+REFUSED: dict[str, Refusal] = {
+    "n": Refusal("only one choice per request is implemented", (None, 1)),
+    "best_of": Refusal("only one candidate per request is implemented", (None, 1)),
+    "presence_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
+    "frequency_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
+    "logit_bias": Refusal("logit bias is not implemented", (None, {})),
+    "min_p": Refusal("min-p sampling is not implemented; use top_p or top_k", (None, 0)),
+    "repetition_penalty": Refusal("penalties are not implemented; leave it at 1", (None, 1)),
+    "min_tokens": Refusal("a minimum output length is not implemented", (None, 0)),
+    "echo": Refusal("echoing the prompt is not implemented", (None, False)),
+    "suffix": Refusal("insertion (a suffix after the completion) is not implemented", (None, "")),
+    "tools": Refusal(_TOOLS, (None, [])),
+    "tool_choice": Refusal(_TOOLS, (None, "none", "auto")),
+    "functions": Refusal(_TOOLS, (None, [])),
+    "function_call": Refusal(_TOOLS, (None, "none", "auto")),
+    "response_format": Refusal(
+        "structured outputs are not implemented; only free text",
+        (None, {"type": "text"}),
+    ),
+    "audio": Refusal("this server produces text only"),
+    "modalities": Refusal("this server produces text only", (None, ["text"])),
+    "reasoning_effort": Refusal("the served model has no reasoning-effort setting"),
+    "verbosity": Refusal("the served model has no verbosity setting"),
+    "web_search_options": Refusal("web search is not available"),
+    "moderation": Refusal("moderation is not available on this server"),
+    "store": Refusal("this server stores no completions", (None, False)),
+    "include_obfuscation": Refusal("stream obfuscation is not implemented", (None, False)),
+}
+# Chat's ``logprobs`` is a switch and completions' an int (0 already asks for logprobs).
+REFUSED_LOGPROBS = {
+    "chat": Refusal("log-probabilities are not implemented yet", (None, False)),
+    "completions": Refusal("log-probabilities are not implemented yet"),
+}
+REFUSED_TOP_LOGPROBS = Refusal("log-probabilities are not implemented yet", (None, 0))
+
+# Accepted and ignored: none of them can change which tokens come out or how they are sent.
+INERT: dict[str, str] = {
+    "user": "an end-user id for the client's own tracking",
+    "metadata": "tags for the client's own tracking",
+    "safety_identifier": "an end-user id for the client's own tracking",
+    "service_tier": "a scheduling hint; one tier is served",
+    "prompt_cache_key": "a caching hint; prefix caching is automatic",
+    "prompt_cache_options": "a caching hint; prefix caching is automatic",
+    "prompt_cache_retention": "a caching hint; prefix caching is automatic",
+    "prediction": "a hint of the expected output; it cannot change the output",
+    "parallel_tool_calls": "meaningful only with tools, which are refused when given",
+}
+
+
+def _is_off(value: Any, rule: Refusal) -> bool:
+    """Whether ``value`` is one of the rule's off values (``True`` is not ``1`` here)."""
+    return any(value is off or (value == off and type(value) is not bool) for off in rule.off)
+
+
+def refuse(name: str, value: Any, rule: Refusal) -> Any:
+    """``value`` if it leaves the field off, else the refusal naming ``name``."""
+    if _is_off(value, rule):
+        return value
+    raise PydanticCustomError(
+        UNSUPPORTED,
+        "'{name}' is not supported: {reason}",
+        {
+            "name": name,
+            "reason": rule.reason,
+        },
+    )
+
+
+class _Body(BaseModel):
+    """A request body or part of one: unknown fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a final chunk carrying usage.")
+    include_obfuscation: Any = Field(None, description="Refused when true.")
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse(str(info.field_name), v, REFUSED["include_obfuscation"])
 
 
-class SamplingFields(BaseModel):
+_COMMON_REFUSED = (
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+)
+
+
+class SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str = Field(..., description="Model id, as listed by GET /v1/models.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
@@ -33,24 +148,28 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(None, description="Strings that end the output.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = None
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
-    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    user: str | None = None
+    ignore_eos: bool = Field(
+        False, description="vLLM's extension: keep generating past end-of-sequence tokens."
+    )
+    # refused unless off (see REFUSED); min_p, repetition_penalty, min_tokens are vLLM's
+    n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    # inert (see INERT)
+    user: Any = None
+    metadata: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
 
-    @field_validator("n")
+    @field_validator(*_COMMON_REFUSED)
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported; leave them at 0")
-        return v
+    def _refused(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
 
     @field_validator("stop")
     @classmethod
@@ -71,13 +190,28 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+_COMPLETION_REFUSED = ("best_of", "echo", "suffix")
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] = Field(
         ..., description="The prompt: a string, or a list of token ids."
     )
     max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate.")
-    echo: bool = Field(False, description="Not supported: must be false.")
-    logprobs: int | None = Field(None, description="Not supported.")
+    logprobs: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+
+    @field_validator(*_COMPLETION_REFUSED)
+    @classmethod
+    def _refused_here(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> Any:
+        return refuse("logprobs", v, REFUSED_LOGPROBS["completions"])
 
     @field_validator("prompt")
     @classmethod
@@ -91,44 +225,164 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
-        return self
 
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Body):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: Any = None  # inert: a caching hint
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+class RefusalPart(_Body):
+    """An assistant's earlier refusal, replayed in the history; rendered as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class FunctionCall(_Body):
+    name: str = Field(..., min_length=1)
+    arguments: str = Field(..., description="The arguments as JSON text, as the model wrote it.")
+
+    def arguments_value(self) -> Any:
+        """The arguments as data where they are JSON (what chat templates render), else text."""
+        try:
+            return json.loads(self.arguments)
+        except ValueError:
+            return self.arguments
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+_PART_TYPES = ("text", "refusal")
+_MEDIA = "this server serves a text-only model; '{kind}' content parts are not supported"
+
+
+class ChatMessage(_Body):
+    """One message of the history, in any role a client replays.
+
+    Which fields a role may carry follows the OpenAI API; whether the model's chat template can
+    render what is given (tool calls, tool results) is checked when the prompt is built."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = (
+        None
+    )
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    function_call: Any = None
+    audio: Any = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _media(cls, v: Any) -> Any:
+        """Image, audio and file parts are refused by kind before the parts are parsed."""
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind not in _PART_TYPES:
+                raise PydanticCustomError(UNSUPPORTED, _MEDIA, {"kind": kind})
+        return v
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        role = self.role
+        if role == "function" or self.function_call is not None:
+            raise PydanticCustomError(
+                UNSUPPORTED,
+                "function calling (the 'function' role, 'function_call') is not supported; "
+                "replay tool calls as 'tool_calls' and 'tool' messages",
+            )
+        if self.audio is not None:
+            raise PydanticCustomError(UNSUPPORTED, "this server produces text only ('audio')")
+        if role != "assistant" and (self.tool_calls is not None or self.refusal is not None):
+            raise ValueError(f"only assistant messages carry tool_calls or refusal, not {role}")
+        if role == "tool":
+            if self.tool_call_id is None:
+                raise ValueError("a tool message needs tool_call_id")
+        elif self.tool_call_id is not None:
+            raise ValueError(f"only tool messages carry tool_call_id, not {role}")
+        if self.content is None and not (
+            role == "assistant" and (self.tool_calls or self.refusal is not None)
+        ):
+            raise ValueError(
+                f"content is required in {role!r} messages (only an assistant message with "
+                "tool_calls may leave it null)"
+            )
+        return self
 
     @property
     def text(self) -> str:
+        """The message's text as the chat template sees it ("" for tool calls alone)."""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        if self.content is None:
+            return self.refusal or ""
+        return "".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+
+
+_CHAT_REFUSED = (
+    "best_of",
+    "echo",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "audio",
+    "modalities",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+    "moderation",
+    "store",
+)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
-    logprobs: bool = Field(False, description="Not supported: must be false.")
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: Any = None
+    best_of: Any = None
+    echo: Any = None
+    # inert (see INERT)
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    prediction: Any = None
+    parallel_tool_calls: Any = None
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    @field_validator(*_CHAT_REFUSED)
+    @classmethod
+    def _refused_here(cls, v: Any, info: ValidationInfo) -> Any:
+        return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> Any:
+        return refuse("logprobs", v, REFUSED_LOGPROBS["chat"])
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: Any) -> Any:
+        return refuse("top_logprobs", v, REFUSED_TOP_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -137,3 +391,47 @@ class ChatCompletionRequest(SamplingFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+
+
+def _fields(
+    model: type[BaseModel], refused: tuple[str, ...]
+) -> dict[str, Literal["implemented", "inert", "refused"]]:
+    out: dict[str, Literal["implemented", "inert", "refused"]] = {}
+    for name in model.model_fields:
+        out[name] = "inert" if name in INERT else "refused" if name in refused else "implemented"
+    return out
+
+
+CHAT_FIELDS = _fields(
+    ChatCompletionRequest, _COMMON_REFUSED + _CHAT_REFUSED + ("logprobs", "top_logprobs")
+)
+COMPLETION_FIELDS = _fields(
+    CompletionRequest, _COMMON_REFUSED + _COMPLETION_REFUSED + ("logprobs",)
+)
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``, in vLLM's shape: a ``prompt`` or chat ``messages``.
+
+    ``add_special_tokens`` defaults to what ``/v1/completions`` does with a text prompt (none
+    added), so the count is the count the server would see."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize``, in vLLM's shape."""
+
+    model: str | None = None
+    tokens: list[int] = Field(..., description="Token ids to turn back into text.")

@@ -5,14 +5,79 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.errors import APIError
 from cluster.guard import GuardPolicy
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.protocol import ChatMessage, CompletionRequest, SamplingFields
 from models.request import Request
 from models.sampling import SamplingParams
 from models.tokenizer import Tokenizer
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """``m`` as chat templates take it: text content, tool-call arguments as data."""
+    d: dict[str, Any] = {"role": m.role, "content": m.text}
+    if m.name is not None:
+        d["name"] = m.name
+    if m.tool_calls:
+        d["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments_value()},
+            }
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def chat_prompt(
+    tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
+    """The prompt's token ids under the model's chat template.
+
+    Tool calls and tool results are rendered only where the template renders them: a probe
+    rendering with marker values finds what the template would drop, and that is a 400 naming
+    the message, never a prompt silently missing part of the history."""
+    try:
+        if any(m.tool_calls or m.role == "tool" for m in messages):
+            _check_renders(tokenizer, messages)
+        return tokenizer.apply_chat_template(
+            [_template_message(m) for m in messages], add_generation_prompt
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+
+
+def _check_renders(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> None:
+    probe: list[dict[str, Any]] = []
+    wanted: list[tuple[str, str, str]] = []  # (marker, param, what)
+    for i, m in enumerate(messages):
+        d = _template_message(m)
+        if m.role == "tool":
+            marker = f"tandem-probe-{i}-result"
+            d["content"] = marker
+            wanted.append((marker, f"messages.{i}.content", "tool results"))
+        for j, call in enumerate(d.get("tool_calls", [])):
+            name, arg = f"tandemprobe{i}x{j}", f"tandem-probe-{i}-{j}-args"
+            call["function"] = {"name": name, "arguments": {"probe": arg}}
+            wanted += [(marker, f"messages.{i}.tool_calls", "tool calls") for marker in (name, arg)]
+        probe.append(d)
+    text = tokenizer.render_chat(probe)
+    for marker, param, what in wanted:
+        if marker not in text:
+            raise APIError(
+                400,
+                f"this model's chat template does not render {what}: '{param}' would be "
+                "dropped from the prompt",
+                param=param,
+                code="unsupported_parameter",
+            )
 
 
 @dataclass(frozen=True)
@@ -59,23 +124,24 @@ class OpenAIService:
             return self.tokenizer.encode(p)
         if isinstance(p[0], str):
             return self.tokenizer.encode(str(p[0]))
-        vocab = self.tokenizer.vocab_size
         ids = [int(t) for t in p]
+        self.check_token_ids(ids, "prompt")
+        return ids
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(
                 400,
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                param="prompt",
+                f"{param} token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                param=param,
             )
-        return ids
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
-        try:
-            return self.tokenizer.apply_chat_template(messages)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
+    def chat_prompt(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return chat_prompt(self.tokenizer, messages, add_generation_prompt)
 
     def build_request(
         self,
@@ -143,7 +209,7 @@ class OpenAIService:
             top_k=max(body.top_k, 0),
             max_tokens=max_tokens,
             seed=body.seed if body.seed is not None else secrets.randbits(63),
-            stop_token_ids=s.eos_token_ids,
+            stop_token_ids=() if body.ignore_eos else s.eos_token_ids,
             seeded=body.seed is not None,
         )
         return Request(

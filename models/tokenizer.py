@@ -30,24 +30,41 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
-    ) -> list[int]:
-        """Token ids of ``messages`` under the model's chat template; with the assistant header
-        appended (a prompt) unless ``add_generation_prompt`` is False (a finished transcript)."""
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """``messages`` as text under the model's chat template; with the assistant header
+        appended (a prompt) unless ``add_generation_prompt`` is False (a finished transcript).
+        Raises ValueError when there is no template or the template refuses the messages."""
+        from jinja2 import TemplateError
+
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        out = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        ids = out["input_ids"] if hasattr(out, "keys") else out
-        return [int(i) for i in ids]
+        try:
+            text = self._tok.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template refused the messages: {e}") from e
+        return str(text)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``messages`` under the model's chat template (see :meth:`render_chat`).
+
+        The rendered text carries the template's special tokens itself, so none are added."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry (byte-level pieces as the vocabulary spells them)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
 
     @property
     def backend(self) -> Any:

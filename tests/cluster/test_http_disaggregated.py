@@ -244,3 +244,104 @@ def test_bad_input_is_refused_and_server_keeps_serving(
         assert param in err["message"] or status == 404
     ok = httpx.post(f"{base}/v1/chat/completions", json=GOOD, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_fields_the_server_does_not_implement_are_refused_by_name(client: openai.OpenAI) -> None:
+    """Through the SDK, as a client would send them: each refused field is a 400 naming it,
+    the inert ones are accepted, and the server keeps serving."""
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    for name, value in [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("response_format", {"type": "json_object"}),
+        ("logit_bias", {"42": 5}),
+        ("n", 2),
+        ("logprobs", True),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(
+                model=MODEL, messages=msgs, max_tokens=2, **{name: value}
+            )
+        assert (e.value.param, e.value.code) == (name, "unsupported_parameter")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, suffix="end")
+    assert e.value.param == "suffix"
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=2,
+        user="u-1",
+        metadata={"team": "a"},
+        service_tier="flex",
+        prediction={"type": "content", "content": "Hello"},
+        tools=[],
+        n=1,
+    )
+    assert r.choices[0].message.role == "assistant" and r.usage is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, extra_body={"frobnicate": 1.2})
+    assert (e.value.param, e.value.code) == ("frobnicate", "unknown_parameter")
+
+
+def test_ignore_eos_generates_to_max_tokens(client: openai.OpenAI) -> None:
+    """vLLM's ``ignore_eos`` (benchmark clients send it): the same greedy text, continued past
+    the end-of-sequence token to ``max_tokens``."""
+    msgs: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage is not None
+    assert plain.usage.completion_tokens < 48
+    more = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=48, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert more.choices[0].finish_reason == "length" and more.usage is not None
+    assert more.usage.completion_tokens == 48
+    assert (more.choices[0].message.content or "").startswith(
+        plain.choices[0].message.content or ""
+    )
+
+
+def test_tool_results_replay_and_dropped_tool_calls_are_refused(client: openai.OpenAI) -> None:
+    history: Any = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me check."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+    ]
+    r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3)
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+    history[1] = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}
+        ],
+    }
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=3)
+    assert e.value.param == "messages.1.tool_calls"
+
+
+def test_tokenize_detokenize_and_model_card(client: openai.OpenAI, base: str) -> None:
+    """vLLM's shapes: the chat count equals the usage a chat request reports, and detokenize
+    inverts tokenize."""
+    msgs = [{"role": "user", "content": "Count these tokens, please."}]
+    t = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": msgs}, timeout=30)
+    assert t.status_code == 200, t.text
+    body = t.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 2048
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.prompt_tokens == body["count"]
+    text = "Grüße, 世界! 🌍"
+    t = httpx.post(f"{base}/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert len(t["token_strs"]) == t["count"] == len(t["tokens"])
+    d = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": t["tokens"]})
+    assert d.status_code == 200 and d.json() == {"prompt": text}
+    for url, payload, param in [
+        ("tokenize", {"prompt": "a", "messages": msgs}, None),
+        ("detokenize", {"tokens": [10**8]}, "tokens"),
+        ("detokenize", {"tokens": [1], "model": "gpt-5"}, "model"),
+    ]:
+        bad = httpx.post(f"{base}/{url}", json=payload, timeout=30)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, bad.text
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-5")
+    assert e.value.code == "model_not_found"
