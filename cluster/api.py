@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.errors import APIError, install_error_handlers
-from cluster.generation import Final, Generation, GenerationError
+from cluster.generation import Delta, Final, Generation, GenerationError
 from cluster.guard import RETRY_AFTER_S, AdmissionGuard, AdmissionState
 from cluster.protocol import (
     ChatCompletionRequest,
@@ -21,7 +21,9 @@ from cluster.protocol import (
     TokenizeRequest,
 )
 from cluster.service import OpenAIService
+from models.logprobs import TokenLogprob
 from models.request import Request
+from models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -63,36 +65,82 @@ def _sse(obj: dict[str, Any]) -> str:
 class _Shape:
     """How one endpoint shapes its bodies: completions and chat differ only here."""
 
-    def __init__(self, chat: bool, rid: str, model: str) -> None:
+    def __init__(self, chat: bool, rid: str, model: str, tokenizer: Tokenizer) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self.model = model
         self.created = int(time.time())
+        self.tokenizer = tokenizer
+        self.text_offset = 0  # completions' logprobs.text_offset of the next token
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, final: Final) -> dict[str, Any]:
+    def _pieces(self, ids: list[int]) -> list[tuple[str, bytes]]:
+        """Each token's text and bytes (a token may hold part of a character: its text then
+        has a replacement character, its bytes are exact)."""
+        raw = self.tokenizer.token_bytes(ids)
+        return [(b.decode("utf-8", errors="replace"), b) for b in raw]
+
+    def logprobs(self, lps: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The choice's ``logprobs`` object (None when the request did not ask)."""
+        if lps is None:
+            return None
+        ids = [lp.token for lp in lps]
+        tops = [[t for t, _ in lp.top] for lp in lps]
+        pieces = self._pieces(ids + [t for top in tops for t in top])
+        mine, alts = pieces[: len(ids)], iter(pieces[len(ids) :])
+        if self.chat:
+            content = []
+            for lp, (text, raw) in zip(lps, mine, strict=True):
+                top = [
+                    {"token": t, "logprob": v, "bytes": list(b)}
+                    for (_, v), (t, b) in zip(lp.top, alts, strict=False)
+                ]
+                content.append(
+                    {"token": text, "logprob": lp.logprob, "bytes": list(raw), "top_logprobs": top}
+                )
+            return {"content": content, "refusal": None}
+        offsets = []
+        for text, _ in mine:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": [text for text, _ in mine],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {t: v for (_, v), (t, _) in zip(lp.top, alts, strict=False)} for lp in lps
+            ],
+            "text_offset": offsets,
+        }
+
+    def whole(self, text: str, final: Final, lps: Sequence[TokenLogprob] | None) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": final.finish_reason,
-                "logprobs": None,
+                "logprobs": self.logprobs(lps),
             }
         else:
             choice = {
                 "index": 0,
                 "text": text,
                 "finish_reason": final.finish_reason,
-                "logprobs": None,
+                "logprobs": self.logprobs(lps),
             }
         return self._base("chat.completion" if self.chat else "text_completion") | {
             "choices": [choice],
             "usage": _usage(final),
         }
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None,
+        role: bool = False,
+        lps: Sequence[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -101,10 +149,15 @@ class _Shape:
                 "index": 0,
                 "delta": delta,
                 "finish_reason": finish,
-                "logprobs": None,
+                "logprobs": self.logprobs(lps),
             }
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "finish_reason": finish,
+                "logprobs": self.logprobs(lps),
+            }
         return self._base("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [choice]
         }
@@ -117,13 +170,16 @@ class _Shape:
 async def _respond(
     gen: Generation, req: Request, stops: list[str], shape: _Shape, stream: bool, usage: bool
 ) -> Any:
+    wants = req.sampling.logprobs is not None
     if not stream:
         parts: list[str] = []
+        lps: list[TokenLogprob] = []
         try:
             async for item in gen.run(req, stops):
                 if isinstance(item, Final):
-                    return JSONResponse(shape.whole("".join(parts), item))
-                parts.append(item)
+                    return JSONResponse(shape.whole("".join(parts), item, lps if wants else None))
+                parts.append(item.text)
+                lps += item.logprobs
         except GenerationError as e:
             raise _api_error(e) from e
         raise APIError(500, "generation ended without a result")
@@ -136,7 +192,7 @@ async def _respond(
         raise _api_error(e) from e
 
     async def events() -> AsyncIterator[str]:
-        item: str | Final | None = first
+        item: Delta | Final | None = first
         if shape.chat:
             yield _sse(shape.chunk(None, None, role=True))
         try:
@@ -146,7 +202,7 @@ async def _respond(
                     if usage:
                         yield _sse(shape.usage_chunk(item))
                     break
-                yield _sse(shape.chunk(item, None))
+                yield _sse(shape.chunk(item.text, None, lps=item.logprobs if wants else None))
                 item = await anext(items, None)
         except GenerationError as e:
             yield _sse(_api_error(e).body())
@@ -221,7 +277,7 @@ def build_api(
         service.check_model(body.model)
         ids = service.completion_prompt(body)
         req = service.build_request(body, ids, body.max_tokens, "prompt")
-        shape = _Shape(False, req.request_id, settings.model_name)
+        shape = _Shape(False, req.request_id, settings.model_name, service.tokenizer)
         return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -229,7 +285,7 @@ def build_api(
         service.check_model(body.model)
         ids = service.chat_prompt(body.messages)
         req = service.build_request(body, ids, body.requested_max_tokens, "messages")
-        shape = _Shape(True, req.request_id, settings.model_name)
+        shape = _Shape(True, req.request_id, settings.model_name, service.tokenizer)
         return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
 
     return app

@@ -19,6 +19,7 @@ from ray.serve.exceptions import BackPressureError
 
 from decode.outputs import SpecUsage
 from kvtransfer.handoff import KVHandoff
+from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -44,11 +45,23 @@ class Final:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """Text for the client, with the log-probabilities (when the request asks for them) of the
+    tokens that arrived since the last delta. A token's log-probability travels with the first
+    text sent after it arrives; part of its text may follow in a later delta (text held back
+    as a possible stop string, or a character not yet complete)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Tokens:
     ids: tuple[int, ...]
     finish_reason: str | None
     spec: SpecUsage
     error: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -111,7 +124,8 @@ class Generation:
         handoff = None
         if self.prefill is not None:
             handoff = await self._prefill(req)
-            yield _Tokens((handoff.first_token,), handoff.finish_reason, NO_SPEC, None)
+            first = () if handoff.first_logprob is None else (handoff.first_logprob,)
+            yield _Tokens((handoff.first_token,), handoff.finish_reason, NO_SPEC, None, first)
             if handoff.finish_reason:
                 return
         sent = req
@@ -121,7 +135,9 @@ class Generation:
             try:
                 async for out in stream:
                     finished, streamed = out.finished, True
-                    yield _Tokens(out.new_token_ids, out.finish_reason, out.spec, out.error)
+                    yield _Tokens(
+                        out.new_token_ids, out.finish_reason, out.spec, out.error, out.logprobs
+                    )
                 return
             except BackPressureError as e:
                 finished = True  # never placed on a replica: nothing to cancel (cancel re-raises)
@@ -140,11 +156,15 @@ class Generation:
                 if not finished:
                     stream.cancel()
 
-    async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[str | Final, None]:
-        """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`."""
+    async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[Delta | Final, None]:
+        """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`.
+
+        With a stop string, the log-probabilities reported are those of every token up to the
+        one that completed the stop string (the text stops before the string)."""
         detok = IncrementalDetokenizer(self.tokenizer)
         hold = max((len(s) for s in stops), default=1) - 1
         pending = ""
+        held: tuple[TokenLogprob, ...] = ()  # of tokens whose text has not been sent
         num_tokens = 0
         spec = NO_SPEC
         tokens = self._tokens(req)
@@ -155,21 +175,22 @@ class Generation:
                 if chunk.error:
                     raise GenerationError(chunk.error)
                 pending += detok.push(chunk.ids)
+                held += chunk.logprobs
                 done = chunk.finish_reason is not None
                 if done:
                     pending += detok.flush()
                 cut = _find_stop(pending, stops)
                 if cut is not None:
-                    if cut:
-                        yield pending[:cut]
+                    if cut or held:
+                        yield Delta(pending[:cut], held)
                     yield Final(
                         FinishReason.STOP.value, len(req.prompt_token_ids), num_tokens, spec
                     )
                     return
                 safe = len(pending) if done else max(0, len(pending) - hold)
-                if safe:
-                    yield pending[:safe]
-                    pending = pending[safe:]
+                if safe or (done and held):
+                    yield Delta(pending[:safe], held)
+                    pending, held = pending[safe:], ()
                 if done:
                     assert chunk.finish_reason is not None
                     yield Final(chunk.finish_reason, len(req.prompt_token_ids), num_tokens, spec)

@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from models.logprobs import MAX_TOP_LOGPROBS
+
 MAX_SEED = 2**63 - 1
 UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field (see cluster.errors)
 
@@ -70,12 +72,6 @@ REFUSED: dict[str, Refusal] = {
     "store": Refusal("this server stores no completions", (None, False)),
     "include_obfuscation": Refusal("stream obfuscation is not implemented", (None, False)),
 }
-# Chat's ``logprobs`` is a switch and completions' an int (0 already asks for logprobs).
-REFUSED_LOGPROBS = {
-    "chat": Refusal("log-probabilities are not implemented yet", (None, False)),
-    "completions": Refusal("log-probabilities are not implemented yet"),
-}
-REFUSED_TOP_LOGPROBS = Refusal("log-probabilities are not implemented yet", (None, 0))
 
 # Accepted and ignored: none of them can change which tokens come out or how they are sent.
 INERT: dict[str, str] = {
@@ -180,6 +176,11 @@ class SamplingFields(_Body):
         return v
 
     @property
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to report with each token's log-probability; None: none."""
+        return None
+
+    @property
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
@@ -198,7 +199,12 @@ class CompletionRequest(SamplingFields):
         ..., description="The prompt: a string, or a list of token ids."
     )
     max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate.")
-    logprobs: Any = None
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Report each token's log-probability and this many alternatives.",
+    )
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -208,10 +214,9 @@ class CompletionRequest(SamplingFields):
     def _refused_here(cls, v: Any, info: ValidationInfo) -> Any:
         return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any) -> Any:
-        return refuse("logprobs", v, REFUSED_LOGPROBS["completions"])
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -347,8 +352,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool = Field(False, description="Report each output token's log-probability.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives reported per token."
+    )
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -374,15 +381,16 @@ class ChatCompletionRequest(SamplingFields):
     def _refused_here(cls, v: Any, info: ValidationInfo) -> Any:
         return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any) -> Any:
-        return refuse("logprobs", v, REFUSED_LOGPROBS["chat"])
-
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs(cls, v: Any) -> Any:
-        return refuse("top_logprobs", v, REFUSED_TOP_LOGPROBS)
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -402,12 +410,8 @@ def _fields(
     return out
 
 
-CHAT_FIELDS = _fields(
-    ChatCompletionRequest, _COMMON_REFUSED + _CHAT_REFUSED + ("logprobs", "top_logprobs")
-)
-COMPLETION_FIELDS = _fields(
-    CompletionRequest, _COMMON_REFUSED + _COMPLETION_REFUSED + ("logprobs",)
-)
+CHAT_FIELDS = _fields(ChatCompletionRequest, _COMMON_REFUSED + _CHAT_REFUSED)
+COMPLETION_FIELDS = _fields(CompletionRequest, _COMMON_REFUSED + _COMPLETION_REFUSED)
 
 
 class TokenizeRequest(_Body):

@@ -211,6 +211,7 @@ class OpenAIService:
             seed=body.seed if body.seed is not None else secrets.randbits(63),
             stop_token_ids=() if body.ignore_eos else s.eos_token_ids,
             seeded=body.seed is not None,
+            logprobs=body.requested_logprobs,
         )
         return Request(
             request_id=uuid.uuid4().hex,

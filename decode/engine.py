@@ -30,6 +30,7 @@ from decode.speculation import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
+from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
 from runtime.shard import ShardSpec
@@ -269,9 +270,10 @@ class DecodeEngine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
+        logprobs = em.logprobs[: len(new)]
         if reason is not None:
             self.running.pop(r.request_id)
-            self._finish(r, reason, None, tuple(new), em)
+            self._finish(r, reason, None, tuple(new), em, logprobs)
         else:
             if decoding and not em.num_drafted and self.speculation is not None:
                 self.speculation.rest(r)  # it goes on, having verified nothing this step
@@ -283,6 +285,7 @@ class DecodeEngine:
                     self._usage(r),
                     step_drafted=em.num_drafted,
                     step_accepted=em.num_accepted,
+                    logprobs=logprobs,
                 )
             )
 
@@ -417,6 +420,7 @@ class DecodeEngine:
         error: str | None,
         new: tuple[int, ...] = (),
         em: Emission | None = None,
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         if error:
             log.warning("request %s failed: %s", r.request_id, error)
@@ -426,7 +430,16 @@ class DecodeEngine:
             self.speculation.finished(r)
         drafted, accepted = (em.num_drafted, em.num_accepted) if em else (0, 0)
         self._outbox.append(
-            StepOutput(r.request_id, new, reason.value, self._usage(r), error, drafted, accepted)
+            StepOutput(
+                r.request_id,
+                new,
+                reason.value,
+                self._usage(r),
+                error,
+                drafted,
+                accepted,
+                logprobs,
+            )
         )
 
     def close(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.logprobs import TokenLogprob
+
 
 @dataclass(frozen=True)
 class SpecUsage:
@@ -24,6 +26,7 @@ class StepOutput:
     error: str | None = None
     step_drafted: int = 0  # draft tokens this step tested for the request
     step_accepted: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asks
 
     @property
     def finished(self) -> bool:

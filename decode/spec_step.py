@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
+from models.logprobs import TokenLogprob, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
 from models.tree import TreeSpan, chain_parents, path_moves
@@ -37,6 +38,8 @@ class Emission:
     num_drafted: int  # draft tokens tested (a tree: its depth, the positions it offered)
     num_accepted: int
     num_fed: int  # tokens the target computed for this request in this step
+    rows: tuple[int, ...] = ()  # each token's row among the request's logit rows
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asks for them
 
 
 NO_DRAFT = DraftProposal((), None)
@@ -130,7 +133,35 @@ def decode_step(
         _observe(drafter, r, out.all_hidden[offsets[i] : offsets[i] + valid])
         r.num_computed += valid
         r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
-        emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids))
+        produced = tuple(range(len(emitted)))  # a chain's token j comes from its row j
+        emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids), produced)
+    return _with_logprobs(out.logits, reqs, emissions, first_row)
+
+
+def _with_logprobs(
+    logits: torch.Tensor,
+    reqs: Sequence[Request],
+    emissions: list[Emission],
+    first_row: Mapping[int, int],
+) -> list[Emission]:
+    """``emissions`` with the target's log-probabilities of each emitted token, for the
+    requests that ask for them, read from the rows that produced the tokens (logits: [rows, V])
+    in one batch."""
+    asks = [
+        i
+        for i, (r, em) in enumerate(zip(reqs, emissions, strict=True))
+        if em.tokens and r.sampling.logprobs is not None
+    ]
+    if not asks:
+        return emissions
+    rows = [first_row[i] + row for i in asks for row in emissions[i].rows]
+    tokens = [t for i in asks for t in emissions[i].tokens]
+    tops = [reqs[i].sampling.logprobs or 0 for i in asks for _ in emissions[i].tokens]
+    index = torch.tensor(rows, device=logits.device)
+    got = iter(token_logprobs(logits[index], tokens, tops))
+    for i in asks:
+        em = emissions[i]
+        emissions[i] = replace(em, logprobs=tuple(next(got) for _ in em.tokens))
     return emissions
 
 
@@ -275,7 +306,9 @@ def _accept_tree(
     r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
     depth = max(TreeSpan(0, prop.parents).depths()) + 1
     emitted = (*(prop.tokens[node] for node in path), final)
-    return Emission(emitted, depth, len(path), n + len(prop.tokens))
+    # a token comes from the row after its parent: the root (row 0) or the node before it
+    produced = (0, *(1 + node for node in path))
+    return Emission(emitted, depth, len(path), n + len(prop.tokens), produced)
 
 
 def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:

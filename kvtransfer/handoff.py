@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from models.logprobs import TokenLogprob
 from models.spec import ModelSpec
 
 HANDOFF_VERSION = 2
@@ -128,6 +129,7 @@ class KVHandoff:
     draft_computed: int = 0  # prompt positions whose draft KV the blocks hold
     hidden_state: torch.Tensor | None = None  # [H] the last prompt position's target feature
     finish_reason: str | None = None  # set when the first token already ends the request
+    first_logprob: TokenLogprob | None = None  # the first token's, when the request asks
     payload: Any = None  # what the transport's export gave (e.g. an object store reference)
     version: int = HANDOFF_VERSION
 

@@ -30,6 +30,9 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # end-of-sequence ids included unless ignore_eos
     seeded: bool = False  # the client chose the seed: its tokens must not depend on the batch
+    # report each emitted token's log-probability and this many alternatives (models.logprobs);
+    # None reports none
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

@@ -15,6 +15,7 @@ class Tokenizer:
 
         self._tok: Any = AutoTokenizer.from_pretrained(str(folder))
         self.folder = folder
+        self._byte_decoder: dict[str, int] | None = None  # built on first use of token_bytes
 
     @property
     def vocab_size(self) -> int:
@@ -61,6 +62,36 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """The bytes each id adds to the output text (a token may hold part of a UTF-8
+        character; the API's ``bytes`` field). Byte-level vocabularies (GPT-2 style) spell bytes
+        as printable characters, undone here; SentencePiece ones spell a space as "▁" and raw
+        bytes as "<0xNN>" pieces."""
+        if self._byte_decoder is None:
+            import json
+
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+            self._byte_decoder = (
+                {c: b for b, c in bytes_to_unicode().items()} if "ByteLevel" in kinds else {}
+            )
+        special = set(self._tok.all_special_ids)
+        table = self._byte_decoder
+        out: list[bytes] = []
+        for i, p in zip(ids, self._tok.convert_ids_to_tokens(list(ids)), strict=True):
+            piece = str(p)
+            if i in special or (table and not all(c in table for c in piece)):
+                out.append(piece.encode())
+            elif table:
+                out.append(bytes(table[c] for c in piece))
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's vocabulary entry (byte-level pieces as the vocabulary spells them)."""

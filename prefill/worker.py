@@ -30,6 +30,7 @@ import torch
 from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
+from models.logprobs import token_logprobs
 from models.request import FinishReason, Request
 from models.sampling import Stream, probs_from_logits, sample_token
 from models.spec import DraftKind
@@ -209,8 +210,14 @@ class PrefillWorker:
         self._queue.remove(p)
         req, sp = p.req, p.req.sampling
         try:
-            probs = probs_from_logits(torch.cat(p.target_logits), [sp] * len(p.positions))  # [W, V]
+            logits = torch.cat(p.target_logits)  # [W, V]
+            probs = probs_from_logits(logits, [sp] * len(p.positions))  # [W, V]
             first = sample_token(probs[-1], sp, 0, Stream.SAMPLE)
+            first_logprob = (
+                None
+                if sp.logprobs is None
+                else token_logprobs(logits[-1:], [first], [sp.logprobs])[0]
+            )
             probe = acceptance_probe(
                 self.cfg.draft, req.prompt_token_ids, sp, p.positions, probs, p.draft_logits
             )
@@ -248,6 +255,7 @@ class PrefillWorker:
                 draft_computed=p.draft_computed,
                 hidden_state=p.last_feature if self.cfg.draft.kind is DraftKind.EAGLE else None,
                 finish_reason=finish.value if finish else None,
+                first_logprob=first_logprob,
                 payload=payload,
             )
         )

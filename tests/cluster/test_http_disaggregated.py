@@ -255,7 +255,6 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(client: openai
         ("response_format", {"type": "json_object"}),
         ("logit_bias", {"42": 5}),
         ("n", 2),
-        ("logprobs", True),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(
@@ -345,3 +344,69 @@ def test_tokenize_detokenize_and_model_card(client: openai.OpenAI, base: str) ->
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-5")
     assert e.value.code == "model_not_found"
+
+
+def test_logprobs_are_the_targets_through_the_api(
+    client: openai.OpenAI, embedded_folder: Path
+) -> None:
+    """Greedy with n-gram speculation on a copy-heavy prompt: the reported log-probabilities,
+    streamed or not, completions or chat, are transformers' log-softmax of the same tokens."""
+    tok = Tokenizer(embedded_folder)
+    hf = LlamaForCausalLM.from_pretrained(embedded_folder, dtype=torch.float32).eval()
+    text = "Copy: red green blue red green blue red green blue red green"
+    ids = tok.encode(text)
+    ref = hf.generate(
+        torch.tensor([ids]),
+        max_new_tokens=20,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    out = ref.sequences[0, len(ids) :].tolist()
+    want = [
+        torch.log_softmax(step[0].float(), dim=-1) for step in ref.logits[: len(out)]
+    ]  # per output position, [V]
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 20, "temperature": 0}
+    whole = client.completions.create(prompt=ids, logprobs=3, **kw)
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert whole.usage is not None and len(lp.token_logprobs) == whole.usage.completion_tokens
+    assert len(lp.token_logprobs) == len(out)
+    assert (whole.usage.model_extra or {})["speculative"]["accepted_tokens"] > 0  # drafts passed
+    for j, (value, top) in enumerate(zip(lp.token_logprobs, lp.top_logprobs, strict=True)):
+        assert value == pytest.approx(float(want[j][out[j]]), abs=1e-4)
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            want[j].topk(3).values.tolist(), abs=1e-4
+        )
+    assert lp.text_offset is not None and lp.text_offset[0] == 0
+    assert "".join(lp.tokens or []) == whole.choices[0].text
+    streamed: list[float] = []
+    for chunk in client.completions.create(prompt=ids, logprobs=3, stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    msgs: Any = [{"role": "user", "content": text}]
+    chat = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2, **kw)
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content and chat.usage is not None and len(content) == chat.usage.completion_tokens
+    assert all(
+        len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content
+    )
+    joined = b"".join(bytes(c.bytes or []) for c in content)
+    assert joined.startswith((chat.choices[0].message.content or "").encode())
+    chunks = [
+        c.choices[0].logprobs.content or []
+        for c in client.chat.completions.create(
+            messages=msgs, logprobs=True, top_logprobs=2, stream=True, **kw
+        )
+        if c.choices and c.choices[0].logprobs is not None
+    ]
+    assert [c.logprob for part in chunks for c in part] == pytest.approx(
+        [c.logprob for c in content], abs=1e-4
+    )
+    plain = client.chat.completions.create(messages=msgs, **kw)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=msgs, top_logprobs=2, **kw)
+    assert e.value.param == "top_logprobs"

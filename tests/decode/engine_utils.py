@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from decode.engine import DecodeEngine
 from kvtransfer.handoff import KVHandoff
+from models.logprobs import TokenLogprob
 from models.request import Request
 from models.sampling import SamplingParams
 from prefill.worker import PrefillWorker
@@ -24,8 +25,10 @@ def run_all(
     reqs: Sequence[Request],
     prefill: PrefillWorker | None = None,
     timeout_s: float = 120.0,
+    logprobs: dict[str, list[TokenLogprob]] | None = None,
 ) -> dict[str, list[int]]:
-    """Admit every request at once (through prefill when given); return their output tokens.
+    """Admit every request at once (through prefill when given); return their output tokens
+    (and gather the log-probabilities reported for them into ``logprobs`` when given).
 
     Bounded by time, not by steps: a step while a pull is in flight returns at once, and how
     many of those pass before another process serves the read depends on the machine's load."""
@@ -37,6 +40,8 @@ def run_all(
         if prefill is not None:
             handoff = prefill.prefill(r)
             out[r.request_id].append(handoff.first_token)
+            if logprobs is not None and handoff.first_logprob is not None:
+                logprobs.setdefault(r.request_id, []).append(handoff.first_logprob)
             if handoff.finish_reason:
                 done.add(r.request_id)
                 continue
@@ -46,6 +51,8 @@ def run_all(
         for o in engine.step():
             assert o.error is None, o.error
             out[o.request_id].extend(o.new_token_ids)
+            if logprobs is not None:
+                logprobs.setdefault(o.request_id, []).extend(o.logprobs)
             if o.finished:
                 done.add(o.request_id)
     assert len(done) == len(reqs), "engine did not finish every request"
