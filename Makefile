@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: serve test lint typecheck unit install clean
+.PHONY: serve test lint typecheck unit install clean proto
 
 $(STAMP): pyproject.toml tools/install_torch.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ unit: $(STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+proto: $(STAMP)  # regenerate the committed gRPC stubs (tests/cluster/test_grpc_stubs.py checks them)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. \
+		cluster/proto/tandem.proto
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from cluster.errors import APIError, install_error_handlers
+from cluster.errors import APIError, generation_error, install_error_handlers
 from cluster.generation import Delta, Final, Generation, GenerationError
-from cluster.guard import RETRY_AFTER_S, AdmissionGuard, AdmissionState
+from cluster.guard import Admission, AdmissionGuard
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,7 +28,7 @@ from models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def _usage(final: Final) -> dict[str, Any]:
+def usage_body(final: Final) -> dict[str, Any]:
     spec = final.spec
     usage: dict[str, Any] = {
         "prompt_tokens": final.prompt_tokens,
@@ -44,18 +44,6 @@ def _usage(final: Final) -> dict[str, Any]:
             "mean_accepted_length": spec.emitted_tokens / spec.num_steps,
         }
     return usage
-
-
-def _api_error(e: GenerationError) -> APIError:
-    if e.status == 429:
-        return APIError(
-            429,
-            str(e),
-            code="server_overloaded",
-            type_="rate_limit_error",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-    return APIError(e.status, str(e), code="service_unavailable")
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -131,7 +119,7 @@ class _Shape:
             }
         return self._base("chat.completion" if self.chat else "text_completion") | {
             "choices": [choice],
-            "usage": _usage(final),
+            "usage": usage_body(final),
         }
 
     def chunk(
@@ -164,7 +152,7 @@ class _Shape:
 
     def usage_chunk(self, final: Final) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._base(obj) | {"choices": [], "usage": _usage(final)}
+        return self._base(obj) | {"choices": [], "usage": usage_body(final)}
 
 
 async def _respond(
@@ -181,7 +169,7 @@ async def _respond(
                 parts.append(item.text)
                 lps += item.logprobs
         except GenerationError as e:
-            raise _api_error(e) from e
+            raise generation_error(e) from e
         raise APIError(500, "generation ended without a result")
 
     items = gen.run(req, stops)
@@ -189,7 +177,7 @@ async def _respond(
     try:
         first = await anext(items)
     except GenerationError as e:
-        raise _api_error(e) from e
+        raise generation_error(e) from e
 
     async def events() -> AsyncIterator[str]:
         item: Delta | Final | None = first
@@ -205,7 +193,7 @@ async def _respond(
                 yield _sse(shape.chunk(item.text, None, lps=item.logprobs if wants else None))
                 item = await anext(items, None)
         except GenerationError as e:
-            yield _sse(_api_error(e).body())
+            yield _sse(generation_error(e).body())
         finally:
             await items.aclose()
         yield "data: [DONE]\n\n"
@@ -214,13 +202,15 @@ async def _respond(
 
 
 def build_api(
-    service: OpenAIService, gen: Generation, health: Callable[[], Awaitable[dict[str, Any]]]
+    service: OpenAIService,
+    gen: Generation,
+    health: Callable[[], Awaitable[dict[str, Any]]],
+    admission: Admission,
 ) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
     install_error_handlers(app)
     settings = service.settings
-    admission = AdmissionState()
-    app.add_middleware(AdmissionGuard, policy=settings.guard, state=admission)
+    app.add_middleware(AdmissionGuard, admission=admission)
 
     @app.get("/health")
     async def get_health() -> JSONResponse:
@@ -229,7 +219,7 @@ def build_api(
         except Exception as e:
             log.warning("health check failed: %s", e)
             return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
-        return JSONResponse(body | {"admission": admission.snapshot()})
+        return JSONResponse(body | {"admission": admission.state.snapshot()})
 
     card = {
         "id": settings.model_name,

@@ -21,6 +21,29 @@ class HTTPConfig(Frozen):
     )
 
 
+# What Ray Serve's gRPC proxy registers: tandem.v1.Tandem and grpc.health.v1.Health, whose
+# calls it routes to the ingress's methods of the same names (cluster.grpc_api).
+GRPC_SERVICER_FUNCTIONS = (
+    "cluster.proto.tandem_pb2_grpc.add_TandemServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+)
+
+
+class GrpcConfig(Frozen):
+    enabled: bool = Field(
+        True,
+        description="Serve the gRPC API (tandem.v1, cluster/proto/tandem.proto) and the standard "
+        "health service through Ray Serve's gRPC proxy, with reflection on.",
+    )
+    port: int = Field(
+        9000,
+        ge=1,
+        le=65535,
+        description="gRPC port (Ray Serve's default). Ray Serve's gRPC proxy binds every "
+        "interface; set API keys, or firewall it, where that matters.",
+    )
+
+
 class LimitsConfig(Frozen):
     max_model_len: int | None = Field(
         None, ge=2, description="Prompt plus output tokens per request; default: the model's."

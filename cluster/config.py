@@ -16,7 +16,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from cluster.api_config import AuthConfig, HTTPConfig, LimitsConfig
+from cluster.api_config import (
+    GRPC_SERVICER_FUNCTIONS,
+    AuthConfig,
+    GrpcConfig,
+    HTTPConfig,
+    LimitsConfig,
+)
 from cluster.api_config import Frozen as _Frozen
 from cluster.autoscaling import (
     AutoscalingConfig,
@@ -297,6 +303,7 @@ class TandemConfig(_Frozen):
     prefill: PrefillConfig = Field(default_factory=PrefillConfig, description="Prefill pool.")
     decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Decode pool.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC endpoint.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 
@@ -375,3 +382,12 @@ class TandemConfig(_Frozen):
         if self.http.ingress_resource:
             res[self.http.ingress_resource] = 1.0
         return res
+
+    def grpc_options(self) -> dict[str, Any] | None:
+        """Ray Serve's ``grpc_options`` for this app (None with gRPC off)."""
+        if not self.grpc.enabled:
+            return None
+        return {
+            "port": self.grpc.port,
+            "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+        }

@@ -10,7 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.generation import GenerationError
 from cluster.protocol import UNSUPPORTED
+
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 
 
 class APIError(Exception):
@@ -45,6 +48,19 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def generation_error(e: GenerationError) -> APIError:
+    """The error a client sees for a failed generation (overload: 429 with Retry-After)."""
+    if e.status == 429:
+        return APIError(
+            429,
+            str(e),
+            code="server_overloaded",
+            type_="rate_limit_error",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    return APIError(e.status, str(e), code="service_unavailable")
 
 
 def _param(loc: Sequence[Any]) -> str | None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cluster.auth import KeyRing
-from cluster.errors import APIError
+from cluster.errors import RETRY_AFTER_S, APIError
 
 OPEN_PATHS = frozenset({"/health"})
 # Paths that do work per request (tokenizing at least): their bodies are bounded and they count
@@ -26,7 +28,6 @@ OPEN_PATHS = frozenset({"/health"})
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 )
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True)
@@ -57,55 +58,26 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-class AdmissionGuard:
-    def __init__(self, app: ASGIApp, policy: GuardPolicy, state: AdmissionState) -> None:
-        self.app = app
-        self.policy = policy
-        self.state = state
+@dataclass(frozen=True)
+class Admission:
+    """The admission rules of one ingress replica, shared by its HTTP guard and its gRPC API:
+    which API key a request carries, whether the in-flight caps let it in, and its place in
+    the counts while it runs."""
 
-    async def _refuse(self, send: Send, err: APIError) -> None:
-        self.state.rejected[err.status] += 1
-        body = json.dumps(err.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    policy: GuardPolicy
+    state: AdmissionState
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        p = self.policy
-        key = "open"
-        if p.keys.enabled:
-            found = p.keys.identify(_header(scope, b"authorization"))
-            if found is None:
-                msg = "Missing or incorrect API key: send 'Authorization: Bearer <key>'"
-                await self._refuse(send, APIError(401, msg, code="invalid_api_key"))
-                return
-            key = found
-        if scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        refusal = self._admission(key)
-        if refusal is not None:
-            await self._refuse(send, refusal)
-            return
-        body = await self._read_body(scope, receive)
-        if body is None:
-            await self._refuse(send, self._too_large())
-            return
-        self.state.inflight += 1
-        self.state.per_key[key] += 1
-        try:
-            await self.app(scope, _replay(body, receive), send)
-        finally:
-            self.state.inflight -= 1
-            self.state.per_key[key] -= 1
-            if not self.state.per_key[key]:
-                del self.state.per_key[key]
+    def identify(self, authorization: str | None) -> str:
+        """The key's name ("open" when keys are off); a 401 when it is missing or wrong."""
+        if not self.policy.keys.enabled:
+            return "open"
+        found = self.policy.keys.identify(authorization)
+        if found is None:
+            msg = "Missing or incorrect API key: send 'Authorization: Bearer <key>'"
+            raise APIError(401, msg, code="invalid_api_key")
+        return found
 
-    def _admission(self, key: str) -> APIError | None:
+    def refusal(self, key: str) -> APIError | None:
         p, s = self.policy, self.state
         retry = {"Retry-After": str(RETRY_AFTER_S)}
         if s.inflight >= p.max_inflight:
@@ -127,6 +99,59 @@ class AdmissionGuard:
                 headers=retry,
             )
         return None
+
+    @contextmanager
+    def held(self, key: str) -> Iterator[None]:
+        """Count a request against the caps while it runs."""
+        s = self.state
+        s.inflight += 1
+        s.per_key[key] += 1
+        try:
+            yield
+        finally:
+            s.inflight -= 1
+            s.per_key[key] -= 1
+            if not s.per_key[key]:
+                del s.per_key[key]
+
+
+class AdmissionGuard:
+    def __init__(self, app: ASGIApp, admission: Admission) -> None:
+        self.app = app
+        self.admission = admission
+        self.policy = admission.policy
+        self.state = admission.state
+
+    async def _refuse(self, send: Send, err: APIError) -> None:
+        self.state.rejected[err.status] += 1
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = self.admission.identify(_header(scope, b"authorization"))
+        except APIError as e:
+            await self._refuse(send, e)
+            return
+        if scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        refusal = self.admission.refusal(key)
+        if refusal is not None:
+            await self._refuse(send, refusal)
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            await self._refuse(send, self._too_large())
+            return
+        with self.admission.held(key):
+            await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> APIError:
         return APIError(

@@ -1,8 +1,10 @@
-"""The ingress Ray Serve deployment: the OpenAI HTTP API in front of prefill and decode."""
+"""The ingress Ray Serve deployment: the OpenAI HTTP API and the gRPC API in front of prefill
+and decode."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ from ray.exceptions import RayActorError
 
 from cluster.api import build_api
 from cluster.generation import Generation
+from cluster.grpc_api import GrpcAPI
+from cluster.guard import Admission, AdmissionState
 from cluster.health_board import pool_health
 from cluster.service import OpenAIService, ServiceSettings
 from models.tokenizer import Tokenizer
@@ -31,6 +35,21 @@ class OpenAIIngress:
         self.decode = decode
         self.generation = Generation(self.tokenizer, prefill, decode, settings.retries)
         self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
+        # one admission (keys, in-flight caps) for both APIs of this replica
+        self.admission = Admission(settings.guard, AdmissionState())
+        self.grpc = GrpcAPI(self.service, self.generation, self.admission, self.health)
+
+    # gRPC methods: Ray Serve's gRPC proxy calls the ingress method named like the RPC
+    # (tandem.v1.Tandem/Generate, /ListModels; grpc.health.v1.Health/Check).
+    async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async for response in self.grpc.generate(request, grpc_context):
+            yield response
+
+    async def ListModels(self, request: Any, grpc_context: Any) -> Any:  # noqa: N802
+        return await self.grpc.list_models(request, grpc_context)
+
+    async def Check(self, request: Any, grpc_context: Any) -> Any:  # noqa: N802
+        return await self.grpc.check(request, grpc_context)
 
     async def health(self) -> dict[str, Any]:
         """The answering replica's full stats per pool, and every replica's summary
@@ -83,4 +102,4 @@ class OpenAIIngress:
         return entries
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.service, self.generation, self.health)
+        return build_api(self.service, self.generation, self.health, self.admission)

@@ -9,6 +9,7 @@ import threading
 import ray
 from ray import serve
 
+from cluster.auth import load_keys
 from cluster.config import TandemConfig
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,16 @@ def start_ray(cfg: TandemConfig, address: str | None = None, num_cpus: int | Non
 
 
 def start_serve(cfg: TandemConfig) -> None:
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    """Serve's proxies: HTTP on ``http.host:http.port``, and gRPC on ``grpc.port`` unless off."""
+    http = {"host": cfg.http.host, "port": cfg.http.port}
+    grpc = cfg.grpc_options()
+    if grpc is not None and not load_keys(cfg.auth).enabled:
+        log.warning(
+            "the gRPC API listens on every interface at port %d with no API keys "
+            "(grpc.enabled: false turns it off)",
+            cfg.grpc.port,
+        )
+    serve.start(http_options=http, grpc_options=grpc)
 
 
 def shutdown(grace_s: float = 5.0) -> None:

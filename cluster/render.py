@@ -56,9 +56,14 @@ def embedded_config(cfg: TandemConfig) -> dict[str, Any]:
 
 def serve_config(cfg: TandemConfig) -> dict[str, Any]:
     """The ``ServeDeploySchema`` document (plain data) that deploys ``cfg`` as one application."""
-    return {
+    doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
         "http_options": {"host": cfg.http.host, "port": cfg.http.port},
+    }
+    grpc = cfg.grpc_options()
+    if grpc is not None:
+        doc["grpc_options"] = grpc
+    return doc | {
         "applications": [
             {
                 "name": APP_NAME,

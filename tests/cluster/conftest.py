@@ -16,14 +16,24 @@ from tests.helpers import free_port
 @contextmanager
 def running_app(cfg: TandemConfig) -> Iterator[str]:
     """A real local Ray cluster with both pools, the app deployed, HTTP on a free port."""
-    cfg = cfg.with_overrides(**{"http.port": free_port()})
+    with running_app_ports(cfg) as (base, _):
+        yield base
+
+
+@contextmanager
+def running_app_ports(cfg: TandemConfig) -> Iterator[tuple[str, int]]:
+    """``running_app``, also giving the gRPC port (free ports for both; gRPC as configured)."""
+    cfg = cfg.with_overrides(**{"http.port": free_port(), "grpc.port": free_port()})
     start_ray(cfg, num_cpus=2)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": cfg.http.port})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": cfg.http.port},
+            grpc_options=cfg.grpc_options(),
+        )
         serve.run(build_app(cfg), name="tandem", route_prefix="/")
         base = f"http://127.0.0.1:{cfg.http.port}"
         assert httpx.get(f"{base}/health", timeout=30).status_code == 200
-        yield base
+        yield base, cfg.grpc.port
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -1,5 +1,6 @@
 """The committed local Serve config, deployed the way operators deploy it (`serve deploy` to the
-dashboard of a running Ray cluster whose node offers the pool resources), answers over HTTP."""
+dashboard of a running Ray cluster whose node offers the pool resources), answers over HTTP
+and gRPC."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import ray
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
 from cluster.config import TandemConfig
+from cluster.proto import tandem_pb2 as pb
+from cluster.proto import tandem_pb2_grpc
 from models.embedded import EMBEDDED_NAME
 from tests.deploy.paths import DEPLOY, load_yaml
 from tests.helpers import free_port
@@ -30,6 +35,7 @@ SERVE_FILE = DEPLOY / "serve" / "local-colocated.yaml"
 class Deployed:
     api: str  # the OpenAI API
     dashboard: str  # Ray's dashboard, where `serve deploy` sent the config
+    grpc: str  # the gRPC API's address
 
 
 def _wait_healthy(base: str, timeout_s: float) -> dict[str, Any]:
@@ -52,8 +58,9 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """A local Ray offering the config's pool resources, with the Serve file deployed."""
     doc = load_yaml(SERVE_FILE)
     cfg = TandemConfig.from_yaml(DEPLOY / "apps" / SERVE_FILE.name)  # for the pool resources
-    port, dashboard = free_port(), free_port()
-    doc["http_options"]["port"] = port  # the only change: a port free on this machine
+    port, dashboard, grpc_port = free_port(), free_port(), free_port()
+    doc["http_options"]["port"] = port  # the only changes: ports free on this machine
+    doc["grpc_options"]["port"] = grpc_port
     path = tmp_path_factory.mktemp("serve") / SERVE_FILE.name
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     ray.init(
@@ -69,7 +76,7 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
         base = f"http://127.0.0.1:{port}"
         health = _wait_healthy(base, timeout_s=300)
         assert health["mode"] == "colocated"
-        yield Deployed(base, address)
+        yield Deployed(base, address, f"127.0.0.1:{grpc_port}")
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -93,6 +100,20 @@ def test_deployed_serve_config_answers_a_chat_request(deployed: Deployed) -> Non
     # The config's draft is the shipped head (`source: embedded`), found where Serve builds the
     # app, not relative to the directory `serve deploy` ran in: it drafted.
     assert body["usage"]["speculative"]["draft_tokens"] > 0
+
+
+def test_deployed_serve_config_serves_grpc(deployed: Deployed) -> None:
+    """The rendered grpc_options register tandem.v1 and the health service where Serve runs."""
+    with grpc.insecure_channel(deployed.grpc) as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=60)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = pb.GenerateRequest(
+            model=EMBEDDED_NAME,
+            text="The capital of France is",
+            sampling=pb.SamplingOptions(max_tokens=4),
+        )
+        (reply,) = list(tandem_pb2_grpc.TandemStub(ch).Generate(request, timeout=60))
+        assert reply.usage.completion_tokens == 4 and reply.text
 
 
 def test_serve_runs_the_deployments_the_config_sizes(deployed: Deployed) -> None:
