@@ -1,5 +1,6 @@
-"""A local tandem app for a benchmark run: Ray with the config's pools, Serve's proxy on the
-config's port, the app deployed; torn down (Serve, then Ray) when the run ends."""
+"""A local tandem app for a benchmark run: Ray with the config's pools, Serve's proxies on the
+config's ports (gRPC as configured), the app deployed; torn down (Serve, then Ray) when the
+run ends."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def local_app(cfg: TandemConfig, num_cpus: int) -> Iterator[str]:
     """Serve ``cfg`` on this machine; yields the OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
     start_ray(cfg, num_cpus=num_cpus)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": cfg.http.port})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": cfg.http.port},
+            grpc_options=cfg.grpc_options(),
+        )
         serve.run(build_app(cfg), name="tandem", route_prefix="/")
         yield f"http://127.0.0.1:{cfg.http.port}/v1"
     finally:
