@@ -67,7 +67,12 @@ def serve_cmd(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
     t0 = time.time()
-    start_ray(cfg, address=args.address)
+    start_ray(
+        cfg,
+        address=args.address,
+        dashboard=not args.no_dashboard,
+        metrics_port=args.metrics_port,
+    )
     try:
         start_serve(cfg)
         app = build_app(cfg)
@@ -75,7 +80,8 @@ def serve_cmd(args: argparse.Namespace) -> int:
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(
             f"\ntandem is serving ({cfg.mode}, draft={cfg.draft.kind}) at {base} "
-            f"after {time.time() - t0:.0f} s. Try:\n",
+            f"after {time.time() - t0:.0f} s (metrics: http://127.0.0.1:{args.metrics_port}/metrics"
+            f"{'' if args.no_dashboard else ', dashboard: http://127.0.0.1:8265'}). Try:\n",
             flush=True,
         )
         print(
@@ -124,6 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--address", help="join an existing Ray cluster instead of starting one")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8080,
+        help="Prometheus metrics port of the local Ray (default 8080, as on clusters)",
+    )
+    s.add_argument(
+        "--no-dashboard", action="store_true", help="start the local Ray without its dashboard"
+    )
     s.set_defaults(fn=serve_cmd)
     c = sub.add_parser("config", help="app config tools").add_subparsers(dest="what", required=True)
     r = c.add_parser(

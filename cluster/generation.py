@@ -17,6 +17,7 @@ from typing import Any
 from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 
+from cluster.serving_metrics import RequestMetrics
 from decode.outputs import SpecUsage
 from kvtransfer.handoff import KVHandoff
 from models.logprobs import TokenLogprob
@@ -95,9 +96,15 @@ class Generation:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prefill: Any | None, decode: Any, retries: int = 1
+        self,
+        tokenizer: Tokenizer,
+        prefill: Any | None,
+        decode: Any,
+        retries: int = 1,
+        metrics: RequestMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics  # the standard serving metrics (None: not exported)
         self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
         self.decode = decode  # DeploymentHandle of DecodeServer
         self.retries = retries
@@ -167,10 +174,14 @@ class Generation:
         held: tuple[TokenLogprob, ...] = ()  # of tokens whose text has not been sent
         num_tokens = 0
         spec = NO_SPEC
+        clock = self.metrics.start() if self.metrics is not None else None
+        prompt = len(req.prompt_token_ids)
         tokens = self._tokens(req)
         try:
             async for chunk in tokens:
                 num_tokens += len(chunk.ids)
+                if clock is not None:
+                    clock.tokens_arrived(len(chunk.ids))
                 spec = chunk.spec if chunk.spec.num_steps or chunk.spec.draft_tokens else spec
                 if chunk.error:
                     raise GenerationError(chunk.error)
@@ -183,9 +194,9 @@ class Generation:
                 if cut is not None:
                     if cut or held:
                         yield Delta(pending[:cut], held)
-                    yield Final(
-                        FinishReason.STOP.value, len(req.prompt_token_ids), num_tokens, spec
-                    )
+                    if clock is not None:
+                        clock.finished(FinishReason.STOP.value, prompt, num_tokens)
+                    yield Final(FinishReason.STOP.value, prompt, num_tokens, spec)
                     return
                 safe = len(pending) if done else max(0, len(pending) - hold)
                 if safe or (done and held):
@@ -193,7 +204,9 @@ class Generation:
                     pending, held = pending[safe:], ()
                 if done:
                     assert chunk.finish_reason is not None
-                    yield Final(chunk.finish_reason, len(req.prompt_token_ids), num_tokens, spec)
+                    if clock is not None:
+                        clock.finished(chunk.finish_reason, prompt, num_tokens)
+                    yield Final(chunk.finish_reason, prompt, num_tokens, spec)
                     return
         finally:
             await tokens.aclose()

@@ -18,6 +18,7 @@ from cluster.grpc_api import GrpcAPI
 from cluster.guard import Admission, AdmissionState
 from cluster.health_board import pool_health
 from cluster.service import OpenAIService, ServiceSettings
+from cluster.serving_metrics import RequestMetrics
 from models.tokenizer import Tokenizer
 
 HEALTH_TIMEOUT_S = 5.0
@@ -33,7 +34,9 @@ class OpenAIIngress:
         self.service = OpenAIService(settings, self.tokenizer)
         self.prefill = prefill
         self.decode = decode
-        self.generation = Generation(self.tokenizer, prefill, decode, settings.retries)
+        self.generation = Generation(
+            self.tokenizer, prefill, decode, settings.retries, RequestMetrics("ingress")
+        )
         self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
         # one admission (keys, in-flight caps) for both APIs of this replica
         self.admission = Admission(settings.guard, AdmissionState())

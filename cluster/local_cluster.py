@@ -15,16 +15,25 @@ from cluster.config import TandemConfig
 log = logging.getLogger(__name__)
 
 
-def start_ray(cfg: TandemConfig, address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to ``address``, or start a local Ray with one custom resource per pool."""
+def start_ray(
+    cfg: TandemConfig,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    dashboard: bool = False,
+    metrics_port: int | None = None,
+) -> None:
+    """Connect to ``address``, or start a local Ray with one custom resource per pool (with
+    its dashboard on 8265 and its Prometheus metrics on ``metrics_port`` when asked: what
+    ``tandem serve`` does; tests and benchmarks start a bare one)."""
     if address:
         ray.init(address=address)
         return
     ray.init(
         num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
         resources=cfg.local_resources(),
-        include_dashboard=False,
+        include_dashboard=dashboard,
         log_to_driver=True,
+        _metrics_export_port=metrics_port,
     )
 
 

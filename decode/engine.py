@@ -85,6 +85,8 @@ class DecodeEngine:
         self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
         # queued requests, with their handoff and the time.monotonic() by which its lease ends
         self.waiting: deque[tuple[Request, KVHandoff | None, float]] = deque()
+        self._queued_at: dict[str, float] = {}  # request id -> when it was queued (monotonic)
+        self.queue_times: deque[float] = deque()  # drained by take_queue_times
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
         # counters (stats)
@@ -123,8 +125,18 @@ class DecodeEngine:
         req.status = RequestStatus.WAITING
         lease_end = time.monotonic() + (handoff.lease_seconds if handoff else 0.0)
         self.waiting.append((req, handoff, lease_end))
+        self._queued_at[req.request_id] = time.monotonic()
+
+    def take_queue_times(self) -> list[float]:
+        """Seconds each request admitted since the last call waited in this replica's queue
+        (its first admission only; thread-safe against the engine thread)."""
+        out = []
+        while self.queue_times:
+            out.append(self.queue_times.popleft())
+        return out
 
     def abort(self, request_id: str) -> None:
+        self._queued_at.pop(request_id, None)
         for i, (req, _, _) in enumerate(self.waiting):
             if req.request_id == request_id:
                 del self.waiting[i]
@@ -311,6 +323,9 @@ class DecodeEngine:
             if not self.allocator.can_allocate(need):
                 return  # first come, first served: wait for blocks to free up
             self.waiting.popleft()
+            queued = self._queued_at.pop(req.request_id, None)
+            if queued is not None:
+                self.queue_times.append(time.monotonic() - queued)
             req.block_table = self.allocator.allocate(need)
             if handoff is None:
                 req.num_computed = req.num_draft_computed = 0

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cluster.health_board import BoardPublisher, pool_board
+from cluster.serving_metrics import ReplicaGauges
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
@@ -35,6 +36,7 @@ class DecodeServer:
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = SpecMetrics("decode")
+        self.gauges = ReplicaGauges("decode")
         self.loop = EngineLoop(self.engine, self._deliver)
         self.loop.start()
         self._publisher = BoardPublisher.start(self.snapshot)
@@ -46,6 +48,10 @@ class DecodeServer:
 
     def _put(self, out: StepOutput) -> None:
         self.metrics.record(out.step_drafted, out.step_accepted, len(out.new_token_ids))
+        e = self.engine  # counts read beside the engine thread: a gauge may lag a step
+        used = 1.0 - e.allocator.num_free / e.cfg.num_blocks
+        waiting = len(e.waiting) + len(e.intake.pending)
+        self.gauges.publish(len(e.running), waiting, used, e.take_queue_times(), force=out.finished)
         q = self._queues.get(out.request_id)
         if q is not None:
             q.put_nowait(out)

@@ -1,14 +1,18 @@
 """Colocated mode with a draft model (tiny random target and draft) and a TP=2 decode replica
-(one Serve placement group of two bundles), over real HTTP."""
+(one Serve placement group of two bundles), over real HTTP; and the standard serving metrics
+it exports, scraped from Ray's metrics port."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
@@ -31,6 +35,76 @@ def app(tiny_folder: Path, tiny_draft_folder: Path) -> Iterator[str]:
     )
     with running_app(cfg) as url:
         yield url
+
+
+STANDARD = (
+    "ray_tandem_time_to_first_token_seconds_count",
+    "ray_tandem_inter_token_latency_seconds_count",
+    "ray_tandem_request_time_per_output_token_seconds_count",
+    "ray_tandem_e2e_request_latency_seconds_count",
+    "ray_tandem_request_queue_time_seconds_count",
+    "ray_tandem_prompt_tokens_total",
+    "ray_tandem_generation_tokens_total",
+    "ray_tandem_request_success_total",
+    "ray_tandem_num_requests_running",
+    "ray_tandem_num_requests_waiting",
+    "ray_tandem_kv_cache_usage_perc",
+)
+
+
+def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), s.value))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_standard_serving_metrics_are_exported(app: str) -> None:
+    """vLLM's metric names (``tandem_`` prefixed, ``ray_`` on Ray's port), tagged by pool and
+    replica: after three requests of known length, each is there and the counts add up (the
+    module's first test: nothing was counted before it)."""
+    port = int(ray.nodes()[0]["MetricsExportPort"])
+    before: dict[str, list[tuple[dict[str, str], float]]] = {}
+
+    def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+        return sum(v for _, v in samples.get(name, []))
+
+    for _ in range(3):
+        r = httpx.post(
+            f"{app}/v1/completions",
+            json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    want_generation = total(before, "ray_tandem_generation_tokens_total") + 18
+    deadline = time.monotonic() + 120
+    while True:  # Ray exports every few seconds
+        got = _scrape(port)
+        done = total(got, "ray_tandem_generation_tokens_total") >= want_generation
+        if (done and all(n in got for n in STANDARD)) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    missing = [n for n in STANDARD if n not in got]
+    assert not missing, missing
+    assert total(got, "ray_tandem_generation_tokens_total") == want_generation
+    prompt = total(got, "ray_tandem_prompt_tokens_total") - total(
+        before, "ray_tandem_prompt_tokens_total"
+    )
+    assert prompt == 12
+    ttft = "ray_tandem_time_to_first_token_seconds_count"
+    assert total(got, ttft) - total(before, ttft) == 3
+    success = [
+        (labels, v)
+        for labels, v in got["ray_tandem_request_success_total"]
+        if labels.get("finished_reason") == "length"
+    ]
+    assert success and all(lab["deployment"] == "ingress" and lab["replica"] for lab, _ in success)
+    for labels, value in got["ray_tandem_kv_cache_usage_perc"]:
+        assert labels["deployment"] == "decode" and 0.0 <= value <= 1.0
+    assert all(v == 0 for _, v in got["ray_tandem_num_requests_running"])  # all finished
 
 
 def test_colocated_draft_model_serves_and_reports_speculation(app: str) -> None:
