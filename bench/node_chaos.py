@@ -39,6 +39,7 @@ DOWN_S = 2.0  # how long a pool's only node stays away before it returns
 class FaultReport:
     kind: str  # "decode_node" (killed mid-stream) or "prefill_node" (killed mid-handoff)
     requests: int
+    on_killed_node: int  # requests /health showed on the killed node as it was killed
     finished: int  # answered in full
     affected: int  # cut with an error, or answered only after a retry
     retried: int  # sent again by the ingress (limits.retries)
@@ -106,7 +107,7 @@ def chaos_config(model: str, name: str, base: dict[str, Any] | None = None) -> T
         "model": {"source": model, "name": name},
         "draft": {"kind": "ngram"},
         "prefill": {"replicas": 1, "num_blocks": 256, "num_threads": 1, "lease_seconds": 10},
-        "decode": {"replicas": 2, "num_blocks": 256, "num_threads": 1, "max_batch_size": 4},
+        "decode": {"replicas": 2, "num_blocks": 512, "num_threads": 1, "max_batch_size": 4},
         "kv": {"pull_timeout_s": 3},
         "http": {"ingress_resource": HEAD_RESOURCE},
     }
@@ -158,18 +159,29 @@ def _health(base: str) -> dict[str, Any]:
     return body
 
 
-def _busiest_node(base: str, pool: str) -> str | None:
-    """The node of ``pool``'s replica with the most requests (running, waiting or pulling):
-    the one whose loss affects the most streams; None if ``/health`` cannot say."""
-    pools = _replicas(base)
-    if not pools or not pools[pool]:
-        return None
+def _busiest_node(base: str, pool: str, want: int, limit_s: float = 5) -> tuple[str | None, int]:
+    """The node of ``pool``'s replica with the most requests (decode: running, waiting or
+    pulling; prefill: queued or leased), the one whose loss affects the most streams, and
+    that count. The board is read until it shows ``want`` requests in the pool (it lags the
+    traffic by up to a publish period; a stale board made the pick blind), for at most
+    ``limit_s``; (None, 0) if it cannot say."""
 
     def load(r: dict[str, Any]) -> int:
-        return int(r.get("running", 0) + r.get("waiting", 0) + r.get("pulling", 0))
+        keys = ("running", "waiting", "pulling", "queued", "active_leases")
+        return int(sum(r.get(k, 0) for k in keys))
 
-    node: str | None = max(pools[pool], key=load).get("node_id")
-    return node
+    deadline = time.monotonic() + limit_s
+    best: tuple[str | None, int] = (None, 0)
+    while True:
+        pools = _replicas(base)
+        if pools and pools[pool]:
+            top = max(pools[pool], key=load)
+            best = (top.get("node_id"), load(top))
+            if sum(load(r) for r in pools[pool]) >= want:
+                return best
+        if time.monotonic() > deadline:
+            return best
+        time.sleep(0.1)
 
 
 def _retries(base: str) -> int:
@@ -249,7 +261,7 @@ def run_fault(
     want = asyncio.run(_traffic(base, model, prompts, max_tokens, []))
     retried_before = _retries(base)
 
-    async def faulted() -> tuple[list[tuple[str, str]], float, float | None, str]:
+    async def faulted() -> tuple[list[tuple[str, str]], float, float | None, str, int]:
         progress: list[int] = []
         task = asyncio.create_task(_traffic(base, model, prompts, max_tokens, progress))
         # decode: every stream has decoded a few tokens; prefill: the first prompt is done
@@ -257,15 +269,18 @@ def run_fault(
             await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         killed = time.monotonic()
-        dead = await loop.run_in_executor(None, pc.kill, pool, _busiest_node(base, pool))
+        node, on_node = await loop.run_in_executor(
+            None, _busiest_node, base, pool, n if pool == "decode" else 1
+        )
+        dead = await loop.run_in_executor(None, pc.kill, pool, node)
         returned = None
         if want_replicas == 1:
             await asyncio.sleep(DOWN_S)
             pc.restore(pool)  # in the main thread (a raylet sets signal handlers); the
             returned = time.monotonic()  # loop waits the seconds it takes
-        return await task, killed, returned, dead
+        return await task, killed, returned, dead, on_node
 
-    got, killed, returned, dead = asyncio.run(faulted())
+    got, killed, returned, dead, on_node = asyncio.run(faulted())
     recover_s = _first_success_s(base, model, killed)
     retried = _retries(base) - retried_before
     blocks, leases = _leaks(base, within_s=30)
@@ -283,6 +298,7 @@ def run_fault(
     return FaultReport(
         kind=kind,
         requests=n,
+        on_killed_node=on_node,
         finished=outcomes.count("ok"),
         affected=errors + outcomes.count("unexplained") + retried,
         retried=retried,
