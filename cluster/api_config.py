@@ -1,8 +1,13 @@
-"""The API-facing part of the app config: where HTTP binds, request limits, API keys."""
+"""The API-facing part of the app config: where HTTP and gRPC bind, the ingress replicas
+that serve them, request limits, API keys, and how every deployment logs."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cluster.autoscaling import AutoscalingConfig
 
 
 class Frozen(BaseModel):
@@ -44,6 +49,75 @@ class GrpcConfig(Frozen):
     )
 
 
+class IngressConfig(Frozen):
+    """The ingress deployment (tokenizing, validation, routing, both APIs). Each replica has
+    its own admission (``limits``), its own routers (which read the same replica stats from
+    the pools) and its own counters; Ray Serve's proxies spread requests over the replicas."""
+
+    replicas: int | None = Field(
+        None,
+        ge=1,
+        description="Ingress replicas (a fixed count). Default: sized for the cluster, one per "
+        "limits.max_inflight streams the decode pool can run at once (its most replicas times "
+        "decode.max_batch_size), at least one.",
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="Let Ray Serve scale the ingress between bounds instead; its load is the "
+        "generations (streams) each replica carries, so target_ongoing_requests is a share "
+        "of limits.max_inflight.",
+    )
+    max_ongoing_requests: int = Field(
+        1024,
+        ge=1,
+        description="Requests (generations, health checks, tokenize calls) one ingress replica "
+        "accepts at once (Ray Serve); generations are capped lower by limits.max_inflight.",
+    )
+
+    @model_validator(mode="after")
+    def _one_sizing(self) -> IngressConfig:
+        if self.autoscaling is not None and self.replicas is not None:
+            raise ValueError(
+                "set either ingress.replicas (a fixed count) or ingress.autoscaling, not both"
+            )
+        return self
+
+
+class LogConfig(Frozen):
+    """How every deployment's replicas log (Ray Serve's per-deployment ``logging_config``).
+    tandem's own loggers write through the replica's Serve log handlers, so their lines carry
+    the same fields as Serve's, the request id among them."""
+
+    encoding: Literal["TEXT", "JSON"] = Field(
+        "TEXT",
+        description="JSON: one JSON object per line in the replicas' Serve logs, with "
+        "request_id (the client's X-Request-Id, or the one Serve made for the request), "
+        "deployment, replica and logger fields.",
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Lowest level logged, by Serve and by tandem's loggers."
+    )
+    requests: bool = Field(
+        False,
+        description="The ingress logs each generation as it starts (its internal id, prompt "
+        "tokens, max_tokens, sampling) and as it ends (finish reason, tokens), at info level: "
+        "the internal id is the one decode and prefill log lines name.",
+    )
+    access_log: bool = Field(
+        True,
+        description="A line per request per deployment (ingress, prefill, decode), each with "
+        "the request id: the trail of one request across the pools.",
+    )
+
+    def serve_options(self) -> dict[str, object]:
+        """``serve.deployment(logging_config=...)`` for these settings."""
+        return {
+            "encoding": self.encoding,
+            "log_level": self.level,
+            "enable_access_log": self.access_log,
+        }
+
+
 class LimitsConfig(Frozen):
     max_model_len: int | None = Field(
         None, ge=2, description="Prompt plus output tokens per request; default: the model's."
@@ -61,11 +135,15 @@ class LimitsConfig(Frozen):
     max_inflight: int = Field(
         256,
         ge=1,
-        description="Generation requests one ingress replica serves at once; more get 429 with "
-        "Retry-After at once instead of queueing.",
+        description="Generation requests one ingress replica serves at once (the cluster "
+        "serves this times the ingress replicas); more get 429 with Retry-After at once "
+        "instead of queueing.",
     )
     max_concurrent_per_key: int = Field(
-        0, ge=0, description="Generation requests one API key may have open at once (0: no cap)."
+        0,
+        ge=0,
+        description="Generation requests one API key may have open at once on one ingress "
+        "replica (0: no cap).",
     )
     retries: int = Field(
         1,

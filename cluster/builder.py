@@ -116,7 +116,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
     return ResolvedModels(name, target, draft, max_len)
 
 
-def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
+def _options(pool: PoolConfig, name: str, cfg: TandemConfig) -> dict[str, Any]:
     """Serve options: pinned to the pool's resource; a TP group is one placement group whose
     bundle r holds rank r (the replica itself is rank 0), packed onto one node."""
     share = pool.gpu_fraction  # below 1 only with cuda and tp 1 (the config checks): replicas
@@ -135,6 +135,7 @@ def _options(pool: PoolConfig, name: str) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": pool.drain_timeout_s,
         "ray_actor_options": actor,
         "health_check_period_s": 5,
+        "logging_config": cfg.logging.serve_options(),
         "deployment_actors": [board_actor_config()],  # every replica's stats, for /health
     }
     if pool.tp > 1:
@@ -192,7 +193,7 @@ def build_app(cfg: TandemConfig) -> Application:
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
     )
-    decode_opts = _options(cfg.decode, "decode") | decode_router_options(cfg.decode)
+    decode_opts = _options(cfg.decode, "decode", cfg) | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)
     prefill = None
     max_prompt = min(m.max_model_len - 1, decode_tokens - 2)  # room for one output token
@@ -212,7 +213,9 @@ def build_app(cfg: TandemConfig) -> Application:
             enable_prefix_caching=cfg.prefill.enable_prefix_caching,
             transport=cfg.kv.transport,
         )
-        prefill_opts = _options(cfg.prefill, "prefill") | prefill_router_options(cfg.prefill, bs)
+        prefill_opts = _options(cfg.prefill, "prefill", cfg) | prefill_router_options(
+            cfg.prefill, bs
+        )
         prefill = serve.deployment(**prefill_opts)(PrefillServer).bind(worker)
         max_prompt = min(max_prompt, cfg.prefill.num_blocks * bs)
     settings = ServiceSettings(
@@ -236,13 +239,15 @@ def build_app(cfg: TandemConfig) -> Application:
         max_tokens=cfg.limits.max_tokens,
         degraded_fraction=cfg.kv.degraded_fraction,
         retries=cfg.limits.retries,
+        log_requests=cfg.logging.requests,
     )
     where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(
         name="ingress",
-        num_replicas=1,
-        max_ongoing_requests=1024,
+        **cfg.ingress_scaling(),  # num_replicas, or autoscaling_config
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, **where},
+        logging_config=cfg.logging.serve_options(),
         **ingress_drain_options(cfg),
     )(OpenAIIngress)
     app: Application = ingress.bind(settings, prefill, decode)

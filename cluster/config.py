@@ -21,7 +21,9 @@ from cluster.api_config import (
     AuthConfig,
     GrpcConfig,
     HTTPConfig,
+    IngressConfig,
     LimitsConfig,
+    LogConfig,
 )
 from cluster.api_config import Frozen as _Frozen
 from cluster.autoscaling import (
@@ -304,6 +306,10 @@ class TandemConfig(_Frozen):
     decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Decode pool.")
     http: HTTPConfig = Field(default_factory=HTTPConfig, description="HTTP endpoint.")
     grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC endpoint.")
+    ingress: IngressConfig = Field(
+        default_factory=IngressConfig, description="The ingress deployment's replicas."
+    )
+    logging: LogConfig = Field(default_factory=LogConfig, description="Replicas' logs.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys.")
 
@@ -382,6 +388,19 @@ class TandemConfig(_Frozen):
         if self.http.ingress_resource:
             res[self.http.ingress_resource] = 1.0
         return res
+
+    def ingress_replicas(self) -> int:
+        """The ingress's fixed replica count: as set, else one per ``limits.max_inflight``
+        streams the decode pool can run at once (so the ingress never caps the cluster below
+        what decode can hold), at least one."""
+        if self.ingress.replicas is not None:
+            return self.ingress.replicas
+        streams = self.decode.most_replicas() * self.decode.max_batch_size
+        return max(1, -(-streams // self.limits.max_inflight))
+
+    def ingress_scaling(self) -> dict[str, Any]:
+        """``serve.deployment`` sizing of the ingress (fixed count or autoscaling)."""
+        return serve_scaling(self.ingress_replicas(), self.ingress.autoscaling)
 
     def grpc_options(self) -> dict[str, Any] | None:
         """Ray Serve's ``grpc_options`` for this app (None with gRPC off)."""

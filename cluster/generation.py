@@ -17,7 +17,7 @@ from typing import Any
 from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 
-from cluster.serving_metrics import RequestMetrics
+from cluster.serving_metrics import RequestClock, RequestMetrics
 from decode.outputs import SpecUsage
 from kvtransfer.handoff import KVHandoff
 from models.logprobs import TokenLogprob
@@ -102,8 +102,10 @@ class Generation:
         decode: Any,
         retries: int = 1,
         metrics: RequestMetrics | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.log_requests = log_requests  # a line as each generation starts and ends
         self.metrics = metrics  # the standard serving metrics (None: not exported)
         self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
         self.decode = decode  # DeploymentHandle of DecodeServer
@@ -163,6 +165,14 @@ class Generation:
                 if not finished:
                     stream.cancel()
 
+    def _finished(
+        self, req: Request, clock: RequestClock | None, reason: str, num_tokens: int
+    ) -> None:
+        if clock is not None:
+            clock.finished(reason, len(req.prompt_token_ids), num_tokens)
+        if self.log_requests:
+            log.info("request %s finished (%s): %d tokens", req.request_id, reason, num_tokens)
+
     async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[Delta | Final, None]:
         """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`.
 
@@ -176,6 +186,17 @@ class Generation:
         spec = NO_SPEC
         clock = self.metrics.start() if self.metrics is not None else None
         prompt = len(req.prompt_token_ids)
+        if self.log_requests:
+            s = req.sampling
+            log.info(
+                "request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, seed %s",
+                req.request_id,
+                prompt,
+                s.max_tokens,
+                s.temperature,
+                s.top_p,
+                s.seed if s.seeded else None,
+            )
         tokens = self._tokens(req)
         try:
             async for chunk in tokens:
@@ -194,8 +215,7 @@ class Generation:
                 if cut is not None:
                     if cut or held:
                         yield Delta(pending[:cut], held)
-                    if clock is not None:
-                        clock.finished(FinishReason.STOP.value, prompt, num_tokens)
+                    self._finished(req, clock, FinishReason.STOP.value, num_tokens)
                     yield Final(FinishReason.STOP.value, prompt, num_tokens, spec)
                     return
                 safe = len(pending) if done else max(0, len(pending) - hold)
@@ -204,8 +224,7 @@ class Generation:
                     pending, held = pending[safe:], ()
                 if done:
                     assert chunk.finish_reason is not None
-                    if clock is not None:
-                        clock.finished(chunk.finish_reason, prompt, num_tokens)
+                    self._finished(req, clock, chunk.finish_reason, num_tokens)
                     yield Final(chunk.finish_reason, prompt, num_tokens, spec)
                     return
         finally:

@@ -17,6 +17,7 @@ from cluster.generation import Generation
 from cluster.grpc_api import GrpcAPI
 from cluster.guard import Admission, AdmissionState
 from cluster.health_board import pool_health
+from cluster.replica_logs import route_to_serve
 from cluster.service import OpenAIService, ServiceSettings
 from cluster.serving_metrics import RequestMetrics
 from models.tokenizer import Tokenizer
@@ -29,13 +30,20 @@ class OpenAIIngress:
     """Tokenizes, validates and routes each request: prefill (if any), then a decode stream."""
 
     def __init__(self, settings: ServiceSettings, prefill: Any | None, decode: Any) -> None:
+        route_to_serve()
         self.settings = settings
+        self.replica = str(serve.get_replica_context().replica_id.unique_id)
         self.tokenizer = Tokenizer(Path(settings.model_folder))
         self.service = OpenAIService(settings, self.tokenizer)
         self.prefill = prefill
         self.decode = decode
         self.generation = Generation(
-            self.tokenizer, prefill, decode, settings.retries, RequestMetrics("ingress")
+            self.tokenizer,
+            prefill,
+            decode,
+            settings.retries,
+            RequestMetrics("ingress"),
+            log_requests=settings.log_requests,
         )
         self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
         # one admission (keys, in-flight caps) for both APIs of this replica
@@ -64,6 +72,7 @@ class OpenAIIngress:
             "mode": self.settings.mode,
             "model": self.settings.model_name,
             "draft": self.settings.draft_kind,
+            "ingress_replica": self.replica,  # which ingress replica answered
             "decode": decode,
         }
         pools = {"decode": self.decode}

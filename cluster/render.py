@@ -3,12 +3,12 @@
 One source of truth: the document is computed from a ``TandemConfig`` and nothing else.
 
 - ``args.config`` embeds the config itself: the fields its YAML set (the installed tandem
-  supplies the defaults), *except* each pool's sizing;
-- each pool's sizing (``replicas`` or ``autoscaling``, and ``max_ongoing_requests``) goes to
-  the application's ``deployments`` entries instead, as the app builder would apply it
-  (``PoolConfig.scaling_options``). Serve hashes ``args`` into the application's code version,
-  so this split lets a change of bounds or targets resize the pools in place, without
-  restarting a replica (and reloading its model).
+  supplies the defaults), *except* each pool's and the ingress's sizing;
+- that sizing (``replicas`` or ``autoscaling``, and ``max_ongoing_requests``) goes to the
+  application's ``deployments`` entries instead, as the app builder would apply it
+  (``PoolConfig.scaling_options``, ``TandemConfig.ingress_scaling``). Serve hashes ``args``
+  into the application's code version, so this split lets a change of bounds or targets
+  resize the pools in place, without restarting a replica (and reloading its model).
 
 ``cluster/render_files.py`` decides which files under ``deploy/`` are rendered.
 """
@@ -23,7 +23,7 @@ from cluster.config import PoolConfig, TandemConfig
 
 APP_NAME = "tandem"
 IMPORT_PATH = "cluster.builder:app_builder"
-# Pool fields Serve applies from the `deployments` entries rather than from `args`.
+# Pool and ingress fields Serve applies from the `deployments` entries rather than from `args`.
 SIZING = {"replicas", "autoscaling", "max_ongoing_requests"}
 
 
@@ -36,8 +36,9 @@ def _pools(cfg: TandemConfig) -> list[tuple[str, PoolConfig]]:
 
 
 def deployment_overrides(cfg: TandemConfig) -> list[dict[str, Any]]:
-    """Per-deployment Serve options: replica count or autoscaling, and the admission bound."""
-    return [
+    """Per-deployment Serve options: replica count or autoscaling, and the admission bound,
+    of each pool and of the ingress."""
+    pools = [
         {
             "name": name,
             **pool.scaling_options(),
@@ -45,12 +46,19 @@ def deployment_overrides(cfg: TandemConfig) -> list[dict[str, Any]]:
         }
         for name, pool in _pools(cfg)
     ]
+    ingress = {
+        "name": "ingress",
+        **cfg.ingress_scaling(),
+        "max_ongoing_requests": cfg.ingress.max_ongoing_requests,
+    }
+    return [*pools, ingress]
 
 
 def embedded_config(cfg: TandemConfig) -> dict[str, Any]:
-    """The app config as ``args.config`` holds it: as set in its YAML, less the pools' sizing."""
-    pools = {name: SIZING for name, _ in _pools(cfg)}
-    data: dict[str, Any] = cfg.model_dump(mode="json", exclude_unset=True, exclude=pools)
+    """The app config as ``args.config`` holds it: as set in its YAML, less the pools' and the
+    ingress's sizing."""
+    sized = dict.fromkeys([n for n, _ in _pools(cfg)] + ["ingress"], SIZING)
+    data: dict[str, Any] = cfg.model_dump(mode="json", exclude_unset=True, exclude=sized)
     return data
 
 

@@ -101,6 +101,7 @@ class ServiceSettings:
     max_sequence_tokens: int | None = None
     degraded_fraction: float = 0.2  # kv.degraded_fraction: failed share of recent handoffs
     retries: int = 1  # limits.retries: resends of a request that has streamed no token
+    log_requests: bool = False  # logging.requests: a line as each generation starts and ends
 
 
 class OpenAIService:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cluster.health_board import BoardPublisher, pool_board
+from cluster.replica_logs import route_to_serve
 from cluster.serving_metrics import ReplicaGauges
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
@@ -29,6 +30,7 @@ class DecodeServer:
     """
 
     def __init__(self, cfg: DecodeEngineConfig) -> None:
+        route_to_serve()
         self.cfg = cfg
         kv_metrics = KVMetrics("decode")
         self.engine = DecodeEngine(cfg, kv_metrics)

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from cluster.health_board import BoardPublisher, pool_board
+from cluster.replica_logs import route_to_serve
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
@@ -25,6 +26,7 @@ class PrefillServer:
     REAP_PERIOD_S = 0.05
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
+        route_to_serve()
         self.worker = PrefillWorker(cfg)
         KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")

@@ -70,6 +70,12 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
             {"draft": {"kind": "none"}, "decode": {"speculation_tpot_slo_s": 0.05}},
             "draft.kind=none",
         ),
+        (
+            {"ingress": {"replicas": 2, "autoscaling": {"max_replicas": 4}}},
+            "either ingress.replicas",
+        ),
+        ({"ingress": {"replicas": 0}}, "ingress.replicas"),
+        ({"logging": {"encoding": "XML"}}, "logging.encoding"),
     ],
 )
 def test_bad_config_names_the_field(data: dict[str, object], needle: str) -> None:
@@ -142,3 +148,27 @@ def test_object_store_transport_with_tp_is_refused_by_name() -> None:
         TandemConfig.model_validate({"kv": {"transport": "object_store"}, "decode": {"tp": 3}})
     ok = TandemConfig.model_validate({"kv": {"transport": "nixl"}, "decode": {"tp": 3}})
     assert ok.decode.tp == 3
+
+
+def test_the_ingress_is_sized_for_what_decode_can_run() -> None:
+    """One ingress replica per limits.max_inflight streams the decode pool can run at its
+    largest, at least one; a set count or autoscaling wins."""
+    assert TandemConfig().ingress_scaling() == {"num_replicas": 1}
+    big = TandemConfig.model_validate(
+        {"decode": {"max_batch_size": 64, "autoscaling": {"max_replicas": 9}}}
+    )
+    assert big.ingress_replicas() == 3  # 576 streams over 256 per ingress replica
+    capped = big.with_overrides(**{"limits.max_inflight": 100})
+    assert capped.ingress_replicas() == 6
+    assert big.with_overrides(**{"ingress.replicas": 1}).ingress_scaling() == {"num_replicas": 1}
+    scaled = big.with_overrides(**{"ingress.autoscaling": {"max_replicas": 5}})
+    assert scaled.ingress_scaling()["autoscaling_config"]["max_replicas"] == 5
+
+
+def test_logging_settings_are_serve_logging_configs() -> None:
+    from ray.serve.schema import LoggingConfig
+
+    cfg = TandemConfig.model_validate({"logging": {"encoding": "JSON", "level": "DEBUG"}})
+    serve_cfg = LoggingConfig(**cfg.logging.serve_options())
+    assert serve_cfg.encoding == "JSON" and serve_cfg.log_level == "DEBUG"
+    assert serve_cfg.enable_access_log

@@ -157,3 +157,34 @@ def test_the_kustomize_base_lists_only_manifests_of_its_own_folder() -> None:
     assert base["kind"] == "Kustomization"
     names = [m.name for m in MANIFESTS]
     assert base["resources"] == ["rayservice.yaml"] and set(base["resources"]) <= set(names)
+
+
+def _pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = manifest["spec"].get("rayClusterConfig", manifest["spec"])
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def test_the_pod_monitor_scrapes_every_pod_and_the_dashboard_is_provisioned() -> None:
+    """deploy/kuberay/monitoring/ (its own kustomization): the PodMonitor's selector matches
+    every pod template of both manifests, whose containers all expose the port it scrapes;
+    the Grafana dashboard ConfigMap is made from a JSON file of that folder and carries the
+    label Grafana's sidecar provisions from."""
+    folder = DEPLOY / "kuberay" / "monitoring"
+    kust = load_yaml(folder / "kustomization.yaml")
+    assert kust["kind"] == "Kustomization"
+    assert all((folder / r).is_file() for r in kust["resources"])
+    monitor = load_yaml(folder / "podmonitor.yaml")
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    want = monitor["spec"]["selector"]["matchLabels"]
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    for path in MANIFESTS:
+        for template in _pod_templates(load_yaml(path)):
+            labels = template["metadata"]["labels"]
+            assert want.items() <= labels.items(), (path.name, labels)
+            for c in template["spec"]["containers"]:
+                assert ports <= {p.get("name") for p in c.get("ports", [])}, (path.name, c["name"])
+    (dashboard,) = kust["configMapGenerator"]
+    assert dashboard["options"]["labels"]["grafana_dashboard"] == "1"
+    for file in dashboard["files"]:
+        doc = json.loads((folder / file).read_text())
+        assert doc["uid"] and any(p.get("targets") for p in doc["panels"])

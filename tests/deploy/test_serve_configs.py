@@ -1,5 +1,5 @@
 """The Serve config files load through Ray Serve's own schema, embed a valid app config, and
-size each pool the way the app builder does."""
+size each pool and the ingress the way the app builder does."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_serve_config_loads_through_ray_serve_schema(path: Path) -> None:
     (app,) = schema.applications
     assert app.import_path == IMPORT_PATH and app.route_prefix == "/"
     cfg = TandemConfig.model_validate(app.args["config"])
-    expected = {"decode"} | ({"prefill"} if cfg.mode == "disaggregated" else set())
+    expected = {"ingress", "decode"} | ({"prefill"} if cfg.mode == "disaggregated" else set())
     assert {d.name for d in app.deployments} == expected
     for d in app.deployments:
         if isinstance(d.autoscaling_config, dict):  # Serve validates it only at deploy time
@@ -53,7 +53,13 @@ def test_every_mode_and_pool_layout_is_shipped() -> None:
     gpu = docs["gpu-disaggregated"]
     cfg = TandemConfig.model_validate(gpu["args"]["config"])
     assert cfg.prefill.device == cfg.decode.device == "cuda"  # 'auto' would resolve on the head
-    assert all("autoscaling_config" in d for d in gpu["deployments"])
+    pools = [d for d in gpu["deployments"] if d["name"] != "ingress"]
+    assert pools and all("autoscaling_config" in d for d in pools)
+    (ingress,) = [d for d in gpu["deployments"] if d["name"] == "ingress"]
+    # sized for the decode pool at its largest: no ingress cap below what decode can run
+    full = TandemConfig.from_yaml(DEPLOY / "apps" / "gpu-disaggregated.yaml")
+    streams = full.decode.most_replicas() * full.decode.max_batch_size
+    assert ingress["num_replicas"] * cfg.limits.max_inflight >= streams > 1 * 256
 
 
 def test_pool_sizing_changes_keep_the_code_version(tmp_path: Path) -> None:
@@ -103,12 +109,15 @@ def test_builder_sizes_pools_as_the_serve_config_does(embedded_folder: Path, nam
     )
     built = serve_build_app(build_app(cfg), name="tandem")
     deployments = {d.name: d for d in built.deployments}
+    assert {o["name"] for o in overrides} == set(deployments)
     for override in overrides:
         d = deployments[override["name"]]
-        pool = cfg.decode if d.name == "decode" else cfg.prefill
         assert d.max_ongoing_requests == override["max_ongoing_requests"]
-        assert d.ray_actor_options["resources"] == {pool.resource: float(pool.tp)}
-        assert d.ray_actor_options.get("num_gpus", 0) == (pool.tp if pool.device == "cuda" else 0)
+        if d.name != "ingress":
+            pool = cfg.decode if d.name == "decode" else cfg.prefill
+            assert d.ray_actor_options["resources"] == {pool.resource: float(pool.tp)}
+            gpus = pool.tp if pool.device == "cuda" else 0
+            assert d.ray_actor_options.get("num_gpus", 0) == gpus
         scaling = d._deployment_config.autoscaling_config
         if "autoscaling_config" in override:
             assert scaling is not None
