@@ -192,6 +192,7 @@ def build_app(cfg: TandemConfig) -> Application:
         num_threads=cfg.decode.num_threads,
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
+        stream_interval_s=cfg.decode.stream_interval_s,
     )
     decode_opts = _options(cfg.decode, "decode", cfg) | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)

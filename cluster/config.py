@@ -209,6 +209,14 @@ class DecodeConfig(PoolConfig):
         "than speculation_tpot_slo_max_loss of the step's goodput. Usually the same value as "
         "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
     )
+    stream_interval_s: float = Field(
+        0.0,
+        ge=0,
+        le=1.0,
+        description="Least time between a stream's messages from decode to the ingress: tokens "
+        "of steps in between travel together (the first and last token are never held). 0: a "
+        "message per step, steps that queued while one was in flight coalesced.",
+    )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,
         ge=0,

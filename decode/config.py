@@ -31,3 +31,4 @@ class DecodeEngineConfig:
     max_stalled_preemptions: int = 4  # preempted again this often, no token between: an error
     speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it
     speculation_tpot_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput that guard gives up
+    stream_interval_s: float = 0.0  # hold a stream's messages to the ingress this long (stream)

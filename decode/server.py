@@ -15,6 +15,7 @@ from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
 from decode.metrics import SpecMetrics
 from decode.outputs import StepOutput
+from decode.stream import coalesced
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
@@ -65,8 +66,7 @@ class DecodeServer:
         self.loop.submit(req, handoff)
         finished = False
         try:
-            while not finished:
-                out = await q.get()
+            async for out in coalesced(q, self.cfg.stream_interval_s):
                 finished = out.finished
                 yield out
         finally:

@@ -36,6 +36,7 @@ def app(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 "max_ongoing_requests": 2,
                 "max_queued_requests": 1,
             },
+            "ingress": {"replicas": 1},  # the limits below are per ingress replica
             "auth": {"api_keys_file": str(keys), "api_keys_env": "TANDEM_TEST_NO_SUCH_VAR"},
             "limits": {
                 "max_tokens": 1800,

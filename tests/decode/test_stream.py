@@ -1,0 +1,74 @@
+"""Coalescing a decode stream for the hop to the ingress: nothing lost or reordered, the first
+and the last message never held, steps that queued up sent as one, and an interval honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from decode.outputs import SpecUsage, StepOutput
+from decode.stream import coalesce, coalesced
+from models.logprobs import TokenLogprob
+
+
+def _out(i: int, finish: str | None = None) -> StepOutput:
+    spec = SpecUsage(num_steps=i, draft_tokens=2 * i, accepted_tokens=i, emitted_tokens=2 * i)
+    lp = TokenLogprob(token=i, logprob=-float(i), top=())
+    return StepOutput("r", (i, i + 100), finish, spec, None, 2, 1, (lp, lp))
+
+
+def test_coalesce_keeps_order_and_the_last_totals() -> None:
+    merged = coalesce([_out(1), _out(2), _out(3, "length")])
+    assert merged.new_token_ids == (1, 101, 2, 102, 3, 103)
+    assert [lp.token for lp in merged.logprobs] == [1, 1, 2, 2, 3, 3]
+    assert merged.finish_reason == "length" and merged.spec == _out(3).spec
+    assert (merged.step_drafted, merged.step_accepted) == (6, 3)
+    assert coalesce([_out(4)]) == _out(4)
+
+
+def _collect(
+    puts: list[tuple[float, StepOutput]], interval_s: float
+) -> list[tuple[float, StepOutput]]:
+    """Feed ``puts`` (delay before each, output) into a queue; what ``coalesced`` yields, with
+    the time since the start."""
+
+    async def run() -> list[tuple[float, StepOutput]]:
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+        async def feed() -> None:
+            for delay, out in puts:
+                if delay > 0:  # a zero delay puts at once, without letting the reader run
+                    await asyncio.sleep(delay)
+                q.put_nowait(out)
+
+        t0 = time.monotonic()
+        feeder = asyncio.create_task(feed())
+        got = [(time.monotonic() - t0, out) async for out in coalesced(q, interval_s)]
+        await feeder
+        return got
+
+    return asyncio.run(run())
+
+
+def test_what_queued_goes_as_one_message() -> None:
+    puts = [(0.0, _out(1)), (0.0, _out(2)), (0.0, _out(3)), (0.05, _out(4, "stop"))]
+    got = _collect(puts, 0.0)
+    tokens = [t for _, m in got for t in m.new_token_ids]
+    assert tokens == [1, 101, 2, 102, 3, 103, 4, 104]
+    assert len(got) == 2 and got[-1][1].finish_reason == "stop"
+
+
+def test_an_interval_spaces_messages_but_holds_neither_end() -> None:
+    """Steps every 20 ms with a 150 ms interval: the first message at once, then about one
+    per interval, and the finish as soon as it comes (not at the next interval)."""
+    steps = [(0.02, _out(i)) for i in range(1, 30)] + [(0.02, _out(30, "length"))]
+    got = _collect(steps, 0.15)
+    assert [t for _, m in got for t in m.new_token_ids] == [
+        t for _, o in steps for t in o.new_token_ids
+    ]
+    assert got[0][1].new_token_ids == (1, 101)  # the first output alone, not held
+    assert 4 <= len(got) <= 8  # ~0.6 s of steps at one message per 0.15 s, not 30
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(got)]
+    assert all(g >= 0.14 for g in gaps[:-1])
+    assert gaps[-1] < 0.15  # the finish went out when it arrived
