@@ -21,6 +21,7 @@ from cluster.protocol import (
     TokenizeRequest,
 )
 from cluster.service import OpenAIService
+from decode.outputs import SpecUsage
 from models.logprobs import TokenLogprob
 from models.request import Request
 from models.tokenizer import Tokenizer
@@ -28,12 +29,21 @@ from models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def usage_body(final: Final) -> dict[str, Any]:
-    spec = final.spec
+def usage_body(finals: Sequence[Final]) -> dict[str, Any]:
+    """The ``usage`` object of a request: its prompt once, every choice's tokens, and the
+    speculation outcomes of all its choices together."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
+    spec = SpecUsage(
+        sum(f.spec.num_steps for f in finals),
+        sum(f.spec.draft_tokens for f in finals),
+        sum(f.spec.accepted_tokens for f in finals),
+        sum(f.spec.emitted_tokens for f in finals),
+    )
     usage: dict[str, Any] = {
-        "prompt_tokens": final.prompt_tokens,
-        "completion_tokens": final.completion_tokens,
-        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
     if spec.draft_tokens:
         usage["speculative"] = {
@@ -59,7 +69,7 @@ class _Shape:
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
-        self.text_offset = 0  # completions' logprobs.text_offset of the next token
+        self.text_offset: dict[int, int] = {}  # per choice, completions' next text_offset
 
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -70,8 +80,8 @@ class _Shape:
         raw = self.tokenizer.token_bytes(ids)
         return [(b.decode("utf-8", errors="replace"), b) for b in raw]
 
-    def logprobs(self, lps: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-        """The choice's ``logprobs`` object (None when the request did not ask)."""
+    def logprobs(self, lps: Sequence[TokenLogprob] | None, index: int) -> dict[str, Any] | None:
+        """Choice ``index``'s ``logprobs`` object (None when the request did not ask)."""
         if lps is None:
             return None
         ids = [lp.token for lp in lps]
@@ -91,8 +101,8 @@ class _Shape:
             return {"content": content, "refusal": None}
         offsets = []
         for text, _ in mine:
-            offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(text)
         return {
             "tokens": [text for text, _ in mine],
             "token_logprobs": [lp.logprob for lp in lps],
@@ -102,28 +112,42 @@ class _Shape:
             "text_offset": offsets,
         }
 
-    def whole(self, text: str, final: Final, lps: Sequence[TokenLogprob] | None) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": final.finish_reason,
-                "logprobs": self.logprobs(lps),
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "finish_reason": final.finish_reason,
-                "logprobs": self.logprobs(lps),
-            }
+    def whole(
+        self,
+        texts: Sequence[str],
+        finals: Sequence[Final],
+        lps: Sequence[list[TokenLogprob]] | None,
+    ) -> dict[str, Any]:
+        """The response body: one choice per Final (``finals`` in index order)."""
+        choices = []
+        for f, text in zip(finals, texts, strict=True):
+            logprobs = self.logprobs(lps[f.index] if lps is not None else None, f.index)
+            if self.chat:
+                choices.append(
+                    {
+                        "index": f.index,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": f.finish_reason,
+                        "logprobs": logprobs,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": f.index,
+                        "text": text,
+                        "finish_reason": f.finish_reason,
+                        "logprobs": logprobs,
+                    }
+                )
         return self._base("chat.completion" if self.chat else "text_completion") | {
-            "choices": [choice],
-            "usage": usage_body(final),
+            "choices": choices,
+            "usage": usage_body(finals),
         }
 
     def chunk(
         self,
+        index: int,
         text: str | None,
         finish: str | None,
         role: bool = False,
@@ -134,43 +158,53 @@ class _Shape:
             if text is not None:
                 delta["content"] = text
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "finish_reason": finish,
-                "logprobs": self.logprobs(lps),
+                "logprobs": self.logprobs(lps, index),
             }
         else:
             choice = {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "finish_reason": finish,
-                "logprobs": self.logprobs(lps),
+                "logprobs": self.logprobs(lps, index),
             }
         return self._base("chat.completion.chunk" if self.chat else "text_completion") | {
             "choices": [choice]
         }
 
-    def usage_chunk(self, final: Final) -> dict[str, Any]:
+    def usage_chunk(self, finals: Sequence[Final]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._base(obj) | {"choices": [], "usage": usage_body(final)}
+        return self._base(obj) | {"choices": [], "usage": usage_body(finals)}
+
+
+def _in_order(finals: Sequence[Final]) -> list[Final]:
+    return sorted(finals, key=lambda f: f.index)
 
 
 async def _respond(
     gen: Generation, req: Request, stops: list[str], shape: _Shape, stream: bool, usage: bool
 ) -> Any:
     wants = req.sampling.logprobs is not None
+    n = req.sampling.n
+    finals: list[Final] = []
     if not stream:
-        parts: list[str] = []
-        lps: list[TokenLogprob] = []
+        parts: list[list[str]] = [[] for _ in range(n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
         try:
             async for item in gen.run(req, stops):
                 if isinstance(item, Final):
-                    return JSONResponse(shape.whole("".join(parts), item, lps if wants else None))
-                parts.append(item.text)
-                lps += item.logprobs
+                    finals.append(item)
+                    continue
+                parts[item.index].append(item.text)
+                lps[item.index] += item.logprobs
         except GenerationError as e:
             raise generation_error(e) from e
-        raise APIError(500, "generation ended without a result")
+        if len(finals) < n:
+            raise APIError(500, "generation ended without a result")
+        texts = ["".join(p) for p in parts]
+        return JSONResponse(shape.whole(texts, _in_order(finals), lps if wants else None))
 
     items = gen.run(req, stops)
     # Surface failures that happen before the first token as a proper HTTP error.
@@ -182,15 +216,21 @@ async def _respond(
     async def events() -> AsyncIterator[str]:
         item: Delta | Final | None = first
         if shape.chat:
-            yield _sse(shape.chunk(None, None, role=True))
+            for i in range(n):
+                yield _sse(shape.chunk(i, None, None, role=True))
         try:
             while item is not None:
                 if isinstance(item, Final):
-                    yield _sse(shape.chunk(None if shape.chat else "", item.finish_reason))
-                    if usage:
-                        yield _sse(shape.usage_chunk(item))
-                    break
-                yield _sse(shape.chunk(item.text, None, lps=item.logprobs if wants else None))
+                    finals.append(item)
+                    ending = None if shape.chat else ""
+                    yield _sse(shape.chunk(item.index, ending, item.finish_reason))
+                    if len(finals) == n:
+                        if usage:
+                            yield _sse(shape.usage_chunk(_in_order(finals)))
+                        break
+                else:
+                    lps = item.logprobs if wants else None
+                    yield _sse(shape.chunk(item.index, item.text, None, lps=lps))
                 item = await anext(items, None)
         except GenerationError as e:
             yield _sse(generation_error(e).body())

@@ -126,6 +126,13 @@ class LimitsConfig(Frozen):
         256, ge=1, description="max_tokens of a chat request that does not set it."
     )
     max_stop_sequences: int = Field(4, ge=0, description="Stop strings a request may give.")
+    max_choices: int = Field(
+        16,
+        ge=1,
+        le=128,
+        description="Most choices (n) one request may ask for. The choices share one prefill "
+        "and their prompt's KV blocks on decode, but each is a sequence in the decode batch.",
+    )
     max_tokens: int | None = Field(
         None, ge=1, description="Most tokens one request may ask for; default: what fits."
     )

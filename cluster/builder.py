@@ -228,6 +228,7 @@ def build_app(cfg: TandemConfig) -> Application:
         max_sequence_tokens=decode_tokens - 1,
         default_max_tokens=cfg.limits.default_max_tokens,
         max_stop_sequences=cfg.limits.max_stop_sequences,
+        max_choices=cfg.limits.max_choices,
         eos_token_ids=m.target.config().eos_token_ids,
         draft_kind=cfg.draft.kind,
         created=checkpoint_time(Path(m.target.folder)),

@@ -1,10 +1,13 @@
 """The request's path from the ingress: prefill → KV handoff → decode stream → text.
 
-``Generation.run`` yields text deltas and ends with a :class:`Final`. It emits the first token
-as soon as prefill returns it (time to first token does not wait for the KV pull), detokenizes
-incrementally, and applies stop strings, holding back just enough text that a stop string is
-never streamed in part. Leaving the iteration early (stop string, client gone) cancels the
-decode stream, which aborts the request on its replica and frees its KV blocks.
+``Generation.run`` yields text deltas and a :class:`Final` per choice (``n`` of them, each
+tagged with its index). It emits the first token as soon as prefill returns it (time to first
+token does not wait for the KV pull), detokenizes incrementally, and applies stop strings,
+holding back just enough text that a stop string is never streamed in part. Leaving the
+iteration early (the last choice ended on a stop string, client gone) cancels the decode
+stream, which aborts the request's sequences on their replica and frees their KV blocks. A
+choice that ends on a stop string while others go on is not cut short on decode: its further
+tokens are dropped here (stop strings are matched on text, which only the ingress has).
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ class GenerationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Final:
+    """One choice's end: its finish reason, its tokens and its speculation outcomes."""
+
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     spec: SpecUsage
+    index: int = 0  # the choice
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Delta:
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class _Tokens:
     spec: SpecUsage
     error: str | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    choice: int = 0
 
 
 def _find_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -135,8 +143,8 @@ class Generation:
             handoff = await self._prefill(req)
             first = () if handoff.first_logprob is None else (handoff.first_logprob,)
             yield _Tokens((handoff.first_token,), handoff.finish_reason, NO_SPEC, None, first)
-            if handoff.finish_reason:
-                return
+            if handoff.finish_reason and req.sampling.n == 1:
+                return  # (with more choices, decode still runs the others on its KV)
         sent = req
         for attempt in range(self.retries + 1):
             stream = self.decode.options(stream=True).generate.remote(sent, handoff)
@@ -145,7 +153,12 @@ class Generation:
                 async for out in stream:
                     finished, streamed = out.finished, True
                     yield _Tokens(
-                        out.new_token_ids, out.finish_reason, out.spec, out.error, out.logprobs
+                        out.new_token_ids,
+                        out.finish_reason,
+                        out.spec,
+                        out.error,
+                        out.logprobs,
+                        out.choice,
                     )
                 return
             except BackPressureError as e:
@@ -165,71 +178,125 @@ class Generation:
                 if not finished:
                     stream.cancel()
 
-    def _finished(
-        self, req: Request, clock: RequestClock | None, reason: str, num_tokens: int
-    ) -> None:
-        if clock is not None:
-            clock.finished(reason, len(req.prompt_token_ids), num_tokens)
-        if self.log_requests:
-            log.info("request %s finished (%s): %d tokens", req.request_id, reason, num_tokens)
-
     async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[Delta | Final, None]:
-        """Yield text deltas, then one :class:`Final`. Raises :class:`GenerationError`.
+        """Yield text deltas and one :class:`Final` per choice, in the order they come; the
+        last Final ends the iteration. Raises :class:`GenerationError`.
 
         With a stop string, the log-probabilities reported are those of every token up to the
         one that completed the stop string (the text stops before the string)."""
-        detok = IncrementalDetokenizer(self.tokenizer)
-        hold = max((len(s) for s in stops), default=1) - 1
-        pending = ""
-        held: tuple[TokenLogprob, ...] = ()  # of tokens whose text has not been sent
-        num_tokens = 0
-        spec = NO_SPEC
-        clock = self.metrics.start() if self.metrics is not None else None
+        n = req.sampling.n
         prompt = len(req.prompt_token_ids)
+        choices = [
+            _ChoiceText(
+                i,
+                prompt,
+                IncrementalDetokenizer(self.tokenizer),
+                stops,
+                self.metrics.start() if self.metrics is not None else None,
+            )
+            for i in range(n)
+        ]
         if self.log_requests:
             s = req.sampling
             log.info(
-                "request %s: %d prompt tokens, max_tokens %d, temperature %g, top_p %g, seed %s",
+                "request %s: %d prompt tokens, max_tokens %d, n %d, temperature %g, top_p %g, "
+                "seed %s",
                 req.request_id,
                 prompt,
                 s.max_tokens,
+                n,
                 s.temperature,
                 s.top_p,
                 s.seed if s.seeded else None,
             )
+        left = n
         tokens = self._tokens(req)
         try:
             async for chunk in tokens:
-                num_tokens += len(chunk.ids)
-                if clock is not None:
-                    clock.tokens_arrived(len(chunk.ids))
-                spec = chunk.spec if chunk.spec.num_steps or chunk.spec.draft_tokens else spec
+                c = choices[chunk.choice]
+                if c.ended:  # ended on a stop string (or on prefill): the rest is not wanted
+                    continue
                 if chunk.error:
                     raise GenerationError(chunk.error)
-                pending += detok.push(chunk.ids)
-                held += chunk.logprobs
-                done = chunk.finish_reason is not None
-                if done:
-                    pending += detok.flush()
-                cut = _find_stop(pending, stops)
-                if cut is not None:
-                    if cut or held:
-                        yield Delta(pending[:cut], held)
-                    self._finished(req, clock, FinishReason.STOP.value, num_tokens)
-                    yield Final(FinishReason.STOP.value, prompt, num_tokens, spec)
-                    return
-                safe = len(pending) if done else max(0, len(pending) - hold)
-                if safe or (done and held):
-                    yield Delta(pending[:safe], held)
-                    pending, held = pending[safe:], ()
-                if done:
-                    assert chunk.finish_reason is not None
-                    self._finished(req, clock, chunk.finish_reason, num_tokens)
-                    yield Final(chunk.finish_reason, prompt, num_tokens, spec)
+                for item in c.push(chunk):
+                    if isinstance(item, Final):
+                        # prompt tokens are counted once per request, whatever its n
+                        self._finished(req, c, item, prompt if c.index == 0 else 0)
+                        left -= 1
+                    yield item
+                if left == 0:
                     return
         finally:
             await tokens.aclose()
         raise GenerationError("the decode stream ended without finishing the request")
+
+    def _finished(self, req: Request, c: _ChoiceText, final: Final, prompt: int) -> None:
+        if c.clock is not None:
+            c.clock.finished(final.finish_reason, prompt, final.completion_tokens)
+        if self.log_requests:
+            which = f" choice {c.index}" if req.sampling.n > 1 else ""
+            log.info(
+                "request %s%s finished (%s): %d tokens",
+                req.request_id,
+                which,
+                final.finish_reason,
+                final.completion_tokens,
+            )
+
+
+class _ChoiceText:
+    """One choice's tokens turned into text: incremental detokenizing, stop strings (text that
+    could still become one is held back) and the log-probabilities that go with the text."""
+
+    def __init__(
+        self,
+        index: int,
+        prompt_tokens: int,
+        detok: IncrementalDetokenizer,
+        stops: Sequence[str],
+        clock: RequestClock | None,
+    ) -> None:
+        self.index = index
+        self.prompt_tokens = prompt_tokens
+        self.detok = detok
+        self.stops = stops
+        self.clock = clock
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""  # text not yet sent
+        self.held: tuple[TokenLogprob, ...] = ()  # of tokens whose text has not been sent
+        self.num_tokens = 0
+        self.spec = NO_SPEC
+        self.ended = False
+
+    def push(self, chunk: _Tokens) -> list[Delta | Final]:
+        """What the client gets for ``chunk``: a delta, and the choice's Final if it ended."""
+        self.num_tokens += len(chunk.ids)
+        if self.clock is not None:
+            self.clock.tokens_arrived(len(chunk.ids))
+        if chunk.spec.num_steps or chunk.spec.draft_tokens:
+            self.spec = chunk.spec
+        self.pending += self.detok.push(chunk.ids)
+        self.held += chunk.logprobs
+        done = chunk.finish_reason is not None
+        if done:
+            self.pending += self.detok.flush()
+        out: list[Delta | Final] = []
+        cut = _find_stop(self.pending, self.stops)
+        if cut is not None:
+            if cut or self.held:
+                out.append(Delta(self.pending[:cut], self.held, self.index))
+            return [*out, self._end(FinishReason.STOP.value)]
+        safe = len(self.pending) if done else max(0, len(self.pending) - self.hold)
+        if safe or (done and self.held):
+            out.append(Delta(self.pending[:safe], self.held, self.index))
+            self.pending, self.held = self.pending[safe:], ()
+        if chunk.finish_reason is not None:
+            out.append(self._end(chunk.finish_reason))
+        return out
+
+    def _end(self, reason: str) -> Final:
+        self.ended = True
+        return Final(reason, self.prompt_tokens, self.num_tokens, self.spec, self.index)
 
 
 def _replica_lost(e: BaseException) -> bool:

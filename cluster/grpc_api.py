@@ -225,7 +225,7 @@ class GrpcAPI:
 
 
 def _usage(final: Final) -> Any:
-    u = usage_body(final)
+    u = usage_body([final])  # one choice per gRPC call
     spec = u.get("speculative")
     usage = pb.Usage(
         prompt_tokens=u["prompt_tokens"],

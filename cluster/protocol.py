@@ -9,8 +9,8 @@ kinds, listed per body in :data:`CHAT_FIELDS` and :data:`COMPLETION_FIELDS`:
 - inert: accepted and ignored because they cannot change the output (``user``, ``metadata``,
   caching and scheduling hints, ``prediction``); listed in :data:`INERT`;
 - refused: declared so the refusal can name them and say why, accepted only at the value that
-  means "off" (``tools: []``, ``n: 1``, ``response_format: {"type": "text"}``); listed with
-  their reasons in :data:`REFUSED`.
+  means "off" (``tools: []``, ``best_of: 1``, ``response_format: {"type": "text"}``); listed
+  with their reasons in :data:`REFUSED`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -45,7 +46,6 @@ class Refusal:
 
 _TOOLS = "tool calling is not implemented"
 REFUSED: dict[str, Refusal] = {
-    "n": Refusal("only one choice per request is implemented", (None, 1)),
     "best_of": Refusal("only one candidate per request is implemented", (None, 1)),
     "presence_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
     "frequency_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
@@ -123,7 +123,6 @@ class StreamOptions(_Body):
 
 
 _COMMON_REFUSED = (
-    "n",
     "presence_penalty",
     "frequency_penalty",
     "logit_bias",
@@ -147,8 +146,13 @@ class SamplingFields(_Body):
     ignore_eos: bool = Field(
         False, description="vLLM's extension: keep generating past end-of-sequence tokens."
     )
+    n: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="Independent choices to generate for the prompt (default 1; one prefill, "
+        "the choices share the prompt's KV on decode). Capped by limits.max_choices.",
+    )
     # refused unless off (see REFUSED); min_p, repetition_penalty, min_tokens are vLLM's
-    n: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -179,6 +183,10 @@ class SamplingFields(_Body):
     def requested_logprobs(self) -> int | None:
         """Alternatives per token to report with each token's log-probability; None: none."""
         return None
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     @property
     def stop_strings(self) -> list[str]:

@@ -102,6 +102,7 @@ class ServiceSettings:
     degraded_fraction: float = 0.2  # kv.degraded_fraction: failed share of recent handoffs
     retries: int = 1  # limits.retries: resends of a request that has streamed no token
     log_requests: bool = False  # logging.requests: a line as each generation starts and ends
+    max_choices: int = 16  # limits.max_choices: the most choices (n) one request may ask for
 
 
 class OpenAIService:
@@ -204,6 +205,13 @@ class OpenAIService:
                 f"at most {s.max_stop_sequences} stop sequences are allowed, got {len(stops)}",
                 param="stop",
             )
+        if body.num_choices > s.max_choices:
+            raise APIError(
+                400,
+                f"n is {body.n}; this server allows at most {s.max_choices} choices per request "
+                "(limits.max_choices)",
+                param="n",
+            )
         sampling = SamplingParams(
             temperature=body.temperature,
             top_p=body.top_p,
@@ -213,6 +221,7 @@ class OpenAIService:
             stop_token_ids=() if body.ignore_eos else s.eos_token_ids,
             seeded=body.seed is not None,
             logprobs=body.requested_logprobs,
+            n=body.num_choices,
         )
         return Request(
             request_id=uuid.uuid4().hex,

@@ -102,7 +102,8 @@ class RequestClock:
         m.e2e.observe(now - self.t0)
         if self.first is not None and completion_tokens > 1:
             m.tpot.observe((now - self.first) / (completion_tokens - 1))
-        m.prompt_tokens.inc(prompt_tokens)
+        if prompt_tokens:  # 0 for a request's further choices: its prompt counts once
+            m.prompt_tokens.inc(prompt_tokens)
         if completion_tokens:
             m.generation_tokens.inc(completion_tokens)
         m.success.inc(1, {**m.tags, "finished_reason": reason})

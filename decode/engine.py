@@ -9,6 +9,12 @@ requests first come, first served, within ``max_batch_size`` sequences and
 step's KV, the newest running request is preempted: its blocks are freed and it waits at the
 head of the queue to be recomputed; per-position seeded sampling makes its output unchanged.
 
+A request with ``n`` > 1 choices brings (or computes) its prompt once: its further choices wait
+until the prompt's KV is there, then start as sequences of their own that share its full
+prompt blocks (reference-counted, copy-on-write at block granularity: no sequence ever writes a
+shared block) and compute only the prompt's last partial block themselves, sampling their
+first token with their own seed (``_start_choices``).
+
 Not thread-safe: one thread (``decode.loop.EngineLoop``) drives ``add``, ``abort`` and ``step``.
 """
 
@@ -88,6 +94,11 @@ class DecodeEngine:
         self._queued_at: dict[str, float] = {}  # request id -> when it was queued (monotonic)
         self.queue_times: deque[float] = deque()  # drained by take_queue_times
         self.running: dict[str, Request] = {}
+        # request id -> its further choices (n > 1), not started until its prompt's KV is here
+        self._choices: dict[str, list[Request]] = {}
+        # requests whose own output ended before decode (prefill's first token finished it):
+        # they only bring their prompt's KV for their further choices, and end quietly
+        self._sources: set[str] = set()
         self._outbox: list[StepOutput] = []
         # counters (stats)
         self.target_tokens_fed = 0
@@ -122,6 +133,16 @@ class DecodeEngine:
                 f"at most {capacity} in this pool (decode.num_blocks x kv.block_size)",
             )
             return
+        if req.sampling.n > 1:
+            self._choices[req.request_id] = req.choices()
+            if handoff is not None:  # prefill's first token may have ended choice 0 already
+                done = handoff.finish_reason is not None
+            else:  # a resent request brings that first token itself
+                done = bool(req.output_token_ids) and bool(
+                    self._ended(req, req.output_token_ids[-1])
+                )
+            if done:
+                self._sources.add(req.request_id)
         req.status = RequestStatus.WAITING
         lease_end = time.monotonic() + (handoff.lease_seconds if handoff else 0.0)
         self.waiting.append((req, handoff, lease_end))
@@ -136,7 +157,11 @@ class DecodeEngine:
         return out
 
     def abort(self, request_id: str) -> None:
+        """End a request, and its further choices that have not started (started ones are
+        sequences of their own, aborted by their own ids: ``models.request.choice_id``)."""
         self._queued_at.pop(request_id, None)
+        self._choices.pop(request_id, None)
+        self._sources.discard(request_id)
         for i, (req, _, _) in enumerate(self.waiting):
             if req.request_id == request_id:
                 del self.waiting[i]
@@ -238,6 +263,8 @@ class DecodeEngine:
                     continue
                 self.drafter.observe(req, handoff.hidden_state.view(1, -1).to(self.pool.device))
             self._run(req)
+            if req.request_id in self._sources:  # its own output ended on prefill
+                self._end_source(req)
         plan = self.scheduler.plan(list(self.running.values()), self._preempt)
         if plan:
             reqs = [p.req for p in plan]
@@ -258,11 +285,70 @@ class DecodeEngine:
                 self.target_tokens_fed += em.num_fed
                 if em.tokens:
                     self._apply(r, em)
+        for rid in [rid for rid in self._choices if self._prompt_shared(rid)]:
+            self._start_choices(self.running[rid])
         out, self._outbox = self._outbox, []
         return out
 
+    # ---- a request's further choices (n > 1) ----------------------------------------------
+
+    def _shared_prefix(self, r: Request) -> int:
+        """Tokens of ``r``'s prompt whose KV its further choices can share: whole blocks that
+        every KV group has computed, and never the prompt's last token (a choice computes that
+        itself, to sample its own first token; an EAGLE head's slot t also holds token t + 1)."""
+        done = r.num_computed
+        if self.drafter is not None and self.drafter.uses_kv:
+            done = min(done, r.num_draft_computed)
+        done = min(done, len(r.prompt_token_ids) - 1, len(r.block_table) * self.cfg.block_size)
+        return done // self.cfg.block_size * self.cfg.block_size
+
+    def _prompt_shared(self, request_id: str) -> bool:
+        """Whether the request's choices can start now: the prompt's KV is computed and every KV
+        group holds all of it that can be shared, or a decode step has passed since (a drafter
+        that lags, e.g. granted no drafts, then shares less rather than holding them back)."""
+        r = self.running.get(request_id)
+        if r is None or r.num_computed < len(r.prompt_token_ids):
+            return False
+        most = (len(r.prompt_token_ids) - 1) // self.cfg.block_size * self.cfg.block_size
+        return self._shared_prefix(r) == most or len(r.output_token_ids) > 1
+
+    def _start_choices(self, r: Request) -> None:
+        """Start ``r``'s further choices: each holds a reference to the shared prompt blocks and
+        computes the rest of the prompt into blocks of its own (the scheduler allocates them)."""
+        choices = self._choices.pop(r.request_id, [])
+        shared = self._shared_prefix(r)
+        blocks = r.block_table[: shared // self.cfg.block_size]
+        for c in choices:
+            self.allocator.fork(blocks)
+            c.block_table = list(blocks)
+            c.num_computed = c.num_draft_computed = shared
+            c.acceptance_probe = c.acceptance_estimate = r.acceptance_probe
+            c.status = RequestStatus.RUNNING
+            self._run(c)
+
+    def _end_source(self, r: Request) -> None:
+        """``r``'s own output ended before decode: start its choices on its KV, then end it
+        with no new token (its stream then counts it finished; the ingress has its tokens)."""
+        self._sources.discard(r.request_id)
+        self._start_choices(r)
+        self.running.pop(r.request_id, None)
+        self._finish(r, self._ended(r, r.output_token_ids[-1]) or FinishReason.LENGTH, None)
+
+    def _ended(self, r: Request, last: int) -> FinishReason | None:
+        """Why ``r`` ends with ``last`` its newest output token (None: it goes on)."""
+        if last in r.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if (
+            len(r.output_token_ids) >= r.sampling.max_tokens
+            or r.num_tokens >= self.cfg.max_model_len
+        ):
+            return FinishReason.LENGTH
+        return None
+
     def _apply(self, r: Request, em: Emission) -> None:
-        sp = r.sampling
+        if r.request_id in self._sources:  # its prompt is computed: only its choices go on
+            self._end_source(r)
+            return
         if em.num_drafted:
             r.stats.num_steps += 1
             r.stats.num_draft_tokens += em.num_drafted
@@ -276,10 +362,7 @@ class DecodeEngine:
         for tok in em.tokens:
             r.output_token_ids.append(tok)
             new.append(tok)
-            if tok in sp.stop_token_ids:
-                reason = FinishReason.STOP
-            elif len(r.output_token_ids) >= sp.max_tokens or r.num_tokens >= self.cfg.max_model_len:
-                reason = FinishReason.LENGTH
+            reason = self._ended(r, tok)
             if reason is not None:
                 break
         logprobs = em.logprobs[: len(new)]
@@ -440,6 +523,13 @@ class DecodeEngine:
         if error:
             log.warning("request %s failed: %s", r.request_id, error)
         r.finish_reason, r.error = reason, error
+        if r.request_id in self._choices:  # its choices go on without it, or fail with it
+            if reason is FinishReason.ERROR:
+                for c in self._choices.pop(r.request_id):
+                    self._finish(c, reason, error)
+            else:
+                self._start_choices(r)
+        self._sources.discard(r.request_id)
         self._release(r)
         if self.speculation is not None and reason is not FinishReason.ERROR:
             self.speculation.finished(r)

@@ -27,6 +27,7 @@ class StepOutput:
     step_drafted: int = 0  # draft tokens this step tested for the request
     step_accepted: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asks
+    choice: int = 0  # which of the request's choices (``Request.choice``)
 
     @property
     def finished(self) -> bool:

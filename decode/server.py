@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from cluster.health_board import BoardPublisher, pool_board
@@ -19,7 +19,7 @@ from decode.stream import coalesced
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
-from models.request import Request
+from models.request import Request, choice_id
 
 
 class DecodeServer:
@@ -60,19 +60,27 @@ class DecodeServer:
             q.put_nowait(out)
 
     async def generate(self, req: Request, handoff: KVHandoff | None) -> AsyncIterator[StepOutput]:
+        """The outputs of each of the request's ``n`` choices (``StepOutput.choice``), until
+        every choice has finished or one has failed; leaving early aborts the rest."""
         self._aloop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._queues[req.request_id] = q
+        ids = [choice_id(req.request_id, i) for i in range(req.sampling.n)]
+        for rid in ids:
+            self._queues[rid] = q
+        choice = {rid: i for i, rid in enumerate(ids)}
         self.loop.submit(req, handoff)
-        finished = False
+        ended: set[str] = set()
         try:
-            async for out in coalesced(q, self.cfg.stream_interval_s):
-                finished = out.finished
-                yield out
+            async for out in coalesced(q, self.cfg.stream_interval_s, len(ids)):
+                if out.finished:
+                    ended.add(out.request_id)
+                yield replace(out, choice=choice[out.request_id])
         finally:
-            self._queues.pop(req.request_id, None)
-            if not finished:
-                self.loop.abort(req.request_id)
+            for rid in ids:
+                self._queues.pop(rid, None)
+            for rid in ids:  # choice 0 first: its choices not yet started end with it
+                if rid not in ended:
+                    self.loop.abort(rid)
 
     async def stats(self) -> dict[str, Any]:
         return self.snapshot()

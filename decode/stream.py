@@ -6,7 +6,8 @@ message to the ingress costs a Serve streaming round trip and the ingress's work
 message was in flight go out as one, and with ``interval_s`` > 0 a stream's messages are held
 until that long after the previous one (tokens of a fast stream travel together; vLLM's
 ``stream_interval`` does the same in tokens). The first message and the last are never held:
-time to first token and the end of a request are what clients wait on.
+time to first token and the end of a request are what clients wait on. A request with several
+choices (``n``) shares one queue: what queued is coalesced per choice.
 """
 
 from __future__ import annotations
@@ -35,10 +36,27 @@ def coalesce(outs: Sequence[StepOutput]) -> StepOutput:
     )
 
 
-async def coalesced(q: asyncio.Queue[StepOutput], interval_s: float) -> AsyncIterator[StepOutput]:
-    """The request's outputs from ``q`` until the finished one, coalesced (module doc)."""
+def _per_sequence(outs: Sequence[StepOutput]) -> list[StepOutput]:
+    """``outs`` coalesced per request id, in the order each id first appears."""
+    by_id: dict[str, list[StepOutput]] = {}
+    for o in outs:
+        by_id.setdefault(o.request_id, []).append(o)
+    return [coalesce(group) for group in by_id.values()]
+
+
+async def coalesced(
+    q: asyncio.Queue[StepOutput], interval_s: float, sequences: int = 1
+) -> AsyncIterator[StepOutput]:
+    """The outputs of ``sequences`` sequences (a request's choices) from ``q``, coalesced per
+    sequence (module doc), until each has finished or one has failed (an error ends them all).
+    A sequence's end is never held back by the interval."""
     loop = asyncio.get_running_loop()
     sent_at: float | None = None  # when the previous message went out (None: none yet)
+    left = sequences  # sequences not yet finished
+
+    def last(outs: list[StepOutput]) -> bool:  # the batch ends the stream
+        return any(o.error is not None for o in outs) or sum(o.finished for o in outs) >= left
+
     while True:
         outs = [await q.get()]
         if sent_at is not None and interval_s > 0:
@@ -48,10 +66,12 @@ async def coalesced(q: asyncio.Queue[StepOutput], interval_s: float) -> AsyncIte
                     outs.append(await asyncio.wait_for(q.get(), wait))
                 except TimeoutError:
                     break
-        while not outs[-1].finished and not q.empty():
+        while not last(outs) and not q.empty():
             outs.append(q.get_nowait())
-        out = coalesce(outs)
+        ending = last(outs)
         sent_at = loop.time()
-        yield out
-        if out.finished:
+        for out in _per_sequence(outs):
+            yield out
+        if ending:
             return
+        left -= sum(o.finished for o in outs)

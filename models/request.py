@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from models.sampling import SamplingParams
+from models.sampling import SamplingParams, choice_seed
 
 
 class RequestStatus(enum.Enum):
@@ -77,6 +77,22 @@ class Request:
     outputs_at_preemption: int = -1  # len(output_token_ids) when it was last preempted
     finish_reason: FinishReason | None = None
     error: str | None = None
+    choice: int = 0  # which of the client's ``sampling.n`` choices this sequence generates
+
+    def choices(self) -> list[Request]:
+        """The request's further choices (1 .. n - 1), each a sequence of its own over the same
+        prompt with its own seed (``models.sampling.choice_seed``), not yet started."""
+        sp = self.sampling
+        return [
+            Request(
+                request_id=choice_id(self.request_id, i),
+                prompt_token_ids=self.prompt_token_ids,  # shared, never written
+                sampling=replace(sp, n=1, seed=choice_seed(sp.seed, i)),
+                arrival_time=self.arrival_time,
+                choice=i,
+            )
+            for i in range(1, sp.n)
+        ]
 
     @property
     def num_tokens(self) -> int:
@@ -99,3 +115,8 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def choice_id(request_id: str, choice: int) -> str:
+    """The id of choice ``choice`` of request ``request_id`` (choice 0 keeps the request's)."""
+    return request_id if choice == 0 else f"{request_id}/{choice}"

@@ -33,6 +33,8 @@ class SamplingParams:
     # report each emitted token's log-probability and this many alternatives (models.logprobs);
     # None reports none
     logprobs: int | None = None
+    # independent choices of the request (``n``); choice i > 0 samples with ``choice_seed``
+    n: int = 1
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +51,7 @@ class Stream:
     SAMPLE = 0  # the plain sample / recovered or bonus token
     ACCEPT = 1  # uniforms of the accept test
     DRAFT = 2  # the drafter's own proposals
+    CHOICE = 3  # the seeds of a request's further choices (``choice_seed``; position: index)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -79,6 +82,13 @@ def derived_seeds(
 def derived_seed(seed: int, position: int, stream: int) -> int:
     """``derived_seeds`` of one draw, as a 63-bit int."""
     return int(derived_seeds([seed & MASK63], [position], stream)[0]) >> 1
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of a request's choice ``choice`` (of ``n``): choice 0 samples with the request's
+    own seed, so ``n = 1`` is unchanged; the others with seeds derived from it, so a seeded
+    request with ``n > 1`` gives the same choices every time, each independent of the rest."""
+    return seed if choice == 0 else derived_seed(seed, choice, Stream.CHOICE)
 
 
 def uniforms(

@@ -235,7 +235,7 @@ class PrefillWorker:
         expiry = time.monotonic() + self.cfg.lease_seconds  # this host's clock only
         blocks = tuple(p.blocks)
         payload = None
-        if finish is not None:  # nothing left for decode to do: don't hold the blocks
+        if finish is not None and sp.n == 1:  # nothing left for decode: don't hold the blocks
             self.allocator.free(p.blocks)
             blocks = ()
         else:

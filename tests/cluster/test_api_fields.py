@@ -47,7 +47,6 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 
 # A value that turns each refused field on (as the SDK would send it).
 ON: dict[str, Any] = {
-    "n": 2,
     "best_of": 2,
     "presence_penalty": 0.5,
     "frequency_penalty": -0.5,
@@ -72,7 +71,6 @@ ON: dict[str, Any] = {
 }
 # The same fields at the value that leaves them off: accepted.
 OFF: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
     "presence_penalty": 0.0,
     "frequency_penalty": 0,
@@ -153,8 +151,10 @@ def test_refused_fields_are_refused_by_name_and_accepted_when_off(
         assert f"'{name}' is not supported" in err.message
         off = {name: OFF[name]} if name in OFF else {}
         model.model_validate({**base, **off})
-    # True is not 1: a boolean where a count belongs does not pass as "off"
+    # True is not 1: a boolean where a count belongs does not pass as "off", nor as a count
+    assert _error(model, {**base, "best_of": True}).param == "best_of"
     assert _error(model, {**base, "n": True}).param == "n"
+    assert _error(model, {**base, "n": 0}).param == "n"
 
 
 def test_inert_fields_are_accepted_and_unknown_ones_refused() -> None:

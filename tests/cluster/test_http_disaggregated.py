@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM
 from cluster.config import TandemConfig
 from models.config import LlamaConfig
 from models.embedded import EMBEDDED_NAME
+from models.sampling import choice_seed
 from models.tokenizer import Tokenizer
 from tests.cluster.conftest import running_app
 
@@ -173,6 +174,51 @@ def test_kv_came_over_nixl(client: openai.OpenAI, base: str, embedded_folder: Pa
     )
 
 
+def test_n_choices_share_one_prefill_and_each_is_its_seeds_sample(
+    client: openai.OpenAI, base: str
+) -> None:
+    """n = 3, seeded: each choice is the sample a lone request with that choice's seed gives,
+    streamed or not; usage counts every choice; one prefill served all three."""
+    msgs: Any = [{"role": "user", "content": "Tell me a very short story about a dog."}]
+    kw: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 16, "temperature": 1.0}
+    prefills = _health(base)["prefill"]["prefills"]
+    r = client.chat.completions.create(n=3, seed=11, **kw)
+    assert _health(base)["prefill"]["prefills"] == prefills + 1
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3
+    tokens = 0
+    for i, text in enumerate(texts):
+        lone = client.chat.completions.create(seed=choice_seed(11, i), **kw)
+        assert lone.choices[0].message.content == text
+        assert lone.choices[0].finish_reason == r.choices[i].finish_reason
+        assert lone.usage is not None
+        tokens += lone.usage.completion_tokens
+    assert r.usage is not None and r.usage.completion_tokens == tokens  # every choice's
+
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    finishes: dict[int, str | None] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        n=3, seed=11, stream=True, stream_options={"include_usage": True}, **kw
+    ):
+        for c in chunk.choices:
+            assert c.index not in finishes  # nothing of a choice after its finish
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finishes[c.index] = c.finish_reason
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert [streamed[i] for i in range(3)] == texts
+    assert usage is not None and usage.completion_tokens == r.usage.completion_tokens
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=2, n=CFG.limits.max_choices + 1
+        )
+    assert e.value.param == "n" and "limits.max_choices" in str(e.value.message)
+
+
 def test_abandoned_stream_frees_decode_blocks(base: str) -> None:
     body = {
         "model": MODEL,
@@ -254,7 +300,7 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(client: openai
         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
         ("response_format", {"type": "json_object"}),
         ("logit_bias", {"42": 5}),
-        ("n", 2),
+        ("presence_penalty", 0.5),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(

@@ -72,3 +72,44 @@ def test_an_interval_spaces_messages_but_holds_neither_end() -> None:
     gaps = [b - a for (a, _), (b, _) in itertools.pairwise(got)]
     assert all(g >= 0.14 for g in gaps[:-1])
     assert gaps[-1] < 0.15  # the finish went out when it arrived
+
+
+def _seq(rid: str, i: int, finish: str | None = None, error: str | None = None) -> StepOutput:
+    spec = SpecUsage(num_steps=0, draft_tokens=0, accepted_tokens=0, emitted_tokens=0)
+    return StepOutput(rid, (i,), finish, spec, error)
+
+
+def _drain(outs: list[StepOutput], sequences: int) -> list[StepOutput]:
+    async def run() -> list[StepOutput]:
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        for o in outs:
+            q.put_nowait(o)
+        return [o async for o in coalesced(q, 0.0, sequences)]
+
+    return asyncio.run(run())
+
+
+def test_choices_sharing_a_queue_are_coalesced_each_and_end_together() -> None:
+    """Two sequences (a request's choices) in one queue: each one's queued steps go as one
+    message, the stream ends once both have finished and not before, and what follows in the
+    queue (another request's leftovers) is not read."""
+    outs = [
+        _seq("a", 1),
+        _seq("b", 10),
+        _seq("a", 2, "stop"),
+        _seq("b", 11),
+        _seq("b", 12, "length"),
+    ]
+    got = _drain([*outs, _seq("c", 99)], 2)
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in got] == [
+        ("a", (1, 2), "stop"),
+        ("b", (10, 11, 12), "length"),
+    ]
+    # one finished of two does not end the stream
+    partial = _drain([_seq("a", 1, "stop"), _seq("b", 5), _seq("b", 6, "stop")], 2)
+    assert [o.finish_reason for o in partial] == ["stop", "stop"]
+
+
+def test_an_error_of_one_choice_ends_the_stream() -> None:
+    got = _drain([_seq("a", 1), _seq("b", 2, "error", "decode failed"), _seq("a", 3)], 3)
+    assert [o.request_id for o in got] == ["a", "b"] and got[-1].error == "decode failed"
