@@ -1,14 +1,20 @@
-"""Batch-1 latency through HTTP: speculation off vs drafting, in one run.
+"""Batch-1 latency through HTTP: speculation off vs drafting, and the serving path against the
+same engine in-process, in one run.
 
 Starts a local disaggregated cluster per configuration (same machine, same prompts, greedy),
 streams each prompt alone, and reports time to first token and decode tokens/s per prompt set,
-with each drafter's ratio to off. Drafters: ``ngram`` (prompt lookup), ``eagle`` (the shipped
-distilled head, ``models/drafts/smollm2-135m-eagle``) and ``eagle+lookup`` (the head where
-prompt lookup finds no match: ``draft.lookup_first``), k = 4 adaptive, as served; a ``+treeW``
-suffix (``eagle+tree4``, ``eagle+lookup+tree4``) drafts trees ``W`` wide (``draft.tree_width``).
+with each drafter's ratio to off. With ``--in-process``, each configuration's prompts also run
+through the same prefill worker and decode engine in this process (no Ray, no HTTP, the KV over
+NIXL within the process), built from the same config, and the report gives HTTP over in-process
+decode tokens/s: what the serving path (decode replica → ingress → proxy → client) costs.
+
+Drafters: ``ngram`` (prompt lookup), ``eagle`` (the shipped distilled head,
+``models/drafts/smollm2-135m-eagle``) and ``eagle+lookup`` (the head where prompt lookup finds
+no match: ``draft.lookup_first``), k = 4 adaptive, as served; a ``+treeW`` suffix
+(``eagle+tree4``, ``eagle+lookup+tree4``) drafts trees ``W`` wide (``draft.tree_width``).
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
-        [--drafts ngram eagle eagle+lookup] [--quantization int8]
+        [--drafts ngram eagle eagle+lookup] [--quantization int8] [--in-process]
         [--out bench/results/http_batch1.json]
 """
 
@@ -19,6 +25,8 @@ import json
 import platform
 import statistics
 import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +36,13 @@ from bench.copy_prompts import COPY_PROMPTS
 from bench.http_client import Timing, timed_chat
 from bench.local_app import local_app
 from bench.sharegpt import first_prompts
-from cluster.builder import resolve_models
+from cluster.builder import engine_configs, resolve_models
 from cluster.config import TandemConfig
+from decode.engine import DecodeEngine
+from models.request import Request
+from models.sampling import SamplingParams
+from models.tokenizer import Tokenizer
+from prefill.worker import PrefillWorker
 
 RESULTS = Path(__file__).parent / "results"
 EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
@@ -86,6 +99,68 @@ def run_config(
         return out, texts
 
 
+def run_in_process(
+    draft: str, sets: dict[str, list[str]], max_tokens: int, quantization: str = "none"
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """``run_config`` without the serving path: the same worker and engine, in this process,
+    each prompt alone; time to first token is the prefill, decode time runs from there to the
+    last token (as the HTTP client measures it, without the hops)."""
+    cfg = _config(draft, 0, quantization)
+    m = resolve_models(cfg)
+    engine_cfg, worker_cfg = engine_configs(cfg, m)
+    assert worker_cfg is not None
+    worker, engine = PrefillWorker(worker_cfg), DecodeEngine(engine_cfg)
+    tok = Tokenizer(Path(m.target.folder))
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, stop_token_ids=m.target.config().eos_token_ids
+    )
+    try:
+        _one_in_process(worker, engine, tok.apply_chat_template([_user("Hello!")]), sp)  # warm
+        out: dict[str, Any] = {}
+        texts: dict[str, list[str]] = {}
+        for name, prompts in sets.items():
+            ts = []
+            for p in prompts:
+                t, ids = _one_in_process(worker, engine, tok.apply_chat_template([_user(p)]), sp)
+                ts.append(replace(t, text=tok.decode(ids, skip_special_tokens=True)))
+            out[name] = _summary(ts)
+            texts[name] = [t.text for t in ts]
+            print(f"  {draft:12s} {name:9s} in-process {out[name]}", flush=True)
+        return out, texts
+    finally:
+        engine.close()
+        worker.close()
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _one_in_process(
+    worker: PrefillWorker, engine: DecodeEngine, prompt: list[int], sp: SamplingParams
+) -> tuple[Timing, list[int]]:
+    req = Request(uuid.uuid4().hex, prompt, sp)
+    t0 = time.perf_counter()
+    handoff = worker.prefill(req)
+    first = time.perf_counter()
+    ids = [handoff.first_token]
+    done = handoff.finish_reason is not None
+    if not done:
+        engine.add(req, handoff)
+    while not done:
+        for o in engine.step():
+            if o.error is not None:
+                raise RuntimeError(o.error)
+            ids.extend(o.new_token_ids)
+            done = done or o.finished
+    end = time.perf_counter()
+    while engine.has_work:  # the pull's notice, so the prefill lease ends
+        engine.step()
+    worker.reap()
+    s = req.stats
+    return Timing(first - t0, end - t0, len(ids), s.num_draft_tokens, s.num_accepted_tokens), ids
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -100,6 +175,11 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="none", help="model.quantization (and an EAGLE head's)"
     )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="also run each configuration in-process (the serving path's baseline)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "http_batch1.json")
     args = ap.parse_args()
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
@@ -110,6 +190,25 @@ def main() -> None:
     }
     results = {d: r[0] for d, r in runs.items()}
     identical = {d: runs[d][1] == runs["none"][1] for d in args.drafts}
+    serving: dict[str, Any] = {}
+    if args.in_process:
+        local = {
+            d: run_in_process(d, sets, args.max_tokens, args.quantization)
+            for d in ["none", *args.drafts]
+        }
+        serving = {
+            "in_process": {d: r[0] for d, r in local.items()},
+            "http_over_in_process": {
+                d: {
+                    name: results[d][name]["decode_tok_s_mean"]
+                    / local[d][0][name]["decode_tok_s_mean"]
+                    for name in sets
+                }
+                for d in local
+            },
+            # the same greedy tokens in-process as through HTTP (text as each path decodes it)
+            "in_process_identical_to_http": {d: local[d][1] == runs[d][1] for d in local},
+        }
     ratios = {
         f"{d}_over_off": {
             name: {
@@ -131,11 +230,13 @@ def main() -> None:
         "results": results,
         **ratios,
         "greedy_identical_to_off": identical,
+        **serving,
         "wall_s": time.time() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({**ratios, "greedy_identical_to_off": identical}, indent=2))
+    extra = {k: v for k, v in serving.items() if k != "in_process"}
+    print(json.dumps({**ratios, "greedy_identical_to_off": identical, **extra}, indent=2))
 
 
 if __name__ == "__main__":

@@ -169,11 +169,12 @@ def check_tp(folder: Path, tp: int, pool: str) -> None:
             raise ValueError(f"{pool}.tp={tp} does not divide the model's {n} {what}")
 
 
-def build_app(cfg: TandemConfig) -> Application:
-    """The Serve application: ingress → (prefill) → decode, each pinned to its pool."""
-    m = resolve_models(cfg)
+def engine_configs(
+    cfg: TandemConfig, m: ResolvedModels
+) -> tuple[DecodeEngineConfig, PrefillWorkerConfig | None]:
+    """What each decode replica's engine and (disaggregated) each prefill replica's worker
+    run with: the Serve deployments' arguments, also what an in-process benchmark builds."""
     bs = cfg.kv.block_size
-    decode_tokens = cfg.decode.num_blocks * bs
     engine = DecodeEngineConfig(
         model_name=m.name,
         target=m.target,
@@ -194,26 +195,37 @@ def build_app(cfg: TandemConfig) -> Application:
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
         stream_interval_s=cfg.decode.stream_interval_s,
     )
+    if cfg.mode != "disaggregated":
+        return engine, None
+    worker = PrefillWorkerConfig(
+        model_name=m.name,
+        target=m.target,
+        draft=m.draft,
+        device=_device(cfg.prefill),
+        tp_size=cfg.prefill.tp,
+        num_blocks=cfg.prefill.num_blocks,
+        block_size=bs,
+        probe_window=cfg.prefill.probe_window,
+        lease_seconds=cfg.prefill.lease_seconds,
+        num_threads=cfg.prefill.num_threads,
+        max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
+        enable_prefix_caching=cfg.prefill.enable_prefix_caching,
+        transport=cfg.kv.transport,
+    )
+    return engine, worker
+
+
+def build_app(cfg: TandemConfig) -> Application:
+    """The Serve application: ingress → (prefill) → decode, each pinned to its pool."""
+    m = resolve_models(cfg)
+    bs = cfg.kv.block_size
+    decode_tokens = cfg.decode.num_blocks * bs
+    engine, worker = engine_configs(cfg, m)
     decode_opts = _options(cfg.decode, "decode", cfg) | decode_router_options(cfg.decode)
     decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)
     prefill = None
     max_prompt = min(m.max_model_len - 1, decode_tokens - 2)  # room for one output token
-    if cfg.mode == "disaggregated":
-        worker = PrefillWorkerConfig(
-            model_name=m.name,
-            target=m.target,
-            draft=m.draft,
-            device=_device(cfg.prefill),
-            tp_size=cfg.prefill.tp,
-            num_blocks=cfg.prefill.num_blocks,
-            block_size=bs,
-            probe_window=cfg.prefill.probe_window,
-            lease_seconds=cfg.prefill.lease_seconds,
-            num_threads=cfg.prefill.num_threads,
-            max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
-            enable_prefix_caching=cfg.prefill.enable_prefix_caching,
-            transport=cfg.kv.transport,
-        )
+    if worker is not None:
         prefill_opts = _options(cfg.prefill, "prefill", cfg) | prefill_router_options(
             cfg.prefill, bs
         )

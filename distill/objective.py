@@ -100,6 +100,9 @@ def unrolled_forward(
     Returns ``depth`` tensors [B, T, H]: the head's predicted features at each drafting depth.
     Padding at the end of a row does not change the rows before it (attention is causal).
     """
+    layer = head.layer
+    if not isinstance(layer, LlamaDecoderLayer):
+        raise TypeError("tandem distill trains EAGLE-1/2-style heads, not EAGLE-3 ones")
     emb = head.embed_tokens(ids)  # [B, T, H], the target's embeddings
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -110,7 +113,7 @@ def unrolled_forward(
             f = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
         x = head.fc(torch.cat([emb, f], dim=-1))  # [B, T, H]
         mask = None if d == 1 else unrolled_mask(ids.shape[1], d, ids.device)
-        outs.append(dense_layer(head.layer, head.rope, x, keys, values, mask))
+        outs.append(dense_layer(layer, head.rope, x, keys, values, mask))
     return outs
 
 

@@ -127,7 +127,7 @@ class KVHandoff:
     lease_seconds: float  # from when the source issued this, it may reuse the blocks after
     acceptance_probe: float | None = None
     draft_computed: int = 0  # prompt positions whose draft KV the blocks hold
-    hidden_state: torch.Tensor | None = None  # [H] the last prompt position's target feature
+    hidden_state: torch.Tensor | None = None  # [F] the last prompt position's target features
     finish_reason: str | None = None  # set when the first token already ends the request
     first_logprob: TokenLogprob | None = None  # the first token's, when the request asks
     payload: Any = None  # what the transport's export gave (e.g. an object store reference)

@@ -1,26 +1,36 @@
-"""An EAGLE-style draft head: the target's own features predict its next features.
+"""EAGLE draft heads: the target's own features predict its next features.
 
-At position ``t`` the head reads the target's final hidden state ``f_t`` and the embedding of
-the next token ``x_{t+1}``, mixes them (``fc``: ``[embed; f] -> hidden``), runs one Llama
-decoder layer over its own paged KV (a one-layer "draft" KV group), and produces ``g_t``, a
-guess of ``f_{t+1}``. The target's LM head turns ``g_t`` into a distribution over ``x_{t+2}``.
-Drafting several tokens feeds ``g_t`` back as the next feature.
+**EAGLE-1/2.** At position ``t`` the head reads the target's final hidden state ``f_t`` and the
+embedding of the next token ``x_{t+1}``, mixes them (``fc``: ``[embed; f] -> hidden``), runs
+one Llama decoder layer over its own paged KV (a one-layer "draft" KV group), and produces
+``g_t``, a guess of ``f_{t+1}``. An LM head turns ``g_t`` into a distribution over
+``x_{t+2}``. Drafting several tokens feeds ``g_t`` back as the next feature. Checkpoints use
+the published layout: ``config.json`` (Llama-style sizes; ``bias`` for the fc bias), tensors
+``fc.weight`` (``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
+``layers.0.mlp.{gate,up,down}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` (the
+layer has no input norm), optionally ``embed_tokens.weight`` (else the target's). tandem's own
+heads may add ``norm.weight`` (a norm before the LM head) and a reduced draft vocabulary.
 
-Checkpoints use the published EAGLE layout, so a released head loads as is: ``config.json``
-(Llama-style sizes; ``bias`` for the fc bias), and tensors ``fc.weight`` (``fc.bias``),
-``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
-``layers.0.post_attention_layernorm.weight`` (the first layer has no input norm), optionally
-``embed_tokens.weight`` (else the target's). EAGLE-3 style extras are understood too:
-``norm.weight`` (a norm before the LM head) and a reduced draft vocabulary,
-``lm_head.weight`` ``[V_draft, H]`` with ``d2t`` (draft id ``i`` is target id
-``i + d2t[i]``); outside it the draft gives probability zero, which speculation's rule handles
-exactly.
+**EAGLE-3** (``architectures: ["LlamaForCausalLMEagle3"]``, the heads SGLang and vLLM serve).
+The target's feature at ``t`` is three of its residual streams concatenated, low, middle and
+high (``eagle_aux_hidden_state_layer_ids``, vLLM's convention: id ``j`` is the stream entering
+target layer ``j``; by default ``(2, L // 2, L - 3)``), and ``fc`` maps those ``3 H_target``
+to the head's width. The layer reads ``[input_layernorm(embed(x_{t+1})); hidden_norm(g)]``
+(``2 H`` wide) in its attention, keeps ``g`` as the residual (``norm_before_residual``: the
+normed one), and its output before the final ``norm`` is the next step's ``g`` (no ``fc``: it
+is already the head's width). Tensors: ``midlayer.*`` (or ``layers.0.*``), ``fc.weight``,
+``norm.weight``, ``lm_head.weight`` ``[V_draft, H]``, ``d2t``, ``t2d``; optionally
+``embed_tokens.weight``.
+
+A reduced draft vocabulary is ``lm_head.weight`` ``[V_draft, H]`` with ``d2t`` (draft id ``i``
+is target id ``i + d2t[i]``); outside it the draft gives probability zero, which speculation's
+rule handles exactly.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -28,36 +38,107 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from models.attention import AttentionMetadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
-from models.llama import LlamaDecoderLayer, load_layer, quantize_layers
+from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
 from models.parallel import ServedLinear, TPContext, linear, onednn_pack
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
+    """The target residual streams an EAGLE-3 head reads when its config names none (vLLM's
+    and SGLang's default): low, middle and high."""
+    return (2, target_layers // 2, target_layers - 3)
+
 
 @dataclass(frozen=True)
 class EagleConfig:
-    layer: LlamaConfig  # the head's decoder layer (num_layers = 1), sizes of the target's
+    layer: LlamaConfig  # the head's decoder layer (num_layers = 1)
     vocab_size: int  # the target's vocabulary
     draft_vocab_size: int  # == vocab_size unless the head has a reduced vocabulary
     fc_bias: bool
-    final_norm: bool  # EAGLE-3: a norm before the LM head
+    final_norm: bool  # a norm before the LM head (always, for EAGLE-3)
+    eagle3: bool = False
+    # EAGLE-3: the target streams it reads (None: ``default_aux_layers`` of the target)
+    aux_layers: tuple[int, ...] | None = None
+    target_hidden_size: int = 0  # EAGLE-3: the target's width (fc reads 3 of it); 0: the head's
+    norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(g), not g
 
     @classmethod
     def from_folder(cls, folder: Path) -> EagleConfig:
         raw = json.loads((folder / "config.json").read_text())
+        if "transformer_layer_config" in raw:  # the "speculators" layout: the layer's sizes apart
+            raw = {**raw, **raw["transformer_layer_config"]}
+        eagle3 = EAGLE3_ARCHITECTURE in (raw.get("architectures") or []) or (
+            raw.get("speculators_model_type") == "eagle3"
+        )
         layer = LlamaConfig.from_hf_dict({**raw, "num_hidden_layers": 1})
+        aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
         return cls(
             layer=layer,
-            vocab_size=int(raw["vocab_size"]),
-            draft_vocab_size=int(raw.get("draft_vocab_size", raw["vocab_size"])),
-            fc_bias=bool(raw.get("bias", True)),
-            final_norm=bool(raw.get("final_norm", False)),
+            vocab_size=int(raw.get("target_vocab_size", raw["vocab_size"])),
+            draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+            fc_bias=bool(raw.get("bias", not eagle3)),
+            final_norm=eagle3 or bool(raw.get("final_norm", False)),
+            eagle3=eagle3,
+            aux_layers=tuple(int(i) for i in aux) if eagle3 and aux else None,
+            target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
+            norm_before_residual=bool(raw.get("norm_before_residual", False)),
         )
+
+    def for_target(self, target: LlamaConfig) -> EagleConfig:
+        """This head's config resolved against its target: EAGLE-3's streams (checked to lie
+        within the target), and the widths the head borrows from it checked."""
+        if not self.eagle3:
+            return self
+        aux = self.aux_layers or default_aux_layers(target.num_layers)
+        if len(aux) != 3 or not all(0 <= i < target.num_layers for i in aux):
+            raise ValueError(
+                f"EAGLE-3 head reads target streams {aux}: it needs three of the target's "
+                f"0..{target.num_layers - 1} (eagle_aux_hidden_state_layer_ids)"
+            )
+        if self.target_hidden_size != target.hidden_size:
+            raise ValueError(
+                f"EAGLE-3 head was made for a target {self.target_hidden_size} wide "
+                f"(target_hidden_size); this target is {target.hidden_size}"
+            )
+        return replace(self, aux_layers=tuple(aux))
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target features the head reads (``fc``'s input, less the embedding
+        EAGLE-1/2 mix in)."""
+        return 3 * self.target_hidden_size if self.eagle3 else self.layer.hidden_size
 
     def to_json(self) -> dict[str, object]:
         c = self.layer
+        if self.eagle3:
+            return {
+                "architectures": [EAGLE3_ARCHITECTURE],
+                "model_type": "llama",
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size,
+                "num_attention_heads": c.num_heads,
+                "num_key_value_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "num_hidden_layers": 1,
+                "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": c.rope_theta,
+                "rope_scaling": asdict(c.rope_scaling),
+                "max_position_embeddings": c.max_position_embeddings,
+                "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size,
+                "target_hidden_size": self.target_hidden_size,
+                "norm_before_residual": self.norm_before_residual,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers or ())},
+                "tie_word_embeddings": False,
+            }
         return {
             "architectures": ["EagleHead"],
             "model_type": "llama",
@@ -79,6 +160,68 @@ class EagleConfig:
         }
 
 
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over ``[input_layernorm(embed); hidden_norm(g)]``
+    (twice the width), the residual ``g`` (or its norm), then the MLP as in Llama."""
+
+    def __init__(
+        self, cfg: EagleConfig, dtype: torch.dtype, device: torch.device, tp: TPContext
+    ) -> None:
+        super().__init__()
+        c = cfg.layer
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(c, tp, dtype, device, in_features=2 * c.hidden_size)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(c, tp, dtype, device)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        g: torch.Tensor,
+        rope: RotaryEmbedding,
+        layer_kv: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # embeds, g: [T, H] -> [T, H], the output before the head's final norm
+        normed = self.hidden_norm(g)
+        residual = normed if self.norm_before_residual else g
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
+        x = residual + self.self_attn(x, rope, layer_kv, meta)
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
+
+    def load(self, w: Callable[[str], Sliceable], prefix: str) -> None:
+        """From published EAGLE-3 tensors under ``prefix`` (``layers.0.``)."""
+        attn = self.self_attn
+        attn.qkv_proj.load([w(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
+        attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"))
+        self.mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+        self.mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            norm = getattr(self, name)
+            norm.weight.data.copy_(whole(w(prefix + f"{name}.weight")))
+
+    def tensors(self, cfg: LlamaConfig, prefix: str) -> dict[str, torch.Tensor]:
+        """The layer's tensors in the published layout, under ``prefix``."""
+        q, k, v = self.self_attn.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+        gate, up = self.mlp.gate_up_proj.weight.split(cfg.intermediate_size)
+        out = {
+            "self_attn.q_proj.weight": q,
+            "self_attn.k_proj.weight": k,
+            "self_attn.v_proj.weight": v,
+            "self_attn.o_proj.weight": self.self_attn.o_proj.weight,
+            "mlp.gate_proj.weight": gate,
+            "mlp.up_proj.weight": up,
+            "mlp.down_proj.weight": self.mlp.down_proj.weight,
+            "input_layernorm.weight": self.input_layernorm.weight,
+            "hidden_norm.weight": self.hidden_norm.weight,
+            "post_attention_layernorm.weight": self.post_attention_layernorm.weight,
+        }
+        return {prefix + k: t for k, t in out.items()}
+
+
 class EagleHead(nn.Module):
     def __init__(
         self, cfg: EagleConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
@@ -90,10 +233,14 @@ class EagleHead(nn.Module):
         self.dtype = dtype
         self.device = dev
         self.embed_tokens = nn.Embedding(cfg.vocab_size, c.hidden_size, dtype=dtype, device=dev)
-        self.fc = nn.Linear(
-            2 * c.hidden_size, c.hidden_size, bias=cfg.fc_bias, dtype=dtype, device=dev
+        # EAGLE-1/2 mix the embedding in; EAGLE-3 maps the target's three streams alone
+        fc_in = cfg.feature_width + (0 if cfg.eagle3 else c.hidden_size)
+        self.fc = nn.Linear(fc_in, c.hidden_size, bias=cfg.fc_bias, dtype=dtype, device=dev)
+        self.layer: LlamaDecoderLayer | Eagle3Layer = (
+            Eagle3Layer(cfg, dtype, dev, TPContext())
+            if cfg.eagle3
+            else LlamaDecoderLayer(c, TPContext(), dtype, dev, input_norm=False)
         )
-        self.layer = LlamaDecoderLayer(c, TPContext(), dtype, dev, input_norm=False)
         self.norm: nn.Module = (
             RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, dev) if cfg.final_norm else nn.Identity()
         )
@@ -135,16 +282,30 @@ class EagleHead(nn.Module):
         return layer and self._packed_fc is not None and self._packed_head is not None
 
     def forward(
-        self, input_ids: torch.Tensor, features: torch.Tensor, kv_pool: torch.Tensor, meta: object
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        kv_pool: torch.Tensor,
+        meta: AttentionMetadata,
+        from_target: bool = True,
     ) -> torch.Tensor:
-        """input_ids: [T] the tokens after each feature's position; features: [T, H];
-        kv_pool: [1, num_blocks, 2, Hkv, block_size, D]. Returns predicted features [T, H]."""
-        mixed = torch.cat([self.embed_tokens(input_ids), features.to(self.dtype)], dim=-1)
-        x = linear(mixed, self.fc.weight, self._packed_fc, quantized=self._quant_fc)  # [T, H]
-        if self.fc.bias is not None:
-            x = x + self.fc.bias
+        """input_ids: [T] the tokens after each feature's position; features: [T, F], the
+        target's (``from_target``: F = ``cfg.feature_width``) or the head's own predictions
+        (F = H); kv_pool: [1, num_blocks, 2, Hkv, block_size, D]. Returns predicted features
+        [T, H] (before the final norm)."""
+        embeds = self.embed_tokens(input_ids)  # [T, H]
+        features = features.to(self.dtype)
+        if isinstance(self.layer, Eagle3Layer):
+            g = self._fc(features) if from_target else features  # [T, H]
+            out: torch.Tensor = self.layer(embeds, g, self.rope, kv_pool[0], meta)
+            return out
+        x = self._fc(torch.cat([embeds, features], dim=-1))  # [T, H]
         h: torch.Tensor = self.layer(x, self.rope, kv_pool[0], meta)
         return h
+
+    def _fc(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.fc.weight, self._packed_fc, quantized=self._quant_fc)
+        return y if self.fc.bias is None else y + self.fc.bias
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
@@ -162,9 +323,11 @@ class EagleHead(nn.Module):
     def load(self, head: Mapping[str, torch.Tensor], target: Mapping[str, Sliceable]) -> None:
         """Load a head in the EAGLE layout, taking what it lacks (embeddings, a full-vocabulary
         LM head) from the target's weights (read lazily: only those tensors)."""
-        h = {k.removeprefix("model."): v for k, v in head.items()}
+        h = {_published(k): v for k, v in head.items()}
 
         def w(name: str) -> torch.Tensor:
+            if name not in h:
+                raise KeyError(f"EAGLE head checkpoint has no tensor {name!r}")
             return h[name].to(self.dtype)
 
         self.fc.weight.data.copy_(w("fc.weight"))
@@ -172,7 +335,10 @@ class EagleHead(nn.Module):
             self.fc.bias.data.copy_(
                 w("fc.bias") if "fc.bias" in h else torch.zeros_like(self.fc.bias)
             )
-        load_layer(self.layer, w, "layers.0.")
+        if isinstance(self.layer, Eagle3Layer):
+            self.layer.load(w, "layers.0.")
+        else:
+            load_layer(self.layer, w, "layers.0.")
         emb = h.get("embed_tokens.weight")
         if emb is None:
             emb = whole(target["model.embed_tokens.weight"])
@@ -189,8 +355,19 @@ class EagleHead(nn.Module):
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         """The head's own tensors in the EAGLE layout (not the target's embeddings; the LM head
-        only when the vocabulary is reduced)."""
+        only when the vocabulary is reduced, or always for EAGLE-3)."""
         layer = self.layer
+        if isinstance(layer, Eagle3Layer):
+            assert isinstance(self.norm, RMSNorm)
+            out = layer.tensors(self.cfg.layer, "midlayer.")
+            out |= {
+                "fc.weight": self.fc.weight,
+                "norm.weight": self.norm.weight,
+                "lm_head.weight": self.lm_head.weight,
+                "d2t": self.d2t,
+                "t2d": self._target_to_draft(),
+            }
+            return {k: t.detach().contiguous().cpu() for k, t in out.items()}
         q, k, v = layer.self_attn.qkv_proj.weight.split(
             [self.cfg.layer.q_size, self.cfg.layer.kv_size, self.cfg.layer.kv_size]
         )
@@ -214,6 +391,20 @@ class EagleHead(nn.Module):
             out["lm_head.weight"] = self.lm_head.weight
             out["d2t"] = self.d2t
         return {k: t.detach().contiguous().cpu() for k, t in out.items()}
+
+    def _target_to_draft(self) -> torch.Tensor:
+        """[V] bool: which target ids the draft vocabulary holds (EAGLE-3's ``t2d``)."""
+        mask = torch.zeros(self.cfg.vocab_size, dtype=torch.bool)
+        ids = torch.arange(self.cfg.draft_vocab_size) + self.d2t.cpu()
+        mask[ids] = True
+        return mask
+
+
+def _published(name: str) -> str:
+    """A head tensor's name as ``load`` reads it: no ``model.`` prefix, EAGLE-3's ``midlayer``
+    as layer 0."""
+    name = name.removeprefix("model.")
+    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
 
 def save_eagle(head: EagleHead, folder: Path) -> None:
@@ -243,6 +434,42 @@ def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
     return folder
 
 
+def save_random_eagle3(
+    target_folder: Path,
+    folder: Path,
+    seed: int = 4,
+    draft_vocab_size: int | None = None,
+    aux_layers: tuple[int, ...] | None = None,
+) -> Path:
+    """A randomly initialised EAGLE-3 head for the target in ``target_folder``, saved in the
+    published layout (``midlayer.*``, ``fc`` over three target streams, ``norm``, ``lm_head``
+    over ``draft_vocab_size`` tokens with ``d2t``/``t2d``): for tests and benches."""
+    tc = LlamaConfig.from_folder(target_folder)
+    vocab = draft_vocab_size or tc.vocab_size
+    cfg = EagleConfig(
+        layer=replace(tc, num_layers=1),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=vocab,
+        fc_bias=False,
+        final_norm=True,
+        eagle3=True,
+        aux_layers=aux_layers,
+        target_hidden_size=tc.hidden_size,
+    )
+    head = EagleHead(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for p in head.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    for norm in (head.layer.input_layernorm, head.layer.post_attention_layernorm, head.norm):
+        assert isinstance(norm, RMSNorm)
+        norm.weight.data.fill_(1.0)
+    if vocab < tc.vocab_size:  # every other target id, from the start: offsets grow by one
+        ids = torch.arange(vocab) * (tc.vocab_size // vocab)
+        head.d2t.copy_(ids - torch.arange(vocab))
+    save_eagle(head, folder)
+    return folder
+
+
 def load_eagle(
     folder: Path,
     target_folder: Path,
@@ -250,7 +477,8 @@ def load_eagle(
     device: str,
     quant: Quant = Quant.NONE,
 ) -> EagleHead:
-    head = EagleHead(EagleConfig.from_folder(folder), dtype, device)
+    cfg = EagleConfig.from_folder(folder).for_target(LlamaConfig.from_folder(target_folder))
+    head = EagleHead(cfg, dtype, device)
     head.load(load_state_dict(folder), open_checkpoint(target_folder))
     if quant is not Quant.NONE:
         head.quantize(quant)

@@ -25,7 +25,12 @@ from models.weights import Sliceable, whole
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: LlamaConfig,
+        tp: TPContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        in_features: int | None = None,  # the input's width: hidden_size unless given
     ) -> None:
         super().__init__()
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
@@ -34,7 +39,12 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         h = cfg.hidden_size
         self.qkv_proj = ColumnParallelLinear(
-            h, [cfg.q_size, cfg.kv_size, cfg.kv_size], tp, dtype, device, bias=cfg.qkv_bias
+            in_features or h,
+            [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            tp,
+            dtype,
+            device,
+            bias=cfg.qkv_bias,
         )
         self.o_proj = RowParallelLinear(cfg.q_size, h, tp, dtype, device, bias=cfg.o_bias)
         # Qwen3: one RMSNorm over head_dim for every query head, one for every key head
@@ -139,6 +149,11 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.device = dev
         self.quant = Quant.NONE  # set by quantize()
+        # The residual stream entering these layers (0: the embeddings), concatenated per token,
+        # is what the drafter reads as the target's features (an EAGLE-3 head: three of them);
+        # empty: the final hidden state (EAGLE-1/2). Set by ``runtime.shard`` for the head it
+        # co-hosts.
+        self.feature_layers: tuple[int, ...] = ()
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.paged_flex = FlexPagedAttention()  # in-place attention at long contexts
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
@@ -163,11 +178,24 @@ class LlamaModel(nn.Module):
 
         Returns hidden states [T, hidden].
         """
+        return self.forward_with_features(input_ids, kv_pool, meta)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(
+        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, also returning the drafter's features of every new token: [T, hidden]
+        final hidden states, [T, F] features (``feature_layers``; F = hidden without them)."""
         x = self.embed_tokens(input_ids)
+        taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in self.feature_layers:
+                taken[i] = x
             x = layer(x, self.rope, kv_pool[i], meta)
         y: torch.Tensor = self.norm(x)
-        return y
+        if not self.feature_layers:
+            return y, y
+        return y, torch.cat([taken[i] for i in self.feature_layers], dim=-1)
 
     @property
     def invariant_attention(self) -> bool:

@@ -28,7 +28,7 @@ class PromptState:
     positions: list[int] = field(default_factory=list)  # prompt positions of those rows
     draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by target position
     draft_computed: int = 0  # prompt positions whose draft KV is computed
-    last_feature: torch.Tensor | None = None  # [H] the target's final hidden state at the end
+    last_feature: torch.Tensor | None = None  # [F] the target's features at the end
 
     @property
     def length(self) -> int:

@@ -37,7 +37,9 @@ class StepResult:
     hidden: torch.Tensor  # [N, hidden] final hidden states at the requested positions
     logits: torch.Tensor  # [N, vocab] float32, rows in batch order then position order
     rows_per_seq: tuple[int, ...]
-    all_hidden: torch.Tensor  # [T, hidden] final hidden states of every new token (features)
+    # [T, F] the drafter's features of every new token: the final hidden states, or for an
+    # EAGLE-3 head the residual streams it reads (``LlamaModel.feature_layers``)
+    all_hidden: torch.Tensor
 
 
 def run_step(
@@ -62,7 +64,7 @@ def run_step(
         model.invariant_attention,
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
-    hidden = model(ids, kv_pool, meta)  # [T, hidden]
+    hidden, features = model.forward_with_features(ids, kv_pool, meta)  # [T, hidden], [T, F]
     rows: list[int] = []
     start = 0
     for s in batch:
@@ -73,7 +75,7 @@ def run_step(
         hidden=picked,
         logits=model.logits(picked),
         rows_per_seq=tuple(len(s.logit_positions) for s in batch),
-        all_hidden=hidden,
+        all_hidden=features,
     )
 
 
@@ -124,8 +126,11 @@ class EagleRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: Sequence[SeqInput], features: torch.Tensor) -> StepResult:
-        """features: [T, H], one per new token of the batch, in batch order."""
+    def run(
+        self, batch: Sequence[SeqInput], features: torch.Tensor, from_target: bool = True
+    ) -> StepResult:
+        """features: [T, F], one per new token of the batch, in batch order: the target's
+        (``from_target``) or the head's own predictions (``EagleHead.forward``)."""
         dev = self.head.device
         meta = build_attention_metadata(
             [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
@@ -136,7 +141,7 @@ class EagleRunner:
             self.flex,
         )
         ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
-        hidden = self.head(ids, features.to(dev), self.kv_pool, meta)  # [T, H]
+        hidden = self.head(ids, features.to(dev), self.kv_pool, meta, from_target)  # [T, H]
         rows: list[int] = []
         start = 0
         for s in batch:

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
 from models.config import DTYPES
-from models.eagle import EagleHead, load_eagle
+from models.eagle import EagleConfig, EagleHead, load_eagle
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import check_supported
@@ -71,10 +71,21 @@ def rank_pool(spec: ShardSpec, rank: int) -> KVPool:
     return KVPool(layout, spec.device)
 
 
+def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
+    """The target residual streams the co-hosted drafter reads as features: an EAGLE-3 head's
+    three (``models.eagle``); none (the final hidden state) for any other drafter."""
+    d = spec.draft
+    if d.kind is not DraftKind.EAGLE or d.model is None:
+        return ()
+    head = EagleConfig.from_folder(Path(d.model.folder)).for_target(spec.target.config())
+    return head.aux_layers or ()
+
+
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
     """This rank's shard of the target (``tp`` None: the whole model) over its pool, its
-    weights reordered for oneDNN on a CPU."""
+    weights reordered for oneDNN on a CPU, returning the features its drafter reads."""
     model = spec.target.load(spec.device, tp)
+    model.feature_layers = feature_layers(spec)
     _pack(model, "target")
     return LocalRunner(model, pool.tensor("target"), spec.block_size)
 

@@ -130,7 +130,7 @@ class EagleDrafter(Drafter):
                     for b in live
                 ]
                 self._fed += len(batch)
-                step = self.runner.run(batch, torch.cat([last[b] for b in live]))
+                step = self.runner.run(batch, torch.cat([last[b] for b in live]), False)
                 hidden, logits = step.hidden, step.logits
             params = [reqs[b].sampling for b in live]
             positions = [len(reqs[b].output_token_ids) + j for b in live]

@@ -88,7 +88,7 @@ def grow_trees(
             )
             feats.extend(t.features)
             fed += len(ids)
-        out = runner.run(batch, torch.cat(feats))
+        out = runner.run(batch, torch.cat(feats), False)  # the head's own predictions
         logp = torch.log_softmax(out.logits, dim=-1)  # [sum F, V]
         row = 0
         for t in live:

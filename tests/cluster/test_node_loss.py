@@ -11,13 +11,15 @@ from tests.helpers import free_port
 
 
 def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
-    cfg = chaos_config(str(tiny_folder), "tiny", {"kv": {"pull_timeout_s": 3}})
+    # One stream at a time per decode replica: the tiny model decodes thousands of tokens a
+    # second and coalesced streams leave it no per-token brake, so streams that all ran at
+    # once could end before a slow kill lands; one at a time, the node's queue is still
+    # there when it dies (those requests are sent again, the running one is cut).
+    decode = {"replicas": 2, "num_blocks": 512, "num_threads": 1, "max_batch_size": 1}
+    cfg = chaos_config(str(tiny_folder), "tiny", {"kv": {"pull_timeout_s": 3}, "decode": decode})
     pc = PoolCluster(cfg)
     try:
         base = pc.deploy(free_port())
-        # long enough that the streams are still running when the node is gone: the kill
-        # takes seconds on a loaded machine, and the tiny model with n-gram drafting decodes
-        # about a thousand tokens a second per replica (600 tokens ended before a slow kill)
         r = run_fault(pc, base, "tiny", "decode_node", n=4, max_tokens=1800)
     finally:
         pc.close()

@@ -14,7 +14,7 @@ from decode.drafters.lookup_first import LookupFirstDrafter
 from decode.drafters.ngram import NgramDrafter
 from decode.engine import DecodeEngine
 from models.config import LlamaConfig
-from models.eagle import save_random_eagle
+from models.eagle import save_random_eagle, save_random_eagle3
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from prefill.config import PrefillWorkerConfig
@@ -28,11 +28,20 @@ def eagle_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return save_random_eagle(tiny_folder, tmp_path_factory.mktemp("eagle"))
 
 
+@pytest.fixture(scope="module")
+def eagle3_folder(tiny_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random EAGLE-3 head (the target's three streams, a reduced vocabulary) for the tiny
+    target, in the published layout."""
+    return save_random_eagle3(
+        tiny_folder, tmp_path_factory.mktemp("eagle3"), draft_vocab_size=8192, aux_layers=(0, 1, 1)
+    )
+
+
 def _spec(
     kind: str, tiny_draft_folder: Path, eagle_folder: Path, k: int, adaptive: bool
 ) -> DraftSpec:
-    """``kind``: a ``DraftKind`` value, ``+lookup`` for n-gram lookup first, ``-tree`` for
-    draft trees 3 wide (greedy requests)."""
+    """``kind``: a ``DraftKind`` value (or ``eagle3``: the head in ``eagle_folder`` is one),
+    ``+lookup`` for n-gram lookup first, ``-tree`` for draft trees 3 wide (greedy requests)."""
     tree = kind.endswith("-tree")
     kind = kind.removesuffix("-tree")
     base, lookup = kind.removesuffix("+lookup"), kind.endswith("+lookup")
@@ -40,9 +49,10 @@ def _spec(
         "ngram": None,
         "draft_model": ModelSpec(str(tiny_draft_folder)),
         "eagle": ModelSpec(str(eagle_folder)),
+        "eagle3": ModelSpec(str(eagle_folder)),
     }
     return DraftSpec(
-        DraftKind(base),
+        DraftKind.EAGLE if base == "eagle3" else DraftKind(base),
         model=model[base],
         num_speculative_tokens=k,
         adaptive=adaptive,
@@ -73,12 +83,29 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    "kind", ["ngram", "draft_model", "eagle", "eagle+lookup", "eagle-tree", "eagle+lookup-tree"]
+    "kind",
+    [
+        "ngram",
+        "draft_model",
+        "eagle",
+        "eagle+lookup",
+        "eagle-tree",
+        "eagle+lookup-tree",
+        "eagle3",
+        "eagle3+lookup-tree",
+    ],
 )
 @pytest.mark.parametrize("disaggregated", [False, True])
 def test_greedy_is_the_targets_and_no_prompt_is_recomputed(
-    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, kind: str, disaggregated: bool
+    tiny_folder: Path,
+    tiny_draft_folder: Path,
+    eagle_folder: Path,
+    eagle3_folder: Path,
+    kind: str,
+    disaggregated: bool,
 ) -> None:
+    if kind.startswith("eagle3"):
+        eagle_folder = eagle3_folder
     target = ModelSpec(str(tiny_folder))
     greedy = [SamplingParams(temperature=0.0, max_tokens=20)] * 3
     want, _, _ = _run(target, DraftSpec(), greedy, disaggregated=False)
@@ -132,9 +159,16 @@ def test_seeded_sampling_does_not_depend_on_the_speculation_length(
     assert outs[0] == outs[1] == outs[2]
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize(
+    ("adaptive", "head"), [(False, "eagle"), (True, "eagle"), (True, "eagle3")]
+)
 def test_seeded_eagle_sampling_does_not_depend_on_the_batch(
-    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path, adaptive: bool
+    tiny_folder: Path,
+    tiny_draft_folder: Path,
+    eagle_folder: Path,
+    eagle3_folder: Path,
+    adaptive: bool,
+    head: str,
 ) -> None:
     """An EAGLE head's later drafts read its own predicted features, so its proposal at a
     position depends on where the step began: a client-seeded sampled request is held at its
@@ -142,6 +176,8 @@ def test_seeded_eagle_sampling_does_not_depend_on_the_batch(
     around it nor adaptive speculation changes its tokens."""
     target = ModelSpec(str(tiny_folder))
     sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=9, seeded=True)
+    if head == "eagle3":
+        eagle_folder = eagle3_folder
     pinned_spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, False)
     pinned = DecodeEngine(DecodeEngineConfig("t", target, pinned_spec, num_blocks=128))
     alone = make_request(_prompts()[2], sp)
@@ -177,19 +213,22 @@ def test_trees_and_chains_share_a_batch(
     assert all(r.stats.num_draft_tokens > 0 for r in reqs)
 
 
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
 def test_eagle_handoff_carries_the_last_feature(
-    tiny_folder: Path, eagle_folder: Path, tiny_draft_folder: Path
+    tiny_folder: Path, eagle_folder: Path, eagle3_folder: Path, tiny_draft_folder: Path, head: str
 ) -> None:
+    """The handoff carries the head's input at the last prompt position: the final hidden
+    state (EAGLE-1/2), or the three residual streams (EAGLE-3)."""
     target = ModelSpec(str(tiny_folder))
-    spec = _spec("eagle", tiny_draft_folder, eagle_folder, 3, True)
+    folder = eagle3_folder if head == "eagle3" else eagle_folder
+    spec = _spec("eagle", tiny_draft_folder, folder, 3, True)
     prefill = PrefillWorker(
         PrefillWorkerConfig("t", target, spec, num_blocks=64, max_num_batched_tokens=8)
     )
     prompt = _prompts()[1]
     h = prefill.prefill(make_request(prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-    assert h.hidden_state is not None and h.hidden_state.shape == (
-        LlamaConfig.from_folder(tiny_folder).hidden_size,
-    )
+    width = LlamaConfig.from_folder(tiny_folder).hidden_size * (3 if head == "eagle3" else 1)
+    assert h.hidden_state is not None and h.hidden_state.shape == (width,)
     assert h.draft_computed == len(prompt) - 1  # every head position but the last one
     assert h.acceptance_probe is not None and 0.0 <= h.acceptance_probe <= 1.0
 
