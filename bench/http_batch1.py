@@ -105,7 +105,7 @@ def run_in_process(
     """``run_config`` without the serving path: the same worker and engine, in this process,
     each prompt alone; time to first token is the prefill, decode time runs from there to the
     last token (as the HTTP client measures it, without the hops)."""
-    cfg = _config(draft, 0, quantization)
+    cfg = _config(draft, 8000, quantization)  # the port is not used in-process
     m = resolve_models(cfg)
     engine_cfg, worker_cfg = engine_configs(cfg, m)
     assert worker_cfg is not None

@@ -34,14 +34,14 @@ class DecodeServer:
         route_to_serve()
         self.cfg = cfg
         kv_metrics = KVMetrics("decode")
-        self.engine = DecodeEngine(cfg, kv_metrics)
-        kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = SpecMetrics("decode")
         self.gauges = ReplicaGauges("decode")
-        self.loop = EngineLoop(self.engine, self._deliver)
-        self.loop.start()
+        # built on the engine's own thread: every torch op of the replica runs there (loop doc)
+        self.loop = EngineLoop(lambda: DecodeEngine(cfg, kv_metrics), self._deliver)
+        self.engine = self.loop.start()
+        kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
         self._publisher = BoardPublisher.start(self.snapshot)
 
     def _deliver(self, out: StepOutput) -> None:

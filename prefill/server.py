@@ -27,9 +27,11 @@ class PrefillServer:
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         route_to_serve()
-        self.worker = PrefillWorker(cfg)
-        KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
+        # built on the thread that steps it, so every torch op of the replica runs on one
+        # thread (one OpenMP team: ``decode.loop``'s docstring says why that matters)
+        self.worker = self._exec.submit(PrefillWorker, cfg).result()
+        KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
         self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._publisher = BoardPublisher.start(self.snapshot)
