@@ -202,7 +202,9 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
 
 def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
     """Generated tokens/s of the decode engine (prompts computed in-engine, greedy, no drafts)
-    at several batch sizes, against transformers' ``generate`` at batch 1 on the same model."""
+    at several batch sizes, with ragged steps and with bucketed ones (CUDA graphs on a GPU,
+    ``runtime.bucketed``), against transformers' ``generate`` at batch 1 on the same model;
+    the two engines' greedy tokens must agree."""
     from transformers import LlamaForCausalLM
 
     from decode.config import DecodeEngineConfig
@@ -214,31 +216,43 @@ def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
     new, plen = 128, 128
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(5)
-    out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new, "engine_tok_s": {}}
-    engine = DecodeEngine(
-        DecodeEngineConfig(
-            "big", ModelSpec(str(folder), "bfloat16"), DraftSpec(), device=dev, num_blocks=2048
-        )
-    )
-    for batch in (1, 1, 16, 64):  # the first batch-1 run warms up
-        reqs = [
-            Request(
-                uuid.uuid4().hex,
-                torch.randint(3, vocab, (plen,), generator=g).tolist(),
-                SamplingParams(temperature=0.0, max_tokens=new),
+    out: dict[str, Any] = {"prompt_tokens": plen, "new_tokens": new}
+    prompts = {
+        batch: [torch.randint(3, vocab, (plen,), generator=g).tolist() for _ in range(batch)]
+        for batch in (1, 16, 64)
+    }
+    tokens: dict[str, list[list[int]]] = {}
+    for shapes in ("ragged", "bucketed"):
+        engine = DecodeEngine(
+            DecodeEngineConfig(
+                "big",
+                ModelSpec(str(folder), "bfloat16"),
+                DraftSpec(),
+                device=dev,
+                num_blocks=2048,
+                step_shapes=shapes,
             )
-            for _ in range(batch)
-        ]
-        synchronize(dev)
-        t0 = time.perf_counter()
-        for r in reqs:
-            engine.add(r, None)
-        n = 0
-        while engine.has_work:
-            n += sum(len(o.new_token_ids) for o in engine.step())
-        synchronize(dev)
-        out["engine_tok_s"][batch] = n / (time.perf_counter() - t0)
-    engine.close()
+        )
+        speeds: dict[int, float] = {}
+        for batch in (1, 1, 16, 64):  # the first batch-1 run warms up (and captures)
+            reqs = [
+                Request(uuid.uuid4().hex, p, SamplingParams(temperature=0.0, max_tokens=new))
+                for p in prompts[batch]
+            ]
+            synchronize(dev)
+            t0 = time.perf_counter()
+            for r in reqs:
+                engine.add(r, None)
+            n = 0
+            while engine.has_work:
+                n += sum(len(o.new_token_ids) for o in engine.step())
+            synchronize(dev)
+            speeds[batch] = n / (time.perf_counter() - t0)
+            tokens.setdefault(shapes, []).extend(r.output_token_ids for r in reqs)
+        out[f"engine_tok_s_{shapes}"] = speeds
+        engine.close()
+    out["engine_tok_s"] = out["engine_tok_s_bucketed"]
+    out["bucketed_greedy_identical"] = tokens["ragged"] == tokens["bucketed"]
     ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     ref = ref.to(dev).eval()
     ids = torch.randint(3, vocab, (1, plen), generator=g).to(dev)

@@ -194,6 +194,7 @@ def engine_configs(
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
         stream_interval_s=cfg.decode.stream_interval_s,
+        step_shapes=cfg.decode.step_shapes,
     )
     if cfg.mode != "disaggregated":
         return engine, None

@@ -217,6 +217,13 @@ class DecodeConfig(PoolConfig):
         "of steps in between travel together (the first and last token are never held). 0: a "
         "message per step, steps that queued while one was in flight coalesced.",
     )
+    step_shapes: Literal["auto", "bucketed", "ragged"] = Field(
+        "auto",
+        description="bucketed: decode and verification steps at fixed shapes through "
+        "persistent input buffers, each shape captured once as a CUDA graph on a GPU; ragged: "
+        "every step laid out as it comes (prompt chunks and draft trees always are); auto: "
+        "bucketed on a GPU, ragged on a CPU.",
+    )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,
         ge=0,

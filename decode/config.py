@@ -32,3 +32,12 @@ class DecodeEngineConfig:
     speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it
     speculation_tpot_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput that guard gives up
     stream_interval_s: float = 0.0  # hold a stream's messages to the ingress this long (stream)
+    # "bucketed": decode and verification steps at fixed shapes, CUDA graphs on a GPU
+    # (runtime.bucketed); "ragged": every step laid out as it comes; "auto": bucketed on CUDA
+    step_shapes: str = "auto"
+
+    def bucketed(self) -> bool:
+        """Whether the target runs its decode and verification steps bucketed."""
+        if self.step_shapes == "auto":
+            return self.device.startswith("cuda")
+        return self.step_shapes == "bucketed"

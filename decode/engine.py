@@ -39,7 +39,7 @@ from kvtransfer.metrics import TransferObserver
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
-from runtime.shard import ShardSpec
+from runtime.shard import BucketSpec, ShardSpec
 from speculation.calibration import DEFAULT_ACCEPTANCE
 from speculation.routing_stats import (
     ReplicaLoad,
@@ -65,6 +65,14 @@ class DecodeEngine:
                 tp_size=cfg.tp_size,
                 num_threads=cfg.num_threads,
                 transport=cfg.transport,
+                buckets=BucketSpec(
+                    max_seqs=cfg.max_batch_size,
+                    max_query=cfg.draft.num_speculative_tokens + 1,
+                    max_blocks=math.ceil(cfg.max_model_len / cfg.block_size),
+                    graphs=cfg.device.startswith("cuda"),
+                )
+                if cfg.bucketed()
+                else None,
             )
         )
         self.pool = self.shard.pool

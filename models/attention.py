@@ -26,6 +26,15 @@ A group of decodes or verifications over many context tokens reads the pool in p
 (``models.flex_paged``, when the builder is given the model's ``FlexPool``); the others gather
 their blocks into a dense copy per layer (``_gather``) and run SDPA over it, which costs less
 where the copy is small.
+
+**Bucketed steps.** A step of decodes and chain verifications only can instead be laid out in
+a fixed *bucket* (``BucketMetadata``): ``b`` sequences of ``q`` query rows each and contexts of
+``nb`` blocks, padded, every index a device tensor that the runner fills in place
+(``runtime.step_buffers``) and the mask computed on the device from the lengths. Nothing is
+built on the host per layer or per step beyond filling the buffers, and the shapes depend on
+the bucket alone, so a GPU can capture the whole forward as a CUDA graph per bucket
+(``runtime.bucketed``). A padded row writes its source row's K/V to that row's slot again (the
+same bytes to the same place), so padding never touches a slot the step does not own.
 """
 
 from __future__ import annotations
@@ -114,6 +123,72 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+@dataclass(frozen=True)
+class BucketMetadata:
+    """Indices of a bucketed step (module docstring): ``b`` sequences of ``q`` rows, contexts of
+    ``nb`` blocks. Every tensor is on the device and, but for ``mask``, ``cos`` and ``sin``
+    (computed from them), a view of the runner's persistent buffers."""
+
+    slot_blocks: torch.Tensor  # [b * q] block receiving each row's K/V (padding: its source's)
+    slot_offsets: torch.Tensor  # [b * q] offset inside that block
+    write_rows: torch.Tensor  # [b * q] the row whose K/V each write carries (padding: row 0)
+    tables: torch.Tensor  # [b, nb] each sequence's blocks (padding: block 0)
+    mask: torch.Tensor  # [b, 1, q, nb * block_size] True where a query row may attend
+    cos: torch.Tensor  # [b * q, 1, head_dim / 2]
+    sin: torch.Tensor  # [b * q, 1, head_dim / 2]
+    num_seqs: int  # b
+    max_query: int  # q
+    invariant: bool = False  # attention in float64 (``build_attention_metadata``)
+
+
+def bucket_metadata(
+    positions: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    write_rows: torch.Tensor,
+    tables: torch.Tensor,
+    cached: torch.Tensor,
+    num_new: torch.Tensor,
+    block_size: int,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    window: int | None = None,
+    invariant: bool = False,
+) -> BucketMetadata:
+    """The metadata of a bucket from its buffers, with device ops only (so a CUDA graph can
+    hold it): positions, slot_blocks, slot_offsets, write_rows [b * q]; tables [b, nb];
+    cached, num_new [b] (a padding sequence brings 0 new tokens). A query row sees the keys at
+    or before its position (and within the ``window``, when the model has one); a padding row
+    sees key 0 alone, so no softmax row is empty."""
+    b, nb = tables.shape
+    q = positions.shape[0] // b
+    c = nb * block_size
+    dev = positions.device
+    q_idx = torch.arange(q, device=dev)  # [q]
+    q_pos = cached.view(b, 1) + q_idx.view(1, q)  # [b, q]
+    valid = q_idx.view(1, q) < num_new.view(b, 1)  # [b, q]
+    ctx = torch.arange(c, device=dev).view(1, 1, c)  # [1, 1, C]
+    mask = ctx <= q_pos.unsqueeze(2)  # [b, q, C]
+    if window is not None:
+        mask = mask & (ctx > q_pos.unsqueeze(2) - window)
+    mask = (mask & valid.unsqueeze(2)) | (~valid.unsqueeze(2) & (ctx == 0))
+    return BucketMetadata(
+        slot_blocks=slot_blocks,
+        slot_offsets=slot_offsets,
+        write_rows=write_rows,
+        tables=tables,
+        mask=mask.unsqueeze(1),
+        cos=rope_cos[positions].unsqueeze(1),
+        sin=rope_sin[positions].unsqueeze(1),
+        num_seqs=b,
+        max_query=q,
+        invariant=invariant,
+    )
+
+
+StepMetadata = AttentionMetadata | BucketMetadata
 
 
 def _pow2_bucket(n: int) -> int:
@@ -261,14 +336,16 @@ def paged_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     layer_kv: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: StepMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write the step's K/V into the pool, then attend over each sequence's cached context.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [num_blocks, 2, Hkv, block_size, D] (one layer
-    of the pool). Returns [T, Hq * D].
+    of the pool). Returns [T, Hq * D]. A bucketed step's T is its ``b * q`` rows.
     """
+    if isinstance(meta, BucketMetadata):
+        return _bucket_attention(q, k, v, layer_kv, meta, scale)
     layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
     exact = meta.invariant
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
@@ -278,6 +355,30 @@ def paged_attention(
         assert g.rows is not None  # only a lone group covering the whole step has none
         out[g.rows] = _attend(q[g.rows], layer_kv, g, scale, exact)
     return out
+
+
+def _bucket_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_kv: torch.Tensor,
+    meta: BucketMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A bucketed step's attention: q: [b * q, Hq, D]; k, v: [b * q, Hkv, D] -> [b * q, Hq * D].
+    Static shapes and device indices only."""
+    new = torch.stack((k, v), 1)[meta.write_rows]  # [b * q, 2, Hkv, D]
+    layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = new
+    b, qn = meta.num_seqs, meta.max_query
+    _rows, hq, d = q.shape
+    keys, values = _gather(layer_kv, meta.tables)  # [b, Hkv, C, D] each
+    queries = q.view(b, qn, hq, d).transpose(1, 2)  # [b, Hq, q, D]
+    if meta.invariant:
+        queries, keys, values = queries.double(), keys.double(), values.double()
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=hq != keys.shape[1]
+    ).to(q.dtype)  # [b, Hq, q, D]
+    return out.transpose(1, 2).reshape(b * qn, hq * d)
 
 
 def _gather(layer_kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

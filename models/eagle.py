@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from models.attention import AttentionMetadata
+from models.attention import StepMetadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
@@ -182,7 +182,7 @@ class Eagle3Layer(nn.Module):
         g: torch.Tensor,
         rope: RotaryEmbedding,
         layer_kv: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         # embeds, g: [T, H] -> [T, H], the output before the head's final norm
         normed = self.hidden_norm(g)
@@ -286,7 +286,7 @@ class EagleHead(nn.Module):
         input_ids: torch.Tensor,
         features: torch.Tensor,
         kv_pool: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         from_target: bool = True,
     ) -> torch.Tensor:
         """input_ids: [T] the tokens after each feature's position; features: [T, F], the

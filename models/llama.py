@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from models.attention import AttentionMetadata, paged_attention
+from models.attention import StepMetadata, paged_attention
 from models.config import LlamaConfig
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         rope: RotaryEmbedding,
         layer_kv: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         # x: [T, hidden]; layer_kv: [num_blocks, 2, Hkv_local, block_size, D]
         t = x.shape[0]
@@ -119,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: RotaryEmbedding,
         layer_kv: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: StepMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, layer_kv, meta)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
@@ -172,7 +172,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """input_ids: [T]; kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, D].
 
@@ -182,7 +182,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_with_features(
-        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``, also returning the drafter's features of every new token: [T, hidden]
         final hidden states, [T, F] features (``feature_layers``; F = hidden without them)."""

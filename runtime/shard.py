@@ -22,6 +22,7 @@ from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import check_supported
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from runtime.bucketed import BucketedRunner
 from runtime.runner import EagleRunner, LocalRunner, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,18 @@ class ShardSpec:
     tp_size: int = 1
     num_threads: int = 0  # torch CPU threads per rank; 0 keeps torch's default
     transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
+    buckets: BucketSpec | None = None  # the target's bucketed steps (None: ragged only)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """The largest bucket of a bucketed target (``runtime.bucketed``), and whether a GPU
+    captures each bucket as a CUDA graph."""
+
+    max_seqs: int
+    max_query: int  # new tokens per sequence: a chain's k + 1
+    max_blocks: int  # KV blocks per sequence: the context limit over the block size
+    graphs: bool
 
 
 @dataclass
@@ -87,7 +100,18 @@ def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> L
     model = spec.target.load(spec.device, tp)
     model.feature_layers = feature_layers(spec)
     _pack(model, "target")
-    return LocalRunner(model, pool.tensor("target"), spec.block_size)
+    b = spec.buckets
+    if b is None:
+        return LocalRunner(model, pool.tensor("target"), spec.block_size)
+    return BucketedRunner(
+        model,
+        pool.tensor("target"),
+        spec.block_size,
+        b.max_seqs,
+        b.max_query,
+        b.max_blocks,
+        b.graphs,
+    )
 
 
 def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:

@@ -104,23 +104,40 @@ class StepChannel:
 class RankWorker:
     """Rank ``r >= 1`` of a TP group (run as a Ray actor): its shard of the target, run on
     every step rank 0 broadcasts (a loop thread), and its side of the group's KV pulls
-    (``RankPulls``, whose methods rank 0 calls)."""
+    (``RankPulls``, whose methods rank 0 calls).
+
+    The loop thread also allocates the rank's pool and loads its shard, so every torch op of
+    the rank runs on that one thread (one OpenMP team; ``decode.loop`` says why)."""
 
     def __init__(self, spec: ShardSpec, rank: int, host: str, port: int) -> None:
+        self.groups = _process_groups(spec, rank, host, port)
+        self.steps = 0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop = threading.Thread(target=self._run_steps, args=(spec, rank), daemon=True)
+        self._loop.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"TP rank {rank} could not load its shard") from self._error
+
+    def _build(self, spec: ShardSpec, rank: int) -> None:
         if spec.num_threads > 0:
             torch.set_num_threads(spec.num_threads)
-        self.groups = _process_groups(spec, rank, host, port)
         tp = TPContext(rank, spec.tp_size, self.groups.compute)
         self.pool = rank_pool(spec, rank)
         self.runner = rank_target(spec, self.pool, tp)
         transport = NixlTransport(self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size)
         self.pulls = RankPulls(transport)
         self.channel = StepChannel(self.groups.steps)
-        self.steps = 0
-        self._loop = threading.Thread(target=self._run_steps, daemon=True)
-        self._loop.start()
 
-    def _run_steps(self) -> None:
+    def _run_steps(self, spec: ShardSpec, rank: int) -> None:
+        try:
+            self._build(spec, rank)
+        except BaseException as e:
+            self._error = e
+            return
+        finally:
+            self._ready.set()
         try:
             while (batch := self.channel.receive()) is not None:
                 self.runner.run(batch)

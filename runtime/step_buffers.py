@@ -1,0 +1,182 @@
+"""A bucketed step's inputs in persistent buffers, filled in place.
+
+One int64 host tensor (pinned on a GPU node) holds every input of a step of decodes and chain
+verifications, laid out for the largest bucket; a device mirror receives it in one copy per
+step, and the forward reads device views of it whose addresses never change, so the same views
+serve every step of a bucket (and a CUDA graph captured over them, ``runtime.bucketed``).
+
+A bucket is ``(seqs, query, blocks)``: the step's sequences, new tokens per sequence and KV
+blocks per sequence, each rounded up to a power of two (capped at the buffers' size), so a
+handful of shapes cover every step and padding wastes at most half of each dimension. Row
+``i * query + j`` is sequence ``i``'s ``j``-th new token; padding rows point at row 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.runner import SeqInput
+
+ROW_FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "write_rows", "logit_rows")
+
+
+def bucket_size(n: int, cap: int) -> int:
+    """``n`` rounded up to a power of two, at most ``cap`` (``n <= cap``)."""
+    return min(1 << max(0, n - 1).bit_length(), cap)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    seqs: int
+    query: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class Filled:
+    """What ``StepBuffers.fill`` wrote: the bucket, and how many logit rows and new tokens."""
+
+    bucket: Bucket
+    num_logits: int
+    num_tokens: int
+    rows_per_seq: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BucketViews:
+    """Device views of the buffers for one bucket (``b = seqs``, ``q = query``)."""
+
+    ids: torch.Tensor  # [b * q] token ids (padding: 0)
+    positions: torch.Tensor  # [b * q] rotary positions (each row's slot)
+    slot_blocks: torch.Tensor  # [b * q]
+    slot_offsets: torch.Tensor  # [b * q]
+    write_rows: torch.Tensor  # [b * q] the row whose K/V each row writes (itself, or row 0)
+    tables: torch.Tensor  # [b, blocks] (padding: block 0)
+    cached: torch.Tensor  # [b] tokens before the new ones
+    num_new: torch.Tensor  # [b] new tokens (padding sequences: 0)
+
+
+class StepBuffers:
+    """Host and device buffers for steps of at most ``max_seqs`` sequences of at most
+    ``max_query`` new tokens over at most ``max_blocks`` blocks each."""
+
+    def __init__(
+        self, max_seqs: int, max_query: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_seqs, self.max_query, self.max_blocks = max_seqs, max_query, max_blocks
+        self.block_size = block_size
+        rows = max_seqs * max_query
+        sizes = [rows] * len(ROW_FIELDS) + [rows, max_seqs * max_blocks, max_seqs, max_seqs]
+        names = [*ROW_FIELDS, "token_rows", "tables", "cached", "num_new"]
+        self._at: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, n in zip(names, sizes, strict=True):
+            self._at[name] = (start, n)
+            start += n
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(start, dtype=torch.long, pin_memory=pinned)
+        self.device = (
+            self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+        )
+        self._np = self.host.numpy()
+
+    def _host(self, name: str) -> np.ndarray:
+        s, n = self._at[name]
+        out: np.ndarray = self._np[s : s + n]
+        return out
+
+    def _dev(self, name: str, n: int) -> torch.Tensor:
+        s, _ = self._at[name]
+        return self.device[s : s + n]
+
+    def fits(self, batch: Sequence[SeqInput]) -> bool:
+        """Whether a step can be bucketed: decodes and chain verifications (no trees, no prompt
+        chunks from the start) within the buffers' sizes."""
+        if not batch or len(batch) > self.max_seqs:
+            return False
+        for s in batch:
+            blocks = -(-(s.num_cached + len(s.token_ids)) // self.block_size)
+            if (
+                s.tree is not None
+                or s.num_cached == 0
+                or not 0 < len(s.token_ids) <= self.max_query
+                or blocks > self.max_blocks
+                or len(s.block_table) < blocks
+            ):
+                return False
+        return True
+
+    def fill(self, batch: Sequence[SeqInput]) -> Filled:
+        """Write ``batch`` (which ``fits``) into the host buffers and copy them to the device
+        in one transfer."""
+        bs = self.block_size
+        b = bucket_size(len(batch), self.max_seqs)
+        q = bucket_size(max(len(s.token_ids) for s in batch), self.max_query)
+        need = [-(-(s.num_cached + len(s.token_ids)) // bs) for s in batch]
+        nb = bucket_size(max(need), self.max_blocks)
+        rows = b * q
+        h = {name: self._host(name) for name in self._at}
+        for name in (*ROW_FIELDS, "token_rows"):
+            h[name][:rows] = 0
+        h["cached"][:b] = 0
+        h["num_new"][:b] = 0
+        tables = h["tables"][: b * nb].reshape(b, nb)
+        tables[:] = 0
+        logits = tokens = 0
+        for i, s in enumerate(batch):
+            n = len(s.token_ids)
+            r = i * q
+            slots = np.arange(s.num_cached, s.num_cached + n)
+            h["ids"][r : r + n] = s.token_ids
+            h["positions"][r : r + n] = slots
+            table = np.asarray(s.block_table[: need[i]])
+            h["slot_blocks"][r : r + n] = table[slots // bs]
+            h["slot_offsets"][r : r + n] = slots % bs
+            h["write_rows"][r : r + n] = np.arange(r, r + n)
+            h["cached"][i], h["num_new"][i] = s.num_cached, n
+            tables[i, : need[i]] = table
+            h["token_rows"][tokens : tokens + n] = np.arange(r, r + n)
+            tokens += n
+            lp = len(s.logit_positions)
+            h["logit_rows"][logits : logits + lp] = r + np.asarray(
+                s.logit_positions, dtype=np.int64
+            )
+            logits += lp
+        # padding rows repeat row 0's write: the same bytes to the same slot
+        pad = h["write_rows"][:rows] == 0
+        pad[0] = False
+        h["slot_blocks"][:rows][pad] = h["slot_blocks"][0]
+        h["slot_offsets"][:rows][pad] = h["slot_offsets"][0]
+        h["positions"][:rows][pad] = h["positions"][0]
+        if self.device is not self.host:
+            self.device.copy_(self.host, non_blocking=True)
+        return Filled(
+            Bucket(b, q, nb), logits, tokens, tuple(len(s.logit_positions) for s in batch)
+        )
+
+    def views(self, bucket: Bucket) -> BucketViews:
+        b, q, nb = bucket.seqs, bucket.query, bucket.blocks
+        rows = b * q
+        tables = self._dev("tables", b * nb).view(b, nb)
+        return BucketViews(
+            ids=self._dev("ids", rows),
+            positions=self._dev("positions", rows),
+            slot_blocks=self._dev("slot_blocks", rows),
+            slot_offsets=self._dev("slot_offsets", rows),
+            write_rows=self._dev("write_rows", rows),
+            tables=tables,
+            cached=self._dev("cached", b),
+            num_new=self._dev("num_new", b),
+        )
+
+    def logit_rows(self, filled: Filled) -> torch.Tensor:
+        """[N] the bucket rows whose logits the step asked for, in batch order."""
+        return self._dev("logit_rows", filled.num_logits)
+
+    def token_rows(self, filled: Filled) -> torch.Tensor:
+        """[T] the bucket row of every new token, in batch order."""
+        return self._dev("token_rows", filled.num_tokens)
