@@ -1,11 +1,14 @@
-"""Memory over a sustained load: replica RSS and KV blocks, sampled from /health while
-bench/serve.py's load client drives a local cluster.
+"""Memory and latency over a sustained load: replica RSS and KV blocks, sampled from /health
+while bench/serve.py's load client drives a local cluster, and each minute's time to first
+token and time per output token.
 
-    .venv/bin/python -m bench.memory_soak --minutes 10 --concurrency 4
+    .venv/bin/python -m bench.memory_soak --minutes 10 --concurrency 4 [--ingress-replicas 2]
+        [--threads 1] [--out bench/results/memory_soak.json]
 
-Writes bench/results/memory_soak.json and .png. Reports each replica's RSS growth between the
-end of the first minute (warm: allocator pools, caches) and the end of the run, and whether the
-KV blocks all came back once the load stopped.
+Writes the JSON and a PNG beside it. Reports each replica's RSS growth between the end of the
+first minute (warm: allocator pools, caches) and the end of the run, the latency of the last
+full minute against the first warm one, and whether the KV blocks all came back once the load
+stopped.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +66,33 @@ async def _poll(
                 await asyncio.wait_for(stop.wait(), 10.0)
 
 
-async def run(minutes: float, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def _per_minute(records: Any) -> list[dict[str, float]]:
+    """Median TTFT and TPOT of the requests that finished, by the minute they were sent in."""
+    by: dict[int, list[Any]] = {}
+    for r in records:
+        if r.outcome.value == "ok" and r.ttft_s is not None and r.output_tokens > 1:
+            by.setdefault(int(r.start_s // 60), []).append(r)
+    out = []
+    for minute in sorted(by):
+        rs = by[minute]
+        tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in rs]
+        out.append(
+            {
+                "minute": float(minute),
+                "requests": float(len(rs)),
+                "ttft_ms_median": 1000 * statistics.median(r.ttft_s for r in rs),
+                "tpot_ms_median": 1000 * statistics.median(tpot),
+            }
+        )
+    return out
+
+
+async def run(
+    minutes: float, concurrency: int, max_tokens: int, ingress: int, threads: int | None
+) -> dict[str, Any]:
+    sets = [f"ingress.replicas={ingress}"]
+    if threads is not None:
+        sets += [f"prefill.num_threads={threads}", f"decode.num_threads={threads}"]
     args = parse_args(
         [
             "--launch",
@@ -79,6 +109,7 @@ async def run(minutes: float, concurrency: int, max_tokens: int) -> dict[str, An
             str(max_tokens),
             "--max-seconds",
             str(minutes * 60),
+            *(x for s in sets for x in ("--set", s)),
         ]
     )
     items = workload(args)
@@ -96,8 +127,20 @@ async def run(minutes: float, concurrency: int, max_tokens: int) -> dict[str, An
     warm = [s for s in samples if s["t"] >= WARM_S] or samples
     last = samples[-1]
     done = sum(1 for r in result.records if r.outcome.value == "ok")
+    latency = _per_minute(result.records)
+    full = [m for m in latency if m["minute"] >= 1 and m["minute"] < int(minutes)]
+    first, final = (full[0], full[-1]) if full else (None, None)
     return {
         "minutes": minutes,
+        "concurrency": concurrency,
+        "ingress_replicas": ingress,
+        "latency_by_minute": latency,
+        "tpot_last_over_first_warm_minute": final["tpot_ms_median"] / first["tpot_ms_median"]
+        if first and final
+        else None,
+        "ttft_last_over_first_warm_minute": final["ttft_ms_median"] / first["ttft_ms_median"]
+        if first and final
+        else None,
         "requests_completed": done,
         "samples": samples,
         "health_misses": misses,
@@ -137,11 +180,14 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--threads", type=int, help="torch threads of each pool (default: all cores)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "memory_soak.json")
     a = ap.parse_args()
-    report = asyncio.run(run(a.minutes, a.concurrency, a.max_tokens))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory_soak.json").write_text(json.dumps(report, indent=2))
-    _plot(report, RESULTS / "memory_soak.png")
+    report = asyncio.run(run(a.minutes, a.concurrency, a.max_tokens, a.ingress_replicas, a.threads))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=2))
+    _plot(report, a.out.with_suffix(".png"))
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=2))
 
 

@@ -118,29 +118,7 @@ class EagleConfig:
 
     def to_json(self) -> dict[str, object]:
         c = self.layer
-        if self.eagle3:
-            return {
-                "architectures": [EAGLE3_ARCHITECTURE],
-                "model_type": "llama",
-                "hidden_size": c.hidden_size,
-                "intermediate_size": c.intermediate_size,
-                "num_attention_heads": c.num_heads,
-                "num_key_value_heads": c.num_kv_heads,
-                "head_dim": c.head_dim,
-                "num_hidden_layers": 1,
-                "rms_norm_eps": c.rms_norm_eps,
-                "rope_theta": c.rope_theta,
-                "rope_scaling": asdict(c.rope_scaling),
-                "max_position_embeddings": c.max_position_embeddings,
-                "vocab_size": self.vocab_size,
-                "draft_vocab_size": self.draft_vocab_size,
-                "target_hidden_size": self.target_hidden_size,
-                "norm_before_residual": self.norm_before_residual,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers or ())},
-                "tie_word_embeddings": False,
-            }
-        return {
-            "architectures": ["EagleHead"],
+        layer = {
             "model_type": "llama",
             "hidden_size": c.hidden_size,
             "intermediate_size": c.intermediate_size,
@@ -154,9 +132,22 @@ class EagleConfig:
             "max_position_embeddings": c.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+        }
+        if self.eagle3:
+            aux = list(self.aux_layers or ())
+            return {
+                "architectures": [EAGLE3_ARCHITECTURE],
+                **layer,
+                "target_hidden_size": self.target_hidden_size,
+                "norm_before_residual": self.norm_before_residual,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux},
+            }
+        return {
+            "architectures": ["EagleHead"],
+            **layer,
             "bias": self.fc_bias,
             "final_norm": self.final_norm,
-            "tie_word_embeddings": False,
         }
 
 

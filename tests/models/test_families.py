@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from bench.families import FAMILIES
+from bench.families import family_checkpoint as _checkpoint
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.spec import ModelSpec
@@ -20,54 +22,6 @@ from tests.models.test_tensor_parallel import check_tp2_matches_tp1
 
 TOL = 1e-4
 BS = 16
-SHAPE: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 1024,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-}
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    # original context 64: the positions below cross every band of llama3's blend
-    "llama3-rope": (
-        "llama",
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        },
-    ),
-    "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
-    "llama-attention-bias": ("llama", {"attention_bias": True}),  # q, k, v and o biases
-    "qwen2": ("qwen2", {"use_sliding_window": False, "tie_word_embeddings": False}),
-    "mistral": ("mistral", {"sliding_window": None}),
-    # a window of 64 positions: the 300-token prompt and the steps after it reach past it
-    "mistral-window": ("mistral", {"sliding_window": 64}),
-    "qwen3": ("qwen3", {"use_sliding_window": False, "tie_word_embeddings": False}),
-}
-
-
-def _checkpoint(folder: Path, family: str) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, extra = FAMILIES[family]
-    cfg = AutoConfig.for_model(model_type, **{**SHAPE, **extra})
-    torch.manual_seed(5)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():  # sharper distributions than the default init; biases too
-            p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
-    return folder
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
