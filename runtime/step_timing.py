@@ -23,7 +23,9 @@ from speculation.step_time import StepTimeModel, isotonic
 
 log = logging.getLogger(__name__)
 CONTEXT = 128  # tokens of context the calibration steps attend over
-METHOD = 4  # bumped when measurement or fit change, so cached models are re-measured
+# bumped when measurement or fit change, so cached models are re-measured (5: replicas now
+# build and step their engine on one thread, and ran ~1.4x slower when measured before)
+METHOD = 5
 
 
 def calibration_points(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:
