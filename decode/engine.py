@@ -69,7 +69,9 @@ class DecodeEngine:
                     max_seqs=cfg.max_batch_size,
                     max_query=cfg.draft.num_speculative_tokens + 1,
                     max_blocks=math.ceil(cfg.max_model_len / cfg.block_size),
-                    graphs=cfg.device.startswith("cuda"),
+                    # graphs over TP ranks would capture their NCCL all-reduces, which no GPU
+                    # has checked yet: a TP group runs its buckets eagerly
+                    graphs=cfg.device.startswith("cuda") and cfg.tp_size == 1,
                 )
                 if cfg.bucketed()
                 else None,

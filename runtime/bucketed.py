@@ -11,8 +11,9 @@ eagerly. Prompt chunks, draft trees and steps beyond the buffers run the ragged 
 (``runtime.runner.run_step``), counted in ``ragged_steps``.
 
 Every rank of a TP group wraps its own shard the same way: the ranks see the same batch
-(``runtime.step_wire``), pick the same bucket and replay the same graph, whose collectives
-(NCCL all-reduces) are captured with it.
+(``runtime.step_wire``) and pick the same bucket. The decode engine asks for graphs with TP = 1
+only: capturing a group's NCCL all-reduces in each rank's graph is how it would extend, and no
+GPU has checked that yet, so a TP group runs its buckets eagerly.
 """
 
 from __future__ import annotations
