@@ -14,12 +14,13 @@ and what ``tandem config render`` writes into Serve config files, so the two can
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Ray Serve's interval between replicas' load reports; the look-back window must exceed it.
 METRICS_INTERVAL_S = 10.0
+GOODPUT_POLICY = "cluster.capacity_policy:GoodputPolicy"
 
 
 class AutoscalingConfig(BaseModel):
@@ -136,6 +137,55 @@ class DecodeAutoscalingConfig(AutoscalingConfig):
     look_back_period_s: float = Field(
         30.0, gt=METRICS_INTERVAL_S, description="Window over which ongoing streams are averaged."
     )
+    policy: Literal["requests", "goodput"] = Field(
+        "requests",
+        description="requests: Ray Serve's policy on ongoing streams per replica "
+        "(target_ongoing_requests). goodput: tandem's policy on the capacity each replica "
+        "predicts within decode.routing_tpot_slo_s for the traffic it is serving "
+        "(speculation/capacity.py, cluster/capacity_policy.py): copy-heavy traffic that accepts "
+        "many drafts fits more streams per replica than creative traffic, and the pool scales "
+        "out as streams approach that capacity, before the SLO is missed.",
+    )
+    target_utilization: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="goodput policy: the share of the pool's predicted capacity its streams "
+        "are steered to; above it the pool scales out.",
+    )
+    downscale_utilization: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="goodput policy: below this share of the pool's capacity it scales in (to "
+        "target_utilization); between the two it holds (hysteresis).",
+    )
+
+    @model_validator(mode="after")
+    def _bands(self) -> DecodeAutoscalingConfig:
+        if self.downscale_utilization >= self.target_utilization:
+            raise ValueError(
+                f"decode.autoscaling.downscale_utilization ({self.downscale_utilization:g}) must "
+                f"be below target_utilization ({self.target_utilization:g}): between the two "
+                "the pool holds its size"
+            )
+        return self
+
+    def serve_options(self) -> dict[str, Any]:
+        """Ray Serve's ``autoscaling_config``; with the goodput policy, its import path and
+        arguments (the controller imports ``cluster.capacity_policy``: tandem must be
+        installed where the Serve controller runs, as it is on the head node)."""
+        own = {"policy", "target_utilization", "downscale_utilization"}
+        out = self.model_dump(mode="json", exclude_none=True, exclude=own)
+        if self.policy == "goodput":
+            out["policy"] = {
+                "policy_function": GOODPUT_POLICY,
+                "policy_kwargs": {
+                    "target_utilization": self.target_utilization,
+                    "downscale_utilization": self.downscale_utilization,
+                },
+            }
+        return out
 
 
 def serve_scaling(replicas: int, autoscaling: AutoscalingConfig | None) -> dict[str, Any]:

@@ -193,6 +193,7 @@ def engine_configs(
         num_threads=cfg.decode.num_threads,
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
+        max_stalled_preemptions=cfg.decode.max_stalled_preemptions,
         stream_interval_s=cfg.decode.stream_interval_s,
         step_shapes=cfg.decode.step_shapes,
     )
@@ -223,7 +224,9 @@ def build_app(cfg: TandemConfig) -> Application:
     decode_tokens = cfg.decode.num_blocks * bs
     engine, worker = engine_configs(cfg, m)
     decode_opts = _options(cfg.decode, "decode", cfg) | decode_router_options(cfg.decode)
-    decode = serve.deployment(**decode_opts)(DecodeServer).bind(engine)
+    decode = serve.deployment(**decode_opts)(DecodeServer).bind(
+        engine, cfg.decode.routing_tpot_slo_s
+    )
     prefill = None
     max_prompt = min(m.max_model_len - 1, decode_tokens - 2)  # room for one output token
     if worker is not None:

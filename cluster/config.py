@@ -209,6 +209,15 @@ class DecodeConfig(PoolConfig):
         "than speculation_tpot_slo_max_loss of the step's goodput. Usually the same value as "
         "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
     )
+    max_stalled_preemptions: int = Field(
+        4,
+        ge=1,
+        le=1000,
+        description="A request preempted this many times in a row without producing a token "
+        "(it cannot fit beside the others and would be recomputed and preempted forever) ends "
+        "with an error naming the pool; below that it waits at the head of the queue for room "
+        "to finish.",
+    )
     stream_interval_s: float = Field(
         0.0,
         ge=0,
@@ -338,6 +347,25 @@ class TandemConfig(_Frozen):
                 f"(draft.kind={self.draft.kind}, draft.adaptive={self.draft.adaptive}): only "
                 "adaptive speculation chooses its drafts per step; set draft.adaptive: true with "
                 "a drafter, or unset decode.speculation_tpot_slo_s"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _goodput_scaling_has_its_model(self) -> TandemConfig:
+        a = self.decode.autoscaling
+        if a is None or a.policy != "goodput":
+            return self
+        if self.decode.routing_tpot_slo_s is None:
+            raise ValueError(
+                "decode.autoscaling.policy is goodput but decode.routing_tpot_slo_s is not set: "
+                "each replica's capacity is counted within that TPOT SLO (seconds, e.g. 0.05)"
+            )
+        if not (self.draft.adaptive and self.draft.kind != "none"):
+            raise ValueError(
+                "decode.autoscaling.policy is goodput but speculation is not adaptive "
+                f"(draft.kind={self.draft.kind}, draft.adaptive={self.draft.adaptive}): a "
+                "replica's capacity comes from adaptive speculation's measured step time; set "
+                "draft.adaptive: true with a drafter, or policy: requests"
             )
         return self
 

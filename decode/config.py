@@ -28,7 +28,7 @@ class DecodeEngineConfig:
     pull_timeout_s: float = 10.0  # a pull still running after this has failed
     kv_failure_policy: str = "recompute"  # on a failed pull: "recompute" the prompt, or "fail"
     kv_health_window: int = 64  # recent handoffs whose failed share /health reports
-    max_stalled_preemptions: int = 4  # preempted again this often, no token between: an error
+    max_stalled_preemptions: int = 4  # preempted this often in a row, no token between: an error
     speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it
     speculation_tpot_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput that guard gives up
     stream_interval_s: float = 0.0  # hold a stream's messages to the ingress this long (stream)

@@ -409,7 +409,7 @@ class DecodeEngine:
             req, handoff, lease_end = self.waiting[0]
             tokens = handoff.num_tokens if handoff else req.num_tokens
             need = self._blocks_for(tokens + 1)
-            if req.stalled_preemptions and self.running:
+            if req.stalled_preemptions > 1 and self.running:
                 # preempted again before it could produce a token: recomputing it into the room
                 # the others leave would only repeat that; it waits for room to finish
                 need = max(need, self._blocks_for(self._most_tokens(req)))
@@ -434,6 +434,8 @@ class DecodeEngine:
                     self._kv_failed(req, handoff, error)
 
     def _run(self, r: Request) -> None:
+        if r.outputs_at_preemption < 0:  # first run: progress is counted from here
+            r.outputs_at_preemption = len(r.output_token_ids)
         self.running[r.request_id] = r
         if self.speculation is not None:
             self.speculation.start(r)
@@ -472,9 +474,10 @@ class DecodeEngine:
     def _preempt(self, r: Request) -> None:
         """Free a running request's KV; it waits at the head of the queue to be recomputed.
 
-        A request preempted again ``max_stalled_preemptions`` times with no output token since
-        the first cannot make progress in this pool beside the others (it would be recomputed
-        and preempted forever, holding up the queue behind it): it ends with an error instead."""
+        A request preempted ``max_stalled_preemptions`` times in a row without producing a
+        token (since it started running, then since each preemption) cannot make progress in
+        this pool beside the others (it would be recomputed and preempted again and again,
+        holding up the queue behind it): it ends with an error instead."""
         self.running.pop(r.request_id)
         self.preemptions += 1
         outputs = len(r.output_token_ids)
@@ -486,9 +489,11 @@ class DecodeEngine:
             self._finish(
                 r,
                 FinishReason.ERROR,
-                f"preempted {r.stalled_preemptions + 1} times in a row without producing a "
-                f"token: the KV pool ({self.cfg.num_blocks} blocks of {self.cfg.block_size} "
-                f"tokens) cannot hold its {r.num_tokens} tokens beside the running requests",
+                f"preempted {r.stalled_preemptions} time{'s' * (r.stalled_preemptions > 1)} "
+                "in a row without producing a token "
+                f"(decode.max_stalled_preemptions): the KV pool ({self.cfg.num_blocks} blocks "
+                f"of {self.cfg.block_size} tokens, decode.num_blocks) cannot hold its "
+                f"{r.num_tokens} tokens beside the running requests",
             )
             return
         self._requeue(r)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
+from cluster.capacity_policy import CAPACITY, GOODPUT_TOK_S, HEADROOM_TOK_S, STREAMS
 from cluster.health_board import BoardPublisher, pool_board
 from cluster.replica_logs import route_to_serve
 from cluster.serving_metrics import ReplicaGauges
@@ -20,6 +22,7 @@ from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
 from models.request import Request, choice_id
+from speculation.capacity import capacity_within_slo
 
 
 class DecodeServer:
@@ -30,9 +33,14 @@ class DecodeServer:
     Cancelling the stream (client gone, stop string hit) aborts the request and frees its KV.
     """
 
-    def __init__(self, cfg: DecodeEngineConfig) -> None:
+    def __init__(self, cfg: DecodeEngineConfig, capacity_slo_s: float | None = None) -> None:
+        """``capacity_slo_s``: the TPOT SLO this replica reports its capacity within
+        (``record_autoscaling_stats``; ``decode.routing_tpot_slo_s``)."""
         route_to_serve()
         self.cfg = cfg
+        self.capacity_slo_s = capacity_slo_s
+        self._delivered = 0  # output tokens streamed, and when the last report read them
+        self._reported = (0, time.monotonic())
         kv_metrics = KVMetrics("decode")
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -51,6 +59,7 @@ class DecodeServer:
 
     def _put(self, out: StepOutput) -> None:
         self.metrics.record(out.step_drafted, out.step_accepted, len(out.new_token_ids))
+        self._delivered += len(out.new_token_ids)
         e = self.engine  # counts read beside the engine thread: a gauge may lag a step
         used = 1.0 - e.allocator.num_free / e.cfg.num_blocks
         waiting = len(e.waiting) + len(e.intake.pending)
@@ -104,6 +113,27 @@ class DecodeServer:
         """Ray Serve calls this every ``request_routing_stats_period_s`` and hands the dict to
         every router of this deployment (``speculation.routing_stats.RoutingStats``)."""
         return self.engine.routing_stats().to_dict()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve calls this on replicas of an autoscaling deployment and hands the values,
+        averaged over the look-back window, to the pool's policy (``cluster.capacity_policy``):
+        the streams this replica has, the goodput it delivered since the last call and, with a
+        TPOT SLO and a step-time model, the streams of its current mix it can hold within the
+        SLO and the goodput that would add (``speculation.capacity``)."""
+        stats = self.engine.routing_stats()
+        now = time.monotonic()
+        tokens, since = self._reported
+        self._reported = (self._delivered, now)
+        out = {
+            STREAMS: float(stats.running + stats.queued),
+            GOODPUT_TOK_S: (self._delivered - tokens) / max(now - since, 1e-6),
+        }
+        if self.capacity_slo_s is not None:
+            cap = capacity_within_slo(stats, self.capacity_slo_s)
+            if cap is not None:
+                out[CAPACITY] = float(cap.streams)
+                out[HEADROOM_TOK_S] = cap.headroom_tok_s
+        return out
 
     async def check_health(self) -> None:
         if not self.loop.alive:

@@ -73,8 +73,8 @@ class Request:
     acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
     calibration_key: tuple[int, int] | None = None  # speculation.calibration cell, once started
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    stalled_preemptions: int = 0  # preemptions since the last with no output token between
-    outputs_at_preemption: int = -1  # len(output_token_ids) when it was last preempted
+    stalled_preemptions: int = 0  # preemptions in a row with no output token since the last
+    outputs_at_preemption: int = -1  # len(output_token_ids) when last preempted (or first run)
     finish_reason: FinishReason | None = None
     error: str | None = None
     choice: int = 0  # which of the client's ``sampling.n`` choices this sequence generates

@@ -1,28 +1,37 @@
 """A multi-node Ray cluster on this machine (a head, a prefill node, two decode nodes, each its
-own raylet) loses a decode node mid-stream: nothing hangs, no output is wrong, nothing leaks,
-new requests succeed within a bounded time and the pool is whole again when the node returns."""
+own raylet) loses a decode node mid-stream, then its prefill node mid-handoff: nothing hangs,
+no output is wrong, nothing leaks, new requests succeed within a bounded time and the pool is
+whole again when the node returns."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from bench.node_chaos import PoolCluster, chaos_config, run_fault
 from tests.helpers import free_port
 
 
-def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
+@pytest.fixture(scope="module")
+def cluster(tiny_folder: Path) -> Iterator[tuple[PoolCluster, str]]:
     # One stream at a time per decode replica: the tiny model decodes thousands of tokens a
     # second and coalesced streams leave it no per-token brake, so streams that all ran at
     # once could end before a slow kill lands; one at a time, the node's queue is still
-    # there when it dies (those requests are sent again, the running one is cut).
+    # there when it dies (those requests are sent again, the running one is cut), and the
+    # handoffs of the queued ones stay leased on prefill, unpulled, until decode admits them.
     decode = {"replicas": 2, "num_blocks": 512, "num_threads": 1, "max_batch_size": 1}
     cfg = chaos_config(str(tiny_folder), "tiny", {"kv": {"pull_timeout_s": 3}, "decode": decode})
     pc = PoolCluster(cfg)
     try:
-        base = pc.deploy(free_port())
-        r = run_fault(pc, base, "tiny", "decode_node", n=4, max_tokens=1800)
+        yield pc, pc.deploy(free_port())
     finally:
         pc.close()
+
+
+def test_losing_a_decode_node_mid_stream(cluster: tuple[PoolCluster, str]) -> None:
+    r = run_fault(*cluster, "tiny", "decode_node", n=4, max_tokens=1800)
     assert r.on_killed_node >= 1  # the kill hit streams (else the check below is vacuous)
     assert r.unexplained == 0 and r.wrong_outputs == 0
     assert r.finished + r.clear_errors == r.requests
@@ -30,3 +39,17 @@ def test_losing_a_decode_node_mid_stream(tiny_folder: Path) -> None:
     assert r.leaked_blocks == 0 and r.leaked_leases == 0
     assert r.recover_s < 60
     assert r.replicas_back_s is not None and r.on_dead_node == 0  # both serve again
+
+
+def test_losing_the_prefill_node_mid_handoff(cluster: tuple[PoolCluster, str]) -> None:
+    """The only prefill node dies with handoffs leased and prompts queued: decode computes what
+    it cannot pull, the ingress resends what prefill never answered (once the node is back),
+    and every request is answered with the undisturbed text."""
+    r = run_fault(*cluster, "tiny", "prefill_node", n=4, max_tokens=1800)
+    assert r.on_killed_node >= 1  # prompts queued or handoffs leased there as it died
+    assert r.unexplained == 0 and r.wrong_outputs == 0
+    assert r.finished == r.requests  # nothing had streamed past the first token: all answered
+    assert r.affected >= 1
+    assert r.leaked_blocks == 0 and r.leaked_leases == 0
+    assert r.recover_s < 120
+    assert r.replicas_back_s is not None and r.on_dead_node == 0

@@ -1,0 +1,104 @@
+"""Decode autoscaling on predicted capacity within the TPOT SLO (Ray Serve custom policy).
+
+Each decode replica reports, as Ray Serve custom autoscaling metrics
+(``DecodeServer.record_autoscaling_stats``), the streams it has (``streams``: running and
+queued) and the most streams of its current traffic mix it predicts it can hold with the
+slowest within ``decode.routing_tpot_slo_s`` (``capacity_streams``, from
+``speculation.capacity``). Serve's controller averages each over the look-back window and calls
+``GoodputPolicy`` with them:
+
+- the pool's **utilization** is its streams over its replicas' summed capacity;
+- above ``target_utilization`` it scales out, below ``downscale_utilization`` in, in either case
+  to the replicas that put the streams at ``target_utilization`` of the mean replica's
+  capacity; in between it holds (hysteresis). Serve applies the pool's bounds and its
+  ``upscale_delay_s`` / ``downscale_delay_s`` around the decision, as for its own policy;
+- while no replica reports a capacity (none has measured its steps yet), it falls back to
+  streams over the deployment's ``target_ongoing_requests`` per replica (Serve's request-count
+  rule), logged once per policy instance and counted in its state (``fallback_decisions``).
+
+Ray Serve counts a deployment's policy and its arguments in the application's code version, so
+changing the utilization bands restarts the pool's replicas; the fallback target is read from
+the deployment's own autoscaling config at each call, so resizing the pool does not.
+
+Runs in the Serve controller: it imports nothing beyond the standard library and Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STREAMS = "streams"  # running plus queued requests on the replica
+CAPACITY = "capacity_streams"  # streams of the current mix it can hold within the SLO
+HEADROOM_TOK_S = "headroom_tok_s"  # goodput it could add within the SLO
+GOODPUT_TOK_S = "goodput_tok_s"  # tokens per second it delivered
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    utilization: float | None  # streams over summed capacity; None on the fallback
+    fallback: bool
+
+
+def decide(
+    current: int,
+    streams: Mapping[Any, float],
+    capacity: Mapping[Any, float],
+    target_utilization: float,
+    downscale_utilization: float,
+    fallback_streams: float,
+) -> Decision:
+    """The pool's desired replica count from each replica's averaged ``streams`` and
+    ``capacity`` (module doc). A replica that predicts no stream within the SLO counts as
+    holding one: the SLO is out of reach there, and more replicas cannot bring it closer."""
+    demand = sum(streams.values())
+    caps = [max(c, 1.0) for c in capacity.values()]
+    if not caps:
+        return Decision(math.ceil(demand / fallback_streams), None, True)
+    per_replica = sum(caps) / len(caps)
+    # replicas that have not reported yet are counted at the mean of those that have
+    pool = per_replica * max(current, len(caps))
+    utilization = demand / pool
+    if downscale_utilization <= utilization <= target_utilization:
+        return Decision(current, utilization, False)
+    return Decision(math.ceil(demand / (per_replica * target_utilization)), utilization, False)
+
+
+class GoodputPolicy:
+    """Ray Serve class-based autoscaling policy (``policy_function`` with ``policy_kwargs``)."""
+
+    def __init__(self, target_utilization: float = 0.8, downscale_utilization: float = 0.5) -> None:
+        self.target_utilization = target_utilization
+        self.downscale_utilization = downscale_utilization
+        self._warned = False
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        """``ctx``: Ray Serve's ``AutoscalingContext``; returns (replicas, policy state)."""
+        metrics = ctx.aggregated_metrics or {}
+        fallback = float(ctx.config.target_ongoing_requests)
+        d = decide(
+            ctx.current_num_replicas,
+            metrics.get(STREAMS, {}),
+            metrics.get(CAPACITY, {}),
+            self.target_utilization,
+            self.downscale_utilization,
+            fallback,
+        )
+        state = dict(ctx.policy_state)
+        state["fallback_decisions"] = int(state.get("fallback_decisions", 0)) + d.fallback
+        state["utilization"] = d.utilization
+        if d.fallback and not self._warned:
+            self._warned = True
+            log.warning(
+                "decode autoscaling (goodput policy): no replica reports its capacity yet (none "
+                "has a step-time model); scaling on %g streams per replica until one does "
+                "(counted in the policy state as fallback_decisions)",
+                fallback,
+            )
+        return d.replicas, state

@@ -1,0 +1,93 @@
+"""The goodput autoscaling policy live: decode replicas report their capacity within the SLO
+to Ray Serve's controller, which imports ``cluster.capacity_policy`` and scales the pool on it.
+
+The SLO is set below one step of the tiny model, so every replica predicts a capacity of zero
+streams (the SLO out of reach, counted as one stream each): any sustained traffic beyond the
+target share of that scales the pool out, where Serve's request-count rule with the same
+traffic (four streams, a target of eight per replica) would keep one replica."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+from ray.serve._private.common import ReplicaState
+
+from cluster.capacity_policy import CAPACITY, GOODPUT_TOK_S, STREAMS
+from cluster.config import TandemConfig
+from tests.cluster.conftest import running_app
+
+
+@pytest.fixture(scope="module")
+def app(tiny_folder: Path) -> Iterator[str]:
+    cfg = TandemConfig.model_validate(
+        {
+            "mode": "colocated",
+            "model": {"source": str(tiny_folder), "name": "tiny"},
+            "draft": {"kind": "ngram", "num_speculative_tokens": 3},
+            "ingress": {"replicas": 1},
+            "decode": {
+                "num_blocks": 256,
+                "num_threads": 1,
+                "routing_tpot_slo_s": 1e-5,
+                "autoscaling": {
+                    "policy": "goodput",
+                    "min_replicas": 1,
+                    "max_replicas": 2,
+                    "target_ongoing_requests": 8,
+                    "upscale_delay_s": 0,
+                    "look_back_period_s": 11,
+                },
+            },
+        }
+    )
+    with running_app(cfg) as url:
+        yield url
+
+
+def _decode_replicas() -> int:
+    status = serve.status().applications["tandem"].deployments["decode"]
+    return int(status.replica_states.get(ReplicaState.RUNNING, 0))
+
+
+@pytest.mark.timeout(240)
+def test_replicas_report_capacity_and_the_pool_scales_on_it(app: str) -> None:
+    assert _decode_replicas() == 1
+    stop = threading.Event()
+    answered: list[int] = []
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(
+                    f"{app}/v1/completions",
+                    json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 200},
+                )
+                answered.append(r.status_code)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        decode = serve.get_deployment_handle("decode", app_name="tandem")
+        report: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (report.get(STREAMS) and report[GOODPUT_TOK_S]):
+            report = decode.record_autoscaling_stats.remote().result(timeout_s=30)
+            time.sleep(0.2)
+        # what Serve's controller receives: streams in flight, a capacity, delivered goodput
+        assert report[STREAMS] >= 1 and report[CAPACITY] == 0.0 and report[GOODPUT_TOK_S] > 0
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _decode_replicas() < 2:
+            time.sleep(1)
+        assert _decode_replicas() == 2
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert answered and set(answered) == {200}
