@@ -193,6 +193,8 @@ def engine_configs(
         num_threads=cfg.decode.num_threads,
         speculation_tpot_slo_s=cfg.decode.speculation_tpot_slo_s,
         speculation_tpot_slo_max_loss=cfg.decode.speculation_tpot_slo_max_loss,
+        acceptance_alarm_ratio=cfg.decode.acceptance_alarm_ratio,
+        acceptance_alarm_window_tokens=cfg.decode.acceptance_alarm_window_tokens,
         max_stalled_preemptions=cfg.decode.max_stalled_preemptions,
         stream_interval_s=cfg.decode.stream_interval_s,
         step_shapes=cfg.decode.step_shapes,

@@ -209,6 +209,22 @@ class DecodeConfig(PoolConfig):
         "than speculation_tpot_slo_max_loss of the step's goodput. Usually the same value as "
         "routing_tpot_slo_s; unset, speculation maximises throughput alone.",
     )
+    acceptance_alarm_ratio: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="A replica reports a calibration cell (temperature x probe bin) as "
+        "collapsed when its drafts' realised acceptance falls below this share of what their "
+        "starting estimates predicted (speculation/acceptance_alarm.py): /health and the "
+        "tandem_acceptance_collapsed_cells gauge say so, and adaptive speculation starts that "
+        "cell's requests from the realised rate until predictions and outcomes agree again.",
+    )
+    acceptance_alarm_window_tokens: int = Field(
+        1024,
+        ge=16,
+        description="Draft tokens per cell the acceptance alarm compares over (older ones fade); "
+        "a cell needs half of it before it can be reported.",
+    )
     max_stalled_preemptions: int = Field(
         4,
         ge=1,

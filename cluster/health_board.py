@@ -85,15 +85,20 @@ class BoardPublisher:
         self._thread.start()
 
     @staticmethod
-    def start(collect: Callable[[], dict[str, Any]]) -> BoardPublisher | None:
-        """A publisher when running in a Serve replica, else None (an engine in a test)."""
+    def in_replica() -> bool:
+        """Whether this process is a Serve replica (else an engine in a test or a benchmark)."""
         try:
             from ray import serve
 
             serve.get_replica_context()
         except Exception:
-            return None
-        return BoardPublisher(collect)
+            return False
+        return True
+
+    @staticmethod
+    def start(collect: Callable[[], dict[str, Any]]) -> BoardPublisher | None:
+        """A publisher when running in a Serve replica, else None (an engine in a test)."""
+        return BoardPublisher(collect) if BoardPublisher.in_replica() else None
 
     def _run(self) -> None:
         board = None
@@ -122,6 +127,7 @@ class PoolHealth:
     kv_recomputed: int  # pulls that failed and were recomputed on decode, all replicas
     kv_failed_fraction: float | None  # failed share of the replicas' recent handoffs
     degraded: str | None  # why the pool is degraded, or None
+    acceptance_collapse: tuple[str, ...] = ()  # replicas whose drafts' acceptance collapsed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +137,7 @@ class PoolHealth:
             "kv_recomputed": self.kv_recomputed,
             "kv_failed_fraction": self.kv_failed_fraction,
             "degraded": self.degraded,
+            "acceptance_collapse": list(self.acceptance_collapse),
         }
 
 
@@ -149,6 +156,10 @@ SUMMARY = (
     "transport_fallback",
     "preemptions",
     "stalled",
+    "drafter",
+    "acceptance_collapse",
+    "drafter_version",
+    "seeded_tokens",
     "active_leases",
     "leases_expired",
     "queued",
@@ -160,23 +171,36 @@ SUMMARY = (
 
 def pool_health(pool: str, entries: dict[str, dict[str, Any]], max_failed: float) -> PoolHealth:
     """Sum a pool's board entries; degraded when the failed share of recent handoffs over all
-    replicas passes ``max_failed`` (``kv.degraded_fraction``)."""
+    replicas passes ``max_failed`` (``kv.degraded_fraction``), or when a replica reports its
+    drafts' acceptance collapsed (``speculation.acceptance_alarm``)."""
     replicas = {rid: {k: s[k] for k in SUMMARY if k in s} for rid, s in sorted(entries.items())}
     fallback = tuple(rid for rid, s in replicas.items() if s.get("transport_fallback"))
     recent = sum(int(s.get("kv_recent_handoffs", 0)) for s in entries.values())
     failed = sum(int(s.get("kv_recent_failed", 0)) for s in entries.values())
     fraction = failed / recent if recent else None
-    degraded = None
+    why = []
     if fraction is not None and fraction > max_failed:
-        degraded = (
+        why.append(
             f"{pool}: {failed} of the last {recent} KV handoffs failed their pull "
             f"({fraction:.0%}, over kv.degraded_fraction {max_failed:.0%}); prompts are being "
             "recomputed on decode"
+        )
+    collapsed = tuple(rid for rid, s in replicas.items() if s.get("acceptance_collapse"))
+    if collapsed:
+        rid = collapsed[0]
+        c = replicas[rid]["acceptance_collapse"][0]
+        why.append(
+            f"{pool}: drafts' acceptance collapsed on {len(collapsed)} replica(s); {rid} "
+            f"(drafter {replicas[rid].get('drafter')}): temperature bin {c['temperature_bin']}, "
+            f"probe bin {c['probe_bin']} accepted {c['realised']:.0%} of draft tokens where "
+            f"{c['expected']:.0%} was predicted; adaptive speculation backs off for those cells "
+            "(decode.acceptance_alarm_ratio)"
         )
     return PoolHealth(
         replicas,
         fallback,
         sum(int(s.get("kv_recomputed", 0)) for s in entries.values()),
         fraction,
-        degraded,
+        "; ".join(why) or None,
+        collapsed,
     )

@@ -31,6 +31,8 @@ class DecodeEngineConfig:
     max_stalled_preemptions: int = 4  # preempted this often in a row, no token between: an error
     speculation_tpot_slo_s: float | None = None  # adaptive drafts push no request's TPOT past it
     speculation_tpot_slo_max_loss: float = GUARD_MAX_LOSS  # the most goodput that guard gives up
+    acceptance_alarm_ratio: float = 0.5  # realised below this share of predicted: collapsed
+    acceptance_alarm_window_tokens: int = 1024  # draft tokens per cell the alarm compares over
     stream_interval_s: float = 0.0  # hold a stream's messages to the ingress this long (stream)
     # "bucketed": decode and verification steps at fixed shapes, CUDA graphs on a GPU
     # (runtime.bucketed); "ragged": every step laid out as it comes; "auto": bucketed on CUDA

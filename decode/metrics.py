@@ -23,7 +23,7 @@ class SpecMetrics:
     """Counters ``tandem_spec_*`` tagged with the deployment; one instance per replica."""
 
     def __init__(self, deployment: str) -> None:
-        from ray.util.metrics import Counter
+        from ray.util.metrics import Counter, Gauge
 
         tags = ("deployment",)
         pos = ("deployment", "position")
@@ -39,7 +39,13 @@ class SpecMetrics:
         self._accepted_at = Counter(
             "tandem_spec_accepted_tokens_by_position", "Draft tokens accepted, by position", pos
         )
-        for c in (self._drafts, self._draft, self._accepted, self._emitted):
+        self._collapsed = Gauge(
+            "tandem_acceptance_collapsed_cells",
+            "Calibration cells whose drafts' realised acceptance fell below "
+            "decode.acceptance_alarm_ratio of the predicted (speculation/acceptance_alarm.py)",
+            tags,
+        )
+        for c in (self._drafts, self._draft, self._accepted, self._emitted, self._collapsed):
             c.set_default_tags(self.tags)
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
@@ -63,6 +69,10 @@ class SpecMetrics:
             if j < accepted:
                 t.accepted_by_position[j] += 1
                 self._accepted_at.inc(1, tags)
+
+    def collapsed_cells(self, n: int) -> None:
+        """The replica's acceptance alarm reports ``n`` collapsed cells now."""
+        self._collapsed.set(n)
 
     def snapshot(self) -> dict[str, Any]:
         t = self.totals

@@ -12,6 +12,7 @@ from cluster.capacity_policy import CAPACITY, GOODPUT_TOK_S, HEADROOM_TOK_S, STR
 from cluster.health_board import BoardPublisher, pool_board
 from cluster.replica_logs import route_to_serve
 from cluster.serving_metrics import ReplicaGauges
+from cluster.shared_priors import drafter_version, seed_from_pool
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
@@ -50,6 +51,13 @@ class DecodeServer:
         self.loop = EngineLoop(lambda: DecodeEngine(cfg, kv_metrics), self._deliver)
         self.engine = self.loop.start()
         kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
+        self.drafter_version = drafter_version(cfg)
+        spec = self.engine.speculation
+        # before it serves (the engine thread is idle): start from what the pool has learned
+        in_serve = BoardPublisher.in_replica()
+        self.seeded_tokens = (
+            seed_from_pool(spec, self.drafter_version) if spec and in_serve else 0.0
+        )
         self._publisher = BoardPublisher.start(self.snapshot)
 
     def _deliver(self, out: StepOutput) -> None:
@@ -107,6 +115,17 @@ class DecodeServer:
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)
         out["speculation"] = self.metrics.snapshot()
+        spec = self.engine.speculation
+        collapsed = spec.alarm.collapsed() if spec is not None else ()
+        self.metrics.collapsed_cells(len(collapsed))
+        out["drafter"] = self.cfg.draft.kind.value
+        out["acceptance_collapse"] = [c.to_dict() for c in collapsed]
+        out["drafter_version"] = self.drafter_version
+        out["seeded_tokens"] = round(self.seeded_tokens, 1)
+        cells = spec.calibration.cells() if spec is not None else ()
+        out["calibration"] = [
+            [c.temperature_bin, c.probe_bin, c.drafted, c.accepted] for c in cells
+        ]
         return out
 
     async def record_routing_stats(self) -> dict[str, Any]:

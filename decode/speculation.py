@@ -25,7 +25,14 @@ from models.request import Request
 from models.weights import default_cache_dir
 from runtime.runner import ModelRunner
 from runtime.step_timing import METHOD, cached_step_time, calibration_points, measure_step_time
-from speculation.calibration import DEFAULT_ACCEPTANCE, AcceptanceCalibration, calibration_key
+from speculation.acceptance_alarm import AcceptanceAlarm
+from speculation.calibration import (
+    DEFAULT_ACCEPTANCE,
+    PRIOR_TOKENS,
+    AcceptanceCalibration,
+    Cell,
+    calibration_key,
+)
 from speculation.draft_cost import DraftCost
 from speculation.goodput import GUARD_MAX_LOSS, DraftBatch, StepCosts, TpotGuard, choose_ks
 from speculation.step_time import StepTimeModel, StepTimeTracker
@@ -61,6 +68,7 @@ class SpeculationPolicy:
         drafter: Drafter | None = None,
         tpot_slo_s: float | None = None,
         tpot_slo_max_loss: float = GUARD_MAX_LOSS,
+        alarm: AcceptanceAlarm | None = None,
     ) -> None:
         self.k_max = k_max
         self.tpot_slo_s = tpot_slo_s  # adaptive drafts push no request's TPOT past it
@@ -72,6 +80,7 @@ class SpeculationPolicy:
         self.draft_cost = DraftCost()  # what a draft token adds to the target's step
         self.drafter = drafter  # whose draft rounds (DraftRounds) a step pays, if any
         self.calibration = AcceptanceCalibration()
+        self.alarm = alarm if alarm is not None else AcceptanceAlarm(0.5, 1024)
 
     def start(self, r: Request) -> None:
         """``r`` joins the batch: its first estimate is its calibration cell's (once per
@@ -80,14 +89,27 @@ class SpeculationPolicy:
             return
         temperature = 0.0 if r.sampling.greedy else r.sampling.temperature
         r.calibration_key = calibration_key(r.acceptance_probe, temperature)
-        r.acceptance_estimate = self.calibration.estimate(r.calibration_key, self.estimate(r))
+        r.start_estimate = self.calibration.estimate(r.calibration_key, self.estimate(r))
+        r.acceptance_estimate = self.alarm.backoff(r.calibration_key, r.start_estimate)
 
     def finished(self, r: Request) -> None:
-        """``r`` finished: what it accepted calibrates the requests of its cell after it."""
+        """``r`` finished: what it accepted calibrates the requests of its cell after it, and
+        is held against what its starting estimate predicted (``AcceptanceAlarm``)."""
         if r.calibration_key is not None:
-            self.calibration.record(
-                r.calibration_key, r.stats.num_draft_tokens, r.stats.num_accepted_tokens
-            )
+            drafted, accepted = r.stats.num_draft_tokens, r.stats.num_accepted_tokens
+            self.calibration.record(r.calibration_key, drafted, accepted)
+            if r.start_estimate is not None:
+                self.alarm.record(r.calibration_key, r.start_estimate, drafted, accepted)
+
+    def seed(self, cells: Sequence[Cell]) -> float:
+        """Start from other replicas' calibration cells (same drafter and target; see
+        ``speculation.calibration``): the cells, and the prior as their overall acceptance
+        once they hold ``PRIOR_TOKENS`` draft tokens. Returns the draft tokens seeded."""
+        seeded = self.calibration.seed(cells)
+        drafted = sum(c.drafted for c in cells)
+        if drafted >= PRIOR_TOKENS:
+            self.prior = sum(c.accepted for c in cells) / drafted
+        return seeded
 
     def estimate(self, r: Request) -> float:
         """The acceptance rate ``r`` is expected to have on its next drafts."""
@@ -201,8 +223,11 @@ def build_speculation(
     """Pinned k, or adaptive k over the replica's measured (or cached) step-time model."""
     d = cfg.draft
     held = drafter.step_dependent
+    alarm = AcceptanceAlarm(cfg.acceptance_alarm_ratio, cfg.acceptance_alarm_window_tokens)
     if not d.adaptive:
-        return SpeculationPolicy(d.num_speculative_tokens, None, held, d.tree_width, drafter)
+        return SpeculationPolicy(
+            d.num_speculative_tokens, None, held, d.tree_width, drafter, alarm=alarm
+        )
     shapes = calibration_points(
         min(cfg.max_batch_size, 32),
         d.num_speculative_tokens + 1,
@@ -228,4 +253,5 @@ def build_speculation(
         drafter,
         cfg.speculation_tpot_slo_s,
         cfg.speculation_tpot_slo_max_loss,
+        alarm,
     )

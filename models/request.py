@@ -72,6 +72,7 @@ class Request:
     acceptance_estimate: float | None = None  # calibrated probe at first, refined by decode
     acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
     calibration_key: tuple[int, int] | None = None  # speculation.calibration cell, once started
+    start_estimate: float | None = None  # its cell's calibrated estimate when it started
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     stalled_preemptions: int = 0  # preemptions in a row with no output token since the last
     outputs_at_preemption: int = -1  # len(output_token_ids) when last preempted (or first run)

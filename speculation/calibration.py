@@ -11,7 +11,11 @@ a workload that changes.
 
 Replicas publish their cells in ``RoutingStats``; a router sums them over replicas
 (``CalibrationPool``) and calibrates with the same rule (``calibrated``), so the router and the
-engine start a request from the same estimate.
+engine start a request from the same estimate. Replicas also publish them, with the version of
+their drafter, on their pool's health board; a replica that starts while others serve seeds its
+cells from theirs (``AcceptanceCalibration.seed``), so it plans well from its first request
+instead of from the prior. The version is the drafter's and target's weights (a new head starts
+fresh).
 """
 
 from __future__ import annotations
@@ -79,6 +83,21 @@ class AcceptanceCalibration:
     def cells(self) -> tuple[Cell, ...]:
         return tuple(Cell(t, p, d, a) for (t, p), (d, a) in sorted(self._counts.items()))
 
+    def seed(self, cells: Iterable[Cell]) -> float:
+        """Start from what other replicas of the same drafter realised (``cells``, their
+        sums): each cell keeps at most ``WINDOW_TOKENS`` of them, so this replica's own
+        requests take over as they finish. Returns the draft tokens seeded."""
+        total = 0.0
+        for c in cells:
+            if c.drafted <= 0:
+                continue
+            scale = min(1.0, WINDOW_TOKENS / c.drafted)
+            d, a = c.drafted * scale, c.accepted * scale
+            d0, a0 = self._counts.get(c.key, (0.0, 0.0))
+            self._counts[c.key] = (d0 + d, a0 + a)
+            total += d
+        return total
+
 
 def cells_from(rows: Iterable[Iterable[float]]) -> tuple[Cell, ...]:
     """Parse published ``[temperature_bin, probe_bin, drafted, accepted]`` rows."""
@@ -128,3 +147,7 @@ class CalibrationPool:
         """The acceptance estimate of a request of cell ``key`` (``fallback``: uncalibrated)."""
         d, a = self._sums.get(key, (0.0, 0.0))
         return calibrated(d, a, fallback)
+
+    def cells(self) -> tuple[Cell, ...]:
+        """The summed cells."""
+        return tuple(Cell(t, p, d, a) for (t, p), (d, a) in sorted(self._sums.items()))

@@ -4,7 +4,9 @@ to Ray Serve's controller, which imports ``cluster.capacity_policy`` and scales 
 The SLO is set below one step of the tiny model, so every replica predicts a capacity of zero
 streams (the SLO out of reach, counted as one stream each): any sustained traffic beyond the
 target share of that scales the pool out, where Serve's request-count rule with the same
-traffic (four streams, a target of eight per replica) would keep one replica."""
+traffic (four streams, a target of eight per replica) would keep one replica. The replica it
+adds starts mid-traffic and seeds its acceptance calibration from the first one's
+(``cluster.shared_priors``)."""
 
 from __future__ import annotations
 
@@ -66,7 +68,12 @@ def test_replicas_report_capacity_and_the_pool_scales_on_it(app: str) -> None:
             while not stop.is_set():
                 r = client.post(
                     f"{app}/v1/completions",
-                    json={"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 200},
+                    json={
+                        "model": "tiny",
+                        "prompt": [5, 6, 7, 8],
+                        "max_tokens": 200,
+                        "temperature": 0,  # greedy: the tiny model loops, n-gram lookup drafts
+                    },
                 )
                 answered.append(r.status_code)
 
@@ -91,3 +98,6 @@ def test_replicas_report_capacity_and_the_pool_scales_on_it(app: str) -> None:
         for t in threads:
             t.join(60)
     assert answered and set(answered) == {200}
+    pool = httpx.get(f"{app}/health", timeout=30).json()["pools"]["decode"]["replicas"]
+    seeded = sorted(r["seeded_tokens"] for r in pool.values())
+    assert len(seeded) == 2 and seeded[0] == 0.0 and seeded[1] > 0  # the first had no siblings

@@ -101,3 +101,33 @@ def test_cells_travel_in_the_routing_stats() -> None:
     bad = stats.to_dict() | {"calibration": [[0, 1, 5.0]]}
     with pytest.raises(ValueError, match="malformed"):
         RoutingStats.from_dict(bad)
+
+
+def test_a_new_replica_is_seeded_from_the_pools_cells_of_its_drafter_version() -> None:
+    """Only replicas of the same drafter version count; a cell seeds at most a window, so the
+    replica's own requests take over; the prior becomes the pool's overall acceptance."""
+    from cluster.shared_priors import pooled_cells
+    from decode.speculation import SpeculationPolicy
+
+    entries = {
+        "a": {
+            "drafter_version": "v1",
+            "calibration": [[0, 0, 3000.0, 2700.0], [2, 0, 100.0, 20.0]],
+        },
+        "b": {"drafter_version": "v1", "calibration": [[0, 0, 3000.0, 2400.0]]},
+        "c": {"drafter_version": "v0", "calibration": [[0, 0, 5000.0, 100.0]]},  # an old head
+        "d": {"running": 0},  # published nothing to learn from
+    }
+    cells = pooled_cells(entries, "v1")
+    assert [(c.key, c.drafted, c.accepted) for c in cells] == [
+        ((0, 0), 6000.0, 5100.0),
+        ((2, 0), 100.0, 20.0),
+    ]
+    spec = SpeculationPolicy(k_max=4, step_time=None)
+    seeded = spec.seed(cells)
+    assert seeded == WINDOW_TOKENS + 100.0
+    assert spec.calibration.estimate((0, 0), 0.5) == pytest.approx(
+        calibrated(WINDOW_TOKENS, 0.85 * WINDOW_TOKENS, 0.5)
+    )
+    assert spec.prior == pytest.approx(5120 / 6100)
+    assert pooled_cells(entries, "v2") == () and SpeculationPolicy(4, None).seed(()) == 0.0
