@@ -41,8 +41,9 @@ class FaultReport:
     requests: int
     on_killed_node: int  # requests /health showed on the killed node as it was killed
     finished: int  # answered in full
-    affected: int  # cut with an error, or answered only after a retry
+    affected: int  # cut with an error, answered only after a retry, or its prompt recomputed
     retried: int  # sent again by the ingress (limits.retries)
+    recomputed: int  # handoffs decode could not pull, their prompts computed on decode
     clear_errors: int  # ended with an explained error (an SSE error event, or a 503 body)
     wrong_outputs: int  # finished, but not with the text of the undisturbed run
     unexplained: int  # neither finished nor failed cleanly (hung, dropped connection)
@@ -195,6 +196,12 @@ def _retries(base: str) -> int:
     raise RuntimeError(f"/health did not report retries: {body}")
 
 
+def _recomputed(base: str) -> int:
+    """Prompts the live decode replicas computed after a failed pull, from ``/health``."""
+    body = _health(base)
+    return int(body.get("pools", {}).get("decode", {}).get("kv_recomputed", 0))
+
+
 def _first_success_s(base: str, model: str, since: float, limit_s: float = 120) -> float:
     """Seconds from ``since`` until a new short request succeeds (``limit_s`` if none does)."""
     body = {"model": model, "prompt": _prompt(999, 8), "max_tokens": 4, "temperature": 0}
@@ -259,18 +266,21 @@ def run_fault(
     length = 16 if pool == "decode" else 300
     prompts = [_prompt(i + (100 if pool == "prefill" else 0), length) for i in range(n)]
     want = asyncio.run(_traffic(base, model, prompts, max_tokens, []))
-    retried_before = _retries(base)
+    retried_before, recomputed_before = _retries(base), _recomputed(base)
 
     async def faulted() -> tuple[list[tuple[str, str]], float, float | None, str, int]:
         progress: list[int] = []
         task = asyncio.create_task(_traffic(base, model, prompts, max_tokens, progress))
         # decode: every stream has decoded a few tokens; prefill: the first prompt is done
-        while len(progress) < (4 * n if pool == "decode" else 1):
+        # (or the traffic ended without: refused, say; the fault then lands on an idle pool)
+        while len(progress) < (4 * n if pool == "decode" else 1) and not task.done():
             await asyncio.sleep(0.02)
         loop = asyncio.get_running_loop()
         killed = time.monotonic()
+        # decode: every stream the pool takes at once (the rest wait at the ingress)
+        held = min(n, want_replicas * pc._pool(pool).max_ongoing_requests)
         node, on_node = await loop.run_in_executor(
-            None, _busiest_node, base, pool, n if pool == "decode" else 1
+            None, _busiest_node, base, pool, held if pool == "decode" else 1
         )
         dead = await loop.run_in_executor(None, pc.kill, pool, node)
         returned = None
@@ -283,6 +293,8 @@ def run_fault(
     got, killed, returned, dead, on_node = asyncio.run(faulted())
     recover_s = _first_success_s(base, model, killed)
     retried = _retries(base) - retried_before
+    # a replica lost with the node takes its count along: never below zero
+    recomputed = max(0, _recomputed(base) - recomputed_before)
     blocks, leases = _leaks(base, within_s=30)
     if returned is None:
         returned = time.monotonic()
@@ -300,8 +312,9 @@ def run_fault(
         requests=n,
         on_killed_node=on_node,
         finished=outcomes.count("ok"),
-        affected=errors + outcomes.count("unexplained") + retried,
+        affected=errors + outcomes.count("unexplained") + retried + recomputed,
         retried=retried,
+        recomputed=recomputed,
         clear_errors=errors,
         wrong_outputs=wrong,
         unexplained=outcomes.count("unexplained"),

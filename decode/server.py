@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
-from cluster.capacity_policy import CAPACITY, GOODPUT_TOK_S, HEADROOM_TOK_S, STREAMS
+from cluster.capacity_policy import (
+    CAPACITY,
+    CAPACITY_TOK_S,
+    GOODPUT_TOK_S,
+    HEADROOM_TOK_S,
+    STREAMS,
+)
 from cluster.health_board import BoardPublisher, pool_board
 from cluster.replica_logs import route_to_serve
 from cluster.serving_metrics import ReplicaGauges
@@ -138,7 +144,8 @@ class DecodeServer:
         averaged over the look-back window, to the pool's policy (``cluster.capacity_policy``):
         the streams this replica has, the goodput it delivered since the last call and, with a
         TPOT SLO and a step-time model, the streams of its current mix it can hold within the
-        SLO and the goodput that would add (``speculation.capacity``)."""
+        SLO, the goodput it can deliver within it (at least one stream's) and the goodput it
+        could still add (``speculation.capacity``)."""
         stats = self.engine.routing_stats()
         now = time.monotonic()
         tokens, since = self._reported
@@ -151,6 +158,7 @@ class DecodeServer:
             cap = capacity_within_slo(stats, self.capacity_slo_s)
             if cap is not None:
                 out[CAPACITY] = float(cap.streams)
+                out[CAPACITY_TOK_S] = max(cap.capacity_goodput_tok_s, cap.single_goodput_tok_s)
                 out[HEADROOM_TOK_S] = cap.headroom_tok_s
         return out
 

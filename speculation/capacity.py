@@ -16,7 +16,9 @@ router use (``speculation.goodput``) answers, from a replica's ``RoutingStats``:
 - **capacity**: the largest ``N`` up to ``max_batch_size`` whose slowest stream stays within
   the SLO, and within the KV blocks the running requests' average footprint leaves room for;
 - **headroom**: capacity minus the streams it has (running and queued), in streams and in the
-  goodput the difference would add.
+  goodput the difference would add;
+- and the goodput of one stream of the mix's mean acceptance alone: what a replica still
+  delivers where the SLO is out of reach even for one stream.
 
 ``None`` where the replica has no step-time model yet (it has not measured its steps).
 """
@@ -42,6 +44,7 @@ class Capacity:
     demand: int  # streams it has: running plus queued
     goodput_tok_s: float  # predicted tokens/s of the streams it runs now
     capacity_goodput_tok_s: float  # predicted tokens/s at capacity
+    single_goodput_tok_s: float  # predicted tokens/s of one stream of the mix alone
 
     @property
     def headroom_streams(self) -> int:
@@ -107,6 +110,7 @@ def capacity_within_slo(stats: RoutingStats, slo_s: float) -> Capacity | None:
         used = stats.num_blocks - stats.free_blocks
         per_stream = max(used / stats.running, 1.0)
         most = min(most, stats.running + math.floor(stats.free_blocks / per_stream))
+    single = _step(mix.mean(keepdims=True), stats, model, slo_s, width).goodput_tok_s
     streams, at_capacity = 0, 0.0
     for n in range(1, most + 1):  # a step's TPOT grows with its streams: the first miss ends it
         s = _step(np.resize(mix, n), stats, model, slo_s, width)
@@ -116,4 +120,4 @@ def capacity_within_slo(stats: RoutingStats, slo_s: float) -> Capacity | None:
     now = 0.0
     if stats.running > 0:
         now = _step(np.resize(mix, stats.running), stats, model, slo_s, width).goodput_tok_s
-    return Capacity(streams, stats.running + stats.queued, now, at_capacity)
+    return Capacity(streams, stats.running + stats.queued, now, at_capacity, single)

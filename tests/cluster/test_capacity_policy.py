@@ -11,35 +11,44 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster.capacity_policy import CAPACITY, STREAMS, GoodputPolicy, decide
+from cluster.capacity_policy import CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS, GoodputPolicy, decide
 from cluster.config import TandemConfig
 
 DEPLOYMENT = DeploymentID(name="decode", app_name="tandem")
 
 
+NO_STREAMS: dict[str, float] = {}
+
+
 def test_it_scales_out_above_the_target_in_below_the_floor_and_holds_between() -> None:
-    caps = {"a": 40.0, "b": 40.0}  # 80 streams within the SLO over the pool
-    up = decide(2, {"a": 38.0, "b": 34.0}, caps, 0.8, 0.5, 32)  # 90 %
-    assert up.replicas == 3 and up.utilization == pytest.approx(0.9)  # 72 / (40 * 0.8) -> 3
-    hold = decide(2, {"a": 30.0, "b": 20.0}, caps, 0.8, 0.5, 32)  # 62.5 %
+    caps = {"a": 4000.0, "b": 4000.0}  # tokens/s within the SLO: 8,000 over the pool
+    up = decide(2, {"a": 3800.0, "b": 3400.0}, caps, NO_STREAMS, 0.8, 0.5, 32)  # 90 %
+    assert up.replicas == 3 and up.utilization == pytest.approx(0.9)  # 7,200 / 3,200 -> 3
+    hold = decide(2, {"a": 3000.0, "b": 2000.0}, caps, NO_STREAMS, 0.8, 0.5, 32)  # 62.5 %
     assert hold.replicas == 2 and not hold.fallback
-    down = decide(2, {"a": 10.0, "b": 10.0}, caps, 0.8, 0.5, 32)  # 25 %
+    down = decide(2, {"a": 1000.0, "b": 1000.0}, caps, NO_STREAMS, 0.8, 0.5, 32)  # 25 %
     assert down.replicas == 1
 
 
-def test_the_same_streams_need_fewer_replicas_when_they_are_well_predicted() -> None:
-    streams = {"a": 60.0, "b": 60.0}
-    creative = decide(2, streams, {"a": 40.0, "b": 40.0}, 0.8, 0.5, 32)
-    copy_heavy = decide(2, streams, {"a": 100.0, "b": 100.0}, 0.8, 0.5, 32)
+def test_the_same_goodput_needs_fewer_replicas_when_it_is_well_predicted() -> None:
+    """A replica delivers more tokens within the SLO where drafts are accepted: the same
+    traffic needs fewer of them."""
+    delivered = {"a": 6000.0, "b": 6000.0}
+    creative = decide(2, delivered, {"a": 4000.0, "b": 4000.0}, NO_STREAMS, 0.8, 0.5, 32)
+    copy_heavy = decide(2, delivered, {"a": 10000.0, "b": 10000.0}, NO_STREAMS, 0.8, 0.5, 32)
     assert creative.replicas == 4 and copy_heavy.replicas == 2
 
 
 def test_without_capacities_it_falls_back_to_streams_per_replica() -> None:
-    d = decide(2, {"a": 50.0, "b": 40.0}, {}, 0.8, 0.5, 32)
+    streams = {"a": 50.0, "b": 40.0}
+    d = decide(2, {"a": 900.0, "b": 800.0}, {}, streams, 0.8, 0.5, 32)
     assert d.fallback and d.utilization is None and d.replicas == 3  # ceil(90 / 32)
+    zero = decide(2, {"a": 900.0}, {"a": 0.0, "b": 0.0}, streams, 0.8, 0.5, 32)
+    assert zero.fallback and zero.replicas == 3
     # a replica that has not reported counts at the mean of those that have
-    partial = decide(3, {"a": 30.0, "b": 30.0, "c": 30.0}, {"a": 40.0}, 0.8, 0.5, 32)
-    assert partial.utilization == pytest.approx(90 / 120) and partial.replicas == 3
+    three = {"a": 3000.0, "b": 3000.0, "c": 3000.0}
+    partial = decide(3, three, {"a": 4000.0}, NO_STREAMS, 0.8, 0.5, 32)
+    assert partial.utilization == pytest.approx(9000 / 12000) and partial.replicas == 3
 
 
 def _context(metrics: dict[str, dict[Any, float]], state: dict[str, Any]) -> AutoscalingContext:
@@ -69,9 +78,11 @@ def _context(metrics: dict[str, dict[Any, float]], state: dict[str, Any]) -> Aut
 
 def test_the_policy_reads_serves_context_and_counts_its_fallbacks() -> None:
     policy = GoodputPolicy(target_utilization=0.8, downscale_utilization=0.5)
-    n, state = policy(_context({STREAMS: {0: 40.0, 1: 40.0}, CAPACITY: {0: 40.0, 1: 40.0}}, {}))
+    streams = {0: 40.0, 1: 40.0}
+    full = {GOODPUT_TOK_S: {0: 4000.0, 1: 4000.0}, CAPACITY_TOK_S: {0: 4000.0, 1: 4000.0}}
+    n, state = policy(_context({**full, STREAMS: streams}, {}))
     assert n == 3 and state["fallback_decisions"] == 0 and state["utilization"] == 1.0
-    n, state = policy(_context({STREAMS: {0: 40.0, 1: 40.0}}, state))
+    n, state = policy(_context({STREAMS: streams}, state))  # no replica has measured its steps
     assert n == 5 and state["fallback_decisions"] == 1 and state["utilization"] is None
 
 

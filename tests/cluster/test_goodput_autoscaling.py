@@ -2,9 +2,10 @@
 to Ray Serve's controller, which imports ``cluster.capacity_policy`` and scales the pool on it.
 
 The SLO is set below one step of the tiny model, so every replica predicts a capacity of zero
-streams (the SLO out of reach, counted as one stream each): any sustained traffic beyond the
-target share of that scales the pool out, where Serve's request-count rule with the same
-traffic (four streams, a target of eight per replica) would keep one replica. The replica it
+streams: the SLO is out of reach, and a replica counts what one stream alone gets as its
+capacity in tokens per second. Four greedy streams deliver more than that, so the pool scales
+out, where Serve's request-count rule with the same traffic (four streams, a target of eight
+per replica) would keep one replica. The replica it
 adds starts mid-traffic and seeds its acceptance calibration from the first one's
 (``cluster.shared_priors``)."""
 
@@ -20,7 +21,7 @@ import pytest
 from ray import serve
 from ray.serve._private.common import ReplicaState
 
-from cluster.capacity_policy import CAPACITY, GOODPUT_TOK_S, STREAMS
+from cluster.capacity_policy import CAPACITY, CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
 
@@ -89,6 +90,7 @@ def test_replicas_report_capacity_and_the_pool_scales_on_it(app: str) -> None:
             time.sleep(0.2)
         # what Serve's controller receives: streams in flight, a capacity, delivered goodput
         assert report[STREAMS] >= 1 and report[CAPACITY] == 0.0 and report[GOODPUT_TOK_S] > 0
+        assert report[CAPACITY_TOK_S] > 0  # one stream's goodput
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and _decode_replicas() < 2:
             time.sleep(1)
