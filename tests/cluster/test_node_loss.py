@@ -46,7 +46,6 @@ def test_losing_the_prefill_node_mid_handoff(cluster: tuple[PoolCluster, str]) -
     """The only prefill node dies with handoffs leased and prompts queued: decode computes what
     it cannot pull, the ingress resends what prefill never answered (once the node is back),
     and every request is answered with the undisturbed text."""
-    # 300-token prompts: 1700 more tokens stay within the tiny model's 2048
     pc, base = cluster
     # Each decode replica now takes one request at a time (a config update, no restart): the
     # others wait at the ingress with their handoffs leased on prefill, unpulled (a decode
@@ -54,6 +53,7 @@ def test_losing_the_prefill_node_mid_handoff(cluster: tuple[PoolCluster, str]) -
     # them; with the default they would all be pulled within milliseconds of prefill.
     pc.cfg = pc.cfg.with_overrides(**{"decode.max_ongoing_requests": 1})
     serve.run(build_app(pc.cfg), name="tandem", route_prefix="/")
+    # 300-token prompts: 1700 more tokens stay within the tiny model's 2048
     r = run_fault(pc, base, "tiny", "prefill_node", n=4, max_tokens=1700)
     assert r.unexplained == 0 and r.wrong_outputs == 0
     assert r.finished == r.requests  # nothing had streamed past the first token: all answered
