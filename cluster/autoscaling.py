@@ -143,15 +143,16 @@ class DecodeAutoscalingConfig(AutoscalingConfig):
         "(target_ongoing_requests). goodput: tandem's policy on the capacity each replica "
         "predicts within decode.routing_tpot_slo_s for the traffic it is serving "
         "(speculation/capacity.py, cluster/capacity_policy.py): copy-heavy traffic that accepts "
-        "many drafts fits more streams per replica than creative traffic, and the pool scales "
-        "out as streams approach that capacity, before the SLO is missed.",
+        "many drafts gets more tokens per second out of a replica within the SLO than creative "
+        "traffic, and the pool scales on the goodput it delivers against that capacity.",
     )
     target_utilization: float = Field(
         0.8,
         gt=0,
         le=1,
-        description="goodput policy: the share of the pool's predicted capacity its streams "
-        "are steered to; above it the pool scales out.",
+        description="goodput policy: the share of the pool's predicted capacity (tokens per "
+        "second within the SLO) its delivered goodput is steered to; above it the pool scales "
+        "out.",
     )
     downscale_utilization: float = Field(
         0.5,
