@@ -148,7 +148,7 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.dtype = dtype
         self.device = dev
-        self.quant = Quant.NONE  # set by quantize()
+        self.quant = Quant.NONE  # set by quantize() or load_weights(quant=...)
         # The residual stream entering these layers (0: the embeddings), concatenated per token,
         # is what the drafter reads as the target's features (an EAGLE-3 head: three of them);
         # empty: the final hidden state (EAGLE-1/2). Set by ``runtime.shard`` for the head it
@@ -239,9 +239,18 @@ class LlamaModel(nn.Module):
         self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
         self.quant = kind
 
-    def load_weights(self, weights: Mapping[str, Sliceable]) -> None:
+    def load_weights(self, weights: Mapping[str, Sliceable], quant: Quant = Quant.NONE) -> None:
         """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's
-        shard (lazy tensors are read only that far)."""
+        shard (lazy tensors are read only that far).
+
+        With ``quant`` each decoder layer is quantized as soon as it is loaded, so the host
+        never holds more than one layer in full precision beside the quantized ones: the
+        layers' full-precision buffers are allocated up front but a page is resident only
+        once a layer is read into it, and quantizing frees it. Quantizing after the whole
+        load (``quantize``) instead needs the full-precision model in memory at once. Every
+        rank of a TP group loads the layers in the same order, so the row-scale reductions
+        pair up across ranks. ``ModelSpec.load`` has the freed pages go back to the system
+        (``models.host_memory``)."""
 
         def w(name: str) -> Sliceable:
             if name not in weights:
@@ -251,10 +260,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens.load(w("model.embed_tokens.weight"))
         if not self.cfg.tie_word_embeddings:
             self.lm_head.load(w("lm_head.weight"))
+        if quant is not Quant.NONE:
+            self.lm_head.quantize(quant, keep_table=self.cfg.tie_word_embeddings)
         self.norm.weight.data.copy_(whole(w("model.norm.weight")))
+        group = tp_group(self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.")
+            if quant is not Quant.NONE:
+                quantize_layers(layer, quant, group)
+        self.quant = quant
 
 
 def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from models.config import DTYPES, LlamaConfig
+from models.host_memory import large_blocks_mapped
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import Quant, check_supported
@@ -55,10 +56,9 @@ class ModelSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_supported(self.quant, device)
-        model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
-        model.load_weights(open_checkpoint(Path(self.folder)))
-        if self.quant is not Quant.NONE:
-            model.quantize(self.quant)
+        with large_blocks_mapped():  # what a layer-by-layer quantization frees is returned
+            model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
+            model.load_weights(open_checkpoint(Path(self.folder)), quant=self.quant)
         return model.eval()
 
 

@@ -131,6 +131,26 @@ def _served_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def test_quantizing_each_layer_as_it_loads_serves_the_weights_of_quantizing_after(
+    tiny_folder: Path,
+) -> None:
+    """``load_weights(quant=...)`` quantizes layer by layer so that the full-precision model
+    is never in memory at once; it must end with exactly the weights (and the head) that
+    quantizing the whole loaded model gives, and an unquantized load must stay unquantized."""
+    spec = ModelSpec(str(tiny_folder), quantization="int8")
+    at_load = spec.load()
+    after = ModelSpec(str(tiny_folder)).load()
+    assert after.quant is Quant.NONE and after.lm_head.quantized is None
+    after.quantize(Quant.INT8)
+    assert at_load.quant is Quant.INT8
+    want, got = _served_weights(after), _served_weights(at_load)
+    assert want.keys() == got.keys() and len(got) == 4 * after.cfg.num_layers
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+    a, b = at_load.lm_head.quantized, after.lm_head.quantized
+    assert a is not None and b is not None and torch.equal(a.dequantized(), b.dequantized())
+
+
 def test_int8_tp2_serves_the_tp1_weights(tiny_folder: Path) -> None:
     """Row scales are a max over the TP group, so both layouts multiply by the same weights:
     each rank's rows (column-parallel) or columns (row-parallel) of TP = 1's, bit for bit.

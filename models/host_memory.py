@@ -1,0 +1,50 @@
+"""Host memory that a weight load frees goes back to the operating system.
+
+glibc's ``malloc`` serves a large request (128 KiB at first) with its own ``mmap``, which
+``free`` unmaps, but it raises that threshold to the size of every such block freed (up to
+32 MiB), so after the first full-precision weight is freed the next ones, and every
+temporary of that size, come from the heap, whose freed middle is never returned. A load that
+quantizes layer by layer (``LlamaModel.load_weights(quant=...)``) frees a full-precision
+layer after each one: under the moving threshold the process keeps those pages, and the load
+peaks above quantizing the whole model at the end. ``large_blocks_mapped`` fixes the
+threshold while a load runs, then leaves it at glibc's own ceiling, the value the moving
+threshold reaches once a weight is freed, so the steps that follow allocate as they would
+have. Nothing is done where the C library is not glibc (``mallopt`` missing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_LOAD_THRESHOLD = 128 * 1024  # glibc's initial threshold: every weight and temporary mapped
+_SERVING_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    fn: Callable[[int, int], int] | None = getattr(ctypes.CDLL(name), "mallopt", None)
+    return fn
+
+
+@contextmanager
+def large_blocks_mapped() -> Iterator[bool]:
+    """While inside, every allocation of 128 KiB or more is its own mapping, so freeing it
+    returns it to the system; yields whether the C library allows it (glibc)."""
+    fn = _mallopt()
+    ok = bool(fn is not None and fn(_M_MMAP_THRESHOLD, _LOAD_THRESHOLD))
+    if not ok:
+        log.debug("mallopt unavailable: freed weight memory may stay with the process")
+    try:
+        yield ok
+    finally:
+        if ok and fn is not None:
+            fn(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
