@@ -3,8 +3,15 @@
 Three resumable stages under ``--work-dir``: the target's features over the training and the
 held-out conversations (``distill.data``), training (``distill.train``; a
 checkpoint every ``--checkpoint-every`` steps), and evaluation on the held-out split
-(``distill.evaluate``). Re-running the same command continues where it stopped. The head is
-written to ``--out`` with ``models.eagle.save_eagle`` plus ``card.json`` and ``README.md``.
+(``distill.evaluate``). Re-running the same command continues where it stopped. ``--kind``
+makes an EAGLE-1/2-style head (``eagle``: the target's final hidden state in) or an EAGLE-3
+one (``eagle3``: three of its residual streams in, the published layout).
+
+The head is written to ``--out`` with ``models.eagle.save_eagle`` plus ``card.json`` and
+``README.md``, unless ``--out`` already holds a head for the same target that does better on
+the same held-out conversations (greedy tokens per forward at ``--eval-depth`` drafts): then
+the new head goes to ``<work-dir>/candidate`` and the card of both says why
+(``--replace`` ships it regardless).
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ import torch
 from tqdm import tqdm
 
 from distill.card import acceptance_json, coverage, render_readme
-from distill.data import SplitSpec, build_cache, load_corpus, manifest_for, select
+from distill.data import Corpus, SplitSpec, build_cache, load_corpus, manifest_for, select
 from distill.evaluate import evaluate
-from distill.train import StepLog, TrainConfig, make_head, train
+from distill.objective import LossWeights
+from distill.train import EAGLE3_WEIGHTS, StepLog, TrainConfig, make_head, train
 from models.config import DTYPES, LlamaConfig
-from models.eagle import EagleHead, save_eagle
+from models.eagle import EagleConfig, EagleHead, default_aux_layers, load_eagle, save_eagle
 from models.spec import ModelSpec
 from models.tokenizer import Tokenizer
 from models.weights import load_state_dict, resolve_checkpoint
@@ -49,6 +57,7 @@ class DistillPlan:
     dataset: Path | None = None  # a ShareGPT-format JSON file; None: the packaged ShareGPT V3
     target_dtype: str = "float32"  # the target's dtype while extracting features
     shard_size: int = 64
+    replace: bool = False  # ship over a head in ``out`` even where that one does better
 
 
 def frequent_ids(
@@ -63,8 +72,11 @@ def frequent_ids(
 
 
 def _extract(plan: DistillPlan, folder: Path, tok: Tokenizer, spec: ModelSpec) -> float:
-    """Feature caches for both splits; returns the seconds spent this run."""
+    """Feature caches for both splits (with EAGLE-3's streams for an EAGLE-3 head); returns
+    the seconds spent this run."""
     t0 = time.perf_counter()
+    layers = LlamaConfig.from_folder(folder).num_layers
+    aux = default_aux_layers(layers) if plan.train.eagle3 else ()
     model = None
     for name, held, count in (
         ("train", False, plan.train_conversations),
@@ -75,6 +87,7 @@ def _extract(plan: DistillPlan, folder: Path, tok: Tokenizer, spec: ModelSpec) -
             continue
         if model is None:
             model = spec.load(plan.device)
+            model.feature_layers = aux
         split = SplitSpec(plan.held_out_per_mille, held, count, plan.max_len)
         bar = tqdm(total=count, desc=f"target features ({name})", unit="conv")
         tokens = [0]
@@ -87,7 +100,7 @@ def _extract(plan: DistillPlan, folder: Path, tok: Tokenizer, spec: ModelSpec) -
         build_cache(
             cache,
             manifest_for(
-                f"{spec.fingerprint()}/{spec.dtype}", split, plan.shard_size, plan.dataset
+                f"{spec.fingerprint()}/{spec.dtype}", split, plan.shard_size, plan.dataset, aux
             ),
             select(tok, split, plan.dataset),
             model,
@@ -123,7 +136,10 @@ def run(
     embed = weights["model.embed_tokens.weight"].float()
     lm = weights.get("lm_head.weight", embed).float()
     draft_ids = frequent_ids(train_c.ids, tcfg.vocab_size, plan.draft_vocab, tcfg.eos_token_ids)
-    head = make_head(tcfg, embed, lm, draft_ids, plan.train.seed, plan.device)
+    norm = weights["model.norm.weight"].float()
+    head = make_head(
+        tcfg, embed, lm, draft_ids, plan.train.seed, plan.device, plan.train.eagle3, norm
+    )
     bar = tqdm(total=plan.train.steps, desc="training", unit="step")
 
     def on_step(log: StepLog) -> None:
@@ -138,11 +154,16 @@ def run(
     t_eval = time.perf_counter()
     accs = evaluate(head, eval_c, lm, plan.eval_depth, (0.0, 0.7))
     eval_seconds = time.perf_counter() - t_eval
-    shipped = _ship(head, plan)
+    incumbent = _incumbent(plan, folder, eval_c, lm, spec.fingerprint())
+    better = incumbent is None or (
+        accs[0].chain_tokens(plan.eval_depth) >= incumbent["greedy_chain_tokens"]
+    )
+    dest = plan.out if better or plan.replace else plan.work_dir / "candidate"
+    shipped = _ship(head, replace(plan, out=dest))
     gen_tokens = eval_c.ids[eval_c.generated].tolist()
     card: dict[str, Any] = {
         "name": plan.out.name,
-        "kind": "eagle",
+        "kind": "eagle3" if plan.train.eagle3 else "eagle",
         "target": {
             "name": folder.name,
             "source": plan.target,
@@ -191,11 +212,46 @@ def run(
         "weights": shipped,
         "command": command,
     }
+    if incumbent is not None:
+        card["against_incumbent"] = {
+            **incumbent,
+            "candidate_greedy_chain_tokens": round(accs[0].chain_tokens(plan.eval_depth), 4),
+            "shipped_to": str(dest),
+            "replaced": dest == plan.out,
+        }
     if kind_choice is not None:
         card["kind_choice"] = kind_choice
-    (plan.out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    (plan.out / "README.md").write_text(render_readme(card))
+    (dest / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    (dest / "README.md").write_text(render_readme(card))
     return card
+
+
+def _incumbent(
+    plan: DistillPlan, target: Path, eval_c: Corpus, lm: torch.Tensor, fingerprint: str
+) -> dict[str, Any] | None:
+    """The head already in ``plan.out``, measured on this run's held-out conversations: its
+    kind and greedy tokens per forward at ``plan.eval_depth``; None where there is none, or
+    it was made for another target, or it reads streams this run's features lack."""
+    card_path = plan.out / "card.json"
+    if not (plan.out / "config.json").exists() or not card_path.exists():
+        return None
+    card = json.loads(card_path.read_text())
+    if card.get("target", {}).get("fingerprint") != fingerprint:
+        return None
+    cfg = EagleConfig.from_folder(plan.out)
+    if cfg.eagle3 and (
+        cfg.for_target(LlamaConfig.from_folder(target)).aux_layers != eval_c.aux_layers
+    ):
+        return None
+    head = load_eagle(plan.out, target, torch.float32, plan.device)
+    (acc,) = evaluate(head, eval_c, lm, plan.eval_depth, (0.0,))
+    return {
+        "kind": card.get("kind", "eagle"),
+        "train_conversations": card.get("data", {}).get("train", {}).get("conversations"),
+        "steps": card.get("training", {}).get("steps"),
+        "greedy_acceptance_per_depth": [round(a, 4) for a in acc.per_depth],
+        "greedy_chain_tokens": round(acc.chain_tokens(plan.eval_depth), 4),
+    }
 
 
 def _ship(head: EagleHead, plan: DistillPlan) -> dict[str, Any]:
@@ -218,6 +274,17 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("distill", help="train an EAGLE draft head for a target (resumable)")
     p.add_argument("--target", default="embedded", help="the target model (default: embedded)")
     p.add_argument("--out", default="models/drafts/smollm2-135m-eagle", help="shipped folder")
+    p.add_argument(
+        "--kind",
+        choices=["eagle", "eagle3"],
+        default="eagle",
+        help="eagle: EAGLE-1/2 (the final hidden state in); eagle3: three residual streams in",
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="ship over the head in --out even where it does better on the held-out split",
+    )
     p.add_argument("--work-dir", default=".distill", help="features and checkpoints (resumes)")
     p.add_argument("--train-conversations", type=int, default=1000)
     p.add_argument("--eval-conversations", type=int, default=200)
@@ -266,12 +333,15 @@ def distill_cmd(args: argparse.Namespace) -> int:
             depth=args.depth,
             seed=args.seed,
             checkpoint_every=args.checkpoint_every,
+            eagle3=args.kind == "eagle3",
+            weights=EAGLE3_WEIGHTS if args.kind == "eagle3" else LossWeights(),
         ),
         eval_depth=args.eval_depth,
         device=args.device,
         save_dtype=args.save_dtype,
         dataset=Path(args.dataset) if args.dataset else None,
         target_dtype=args.target_dtype,
+        replace=args.replace,
     )
     choice = json.loads(Path(args.kind_choice).read_text()) if args.kind_choice else None
     command = (

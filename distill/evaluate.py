@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distill.data import Corpus
+from distill.data import Corpus, check_streams
 from distill.objective import teacher_forced_overlap, unrolled_forward
 from models.eagle import EagleHead
 from speculation.goodput import expected_tokens
@@ -53,11 +53,13 @@ def held_out_drafts(
     target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
     dev = head.device
     lm = target_lm.to(dev, torch.float32)
+    check_streams(head, corpus)
     for r in range(corpus.num_rows if rows is None else min(rows, corpus.num_rows)):
         f, x, gen = corpus.row(r)
         t = x.shape[0] - 1  # head positions s = 0 .. t - 1
         f = f.to(dev, torch.float32)
-        outs = unrolled_forward(head, x[1:].unsqueeze(0).to(dev), f[:-1].unsqueeze(0), depth)
+        inp = corpus.inputs(r, head.cfg.eagle3)[:-1].to(dev, torch.float32)  # [t, F]
+        outs = unrolled_forward(head, x[1:].unsqueeze(0).to(dev), inp.unsqueeze(0), depth)
         s = torch.arange(t)
         labelled = torch.zeros(t, dtype=torch.bool)
         labelled[: t - 1] = gen[2:]  # x_{s+2} is a generated token of the transcript

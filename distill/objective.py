@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.acceptance import overlap
-from models.eagle import EagleHead
-from models.layers import RotaryEmbedding
-from models.llama import LlamaDecoderLayer
+from models.eagle import Eagle3Layer, EagleHead
+from models.layers import RMSNorm, RotaryEmbedding
+from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from models.sampling import SamplingParams, probs_from_logits
 
 
@@ -57,24 +57,27 @@ def unrolled_mask(seq_len: int, depth: int, device: torch.device) -> torch.Tenso
     return torch.cat(blocks, dim=1)
 
 
-def dense_layer(
-    layer: LlamaDecoderLayer,
+def dense_attention_mlp(
+    attn: LlamaAttention,
+    mlp: LlamaMLP,
+    post_norm: RMSNorm,
     rope: RotaryEmbedding,
     x: torch.Tensor,
+    residual: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One Llama decoder layer over whole sequences, differentiable, from the layer's own
-    (merged) weights. x: [B, T, H]. Appends this call's K and V ([B, Hkv, T, D]) to ``keys``
-    and ``values`` and attends over all of them: causally when ``mask`` is None (one block),
-    else where ``mask`` [T, len(keys) * T] is True."""
-    attn = layer.self_attn
+    """The attention and MLP halves of a decoder layer over whole sequences, differentiable,
+    from the layer's own (merged) weights. x: [B, T, In] the attention's (normed) input;
+    residual: [B, T, H]. Appends this call's K and V ([B, Hkv, T, D]) to ``keys`` and
+    ``values`` and attends over all of them: causally when ``mask`` is None (one block), else
+    where ``mask`` [T, len(keys) * T] is True."""
     b, t, _ = x.shape
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     cos = rope.cos[:t].unsqueeze(1)  # [T, 1, D / 2]
     sin = rope.sin[:t].unsqueeze(1)
-    q, k, v = attn.qkv_proj(layer.input_layernorm(x)).split([hq * hd, hkv * hd, hkv * hd], -1)
+    q, k, v = attn.qkv_proj(x).split([hq * hd, hkv * hd, hkv * hd], -1)
     q = rope(cos, sin, q.view(b, t, hq, hd)).transpose(1, 2)  # [B, Hq, T, D]
     keys.append(rope(cos, sin, k.view(b, t, hkv, hd)).transpose(1, 2))  # [B, Hkv, T, D]
     values.append(v.view(b, t, hkv, hd).transpose(1, 2))
@@ -87,22 +90,58 @@ def dense_layer(
         scale=attn.scale,
         enable_gqa=hq != hkv,
     )  # [B, Hq, T, D]
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, hq * hd))
-    out: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, hq * hd))
+    out: torch.Tensor = h + mlp(post_norm(h))
     return out
+
+
+def dense_layer(
+    layer: LlamaDecoderLayer | Eagle3Layer,
+    rope: RotaryEmbedding,
+    x: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    mask: torch.Tensor | None,
+    embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One head layer over whole sequences (``dense_attention_mlp``). A Llama layer reads x:
+    [B, T, H]; an EAGLE-3 layer reads ``embeds`` [B, T, H] and x = g [B, T, H], its input
+    ``[input_layernorm(embeds); hidden_norm(g)]`` and its residual g (or its norm)."""
+    post = layer.post_attention_layernorm
+    assert isinstance(post, RMSNorm)
+    if isinstance(layer, Eagle3Layer):
+        assert embeds is not None
+        normed = layer.hidden_norm(x)
+        residual = normed if layer.norm_before_residual else x
+        inp = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
+        return dense_attention_mlp(
+            layer.self_attn, layer.mlp, post, rope, inp, residual, keys, values, mask
+        )
+    return dense_attention_mlp(
+        layer.self_attn,
+        layer.mlp,
+        post,
+        rope,
+        layer.input_layernorm(x),
+        x,
+        keys,
+        values,
+        mask,
+    )
 
 
 def unrolled_forward(
     head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, depth: int
 ) -> list[torch.Tensor]:
-    """ids: [B, T] tokens ``x_{s+1}``; feats: [B, T, H] target features ``f_s``.
+    """ids: [B, T] tokens ``x_{s+1}``; feats: [B, T, F] the target features ``f_s`` the head
+    reads (F = H, or 3H for EAGLE-3's streams).
 
-    Returns ``depth`` tensors [B, T, H]: the head's predicted features at each drafting depth.
-    Padding at the end of a row does not change the rows before it (attention is causal).
+    Returns ``depth`` tensors [B, T, H]: the head's predicted features at each drafting depth
+    (before its final norm). Padding at the end of a row does not change the rows before it
+    (attention is causal).
     """
     layer = head.layer
-    if not isinstance(layer, LlamaDecoderLayer):
-        raise TypeError("tandem distill trains EAGLE-1/2-style heads, not EAGLE-3 ones")
+    assert isinstance(layer, LlamaDecoderLayer | Eagle3Layer)
     emb = head.embed_tokens(ids)  # [B, T, H], the target's embeddings
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -111,9 +150,13 @@ def unrolled_forward(
     for d in range(1, depth + 1):
         if d > 1:  # position s reads the previous depth's prediction made at s - 1
             f = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
-        x = head.fc(torch.cat([emb, f], dim=-1))  # [B, T, H]
         mask = None if d == 1 else unrolled_mask(ids.shape[1], d, ids.device)
-        outs.append(dense_layer(layer, head.rope, x, keys, values, mask))
+        if isinstance(layer, Eagle3Layer):  # fc maps the target's streams; own g passes as is
+            g = head.fc(f) if d == 1 else f  # [B, T, H]
+            outs.append(dense_layer(layer, head.rope, g, keys, values, mask, emb))
+        else:
+            x = head.fc(torch.cat([emb, f], dim=-1))  # [B, T, H]
+            outs.append(dense_layer(layer, head.rope, x, keys, values, mask))
     return outs
 
 

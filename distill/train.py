@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from distill.data import Corpus
+from distill.data import Corpus, check_streams
 from distill.objective import LossParts, LossWeights, distill_loss, trainable_parameters
 from distill.objective import unrolled_forward as head_forward
 from models.config import LlamaConfig
-from models.eagle import EagleConfig, EagleHead
+from models.eagle import EagleConfig, EagleHead, default_aux_layers
+from models.layers import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100
     bf16: bool = True  # autocast the head's matmuls to bfloat16 (AMX on recent CPUs, any GPU)
+    eagle3: bool = False  # an EAGLE-3 head (three target streams in), else EAGLE-1/2
+
+
+# EAGLE-3 drops the feature regression: its g lives in the head's own space, and only the
+# token distribution is trained (Li et al., 2025).
+EAGLE3_WEIGHTS = LossWeights(regression=0.0, distribution=1.0)
 
 
 def make_head(
@@ -47,28 +54,43 @@ def make_head(
     draft_ids: torch.Tensor,
     seed: int,
     device: str,
+    eagle3: bool = False,
+    target_norm: torch.Tensor | None = None,
 ) -> EagleHead:
     """A fresh head: the target's embeddings (frozen), the LM head initialised to the target's
-    rows of the draft vocabulary ``draft_ids`` (sorted target ids), ``fc`` passing the feature
-    through (so ``g_s`` starts as ``f_s``), other weights N(0, 0.02) from ``seed``."""
+    rows of the draft vocabulary ``draft_ids`` (sorted target ids), other weights N(0, 0.02)
+    from ``seed``. EAGLE-1/2: ``fc`` passes the feature through (``g_s`` starts as ``f_s``).
+    EAGLE-3 (its streams ``default_aux_layers``): ``fc`` passes the highest stream through and
+    the final norm starts as the target's ``target_norm`` [H], so ``g_s`` starts as the
+    target's late residual read through its own norm and LM head."""
     vd = int(draft_ids.shape[0])
+    h = target_cfg.hidden_size
     cfg = EagleConfig(
         layer=replace(target_cfg, num_layers=1),
         vocab_size=target_cfg.vocab_size,
         draft_vocab_size=vd,
-        fc_bias=True,
-        final_norm=False,
+        fc_bias=not eagle3,
+        final_norm=eagle3,
+        eagle3=eagle3,
+        aux_layers=default_aux_layers(target_cfg.num_layers) if eagle3 else None,
+        target_hidden_size=h,
     )
     head = EagleHead(cfg, torch.float32, device)
     gen = torch.Generator().manual_seed(seed)
-    h = target_cfg.hidden_size
     with torch.no_grad():
         for name, p in head.named_parameters():
             if p.dim() == 2 and not name.startswith(("embed_tokens", "lm_head")):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-        assert head.fc.bias is not None
-        head.fc.bias.zero_()
-        head.fc.weight[:, h:] += torch.eye(h, device=head.fc.weight.device)
+        eye = torch.eye(h, device=head.fc.weight.device)
+        if eagle3:
+            head.fc.weight[:, 2 * h :] += eye  # [H, 3H]: the high stream through
+            if target_norm is not None:
+                assert isinstance(head.norm, RMSNorm)
+                head.norm.weight.copy_(target_norm)
+        else:
+            assert head.fc.bias is not None
+            head.fc.bias.zero_()
+            head.fc.weight[:, h:] += eye  # [H, 2H]: the feature through, not the embedding
         head.embed_tokens.weight.copy_(target_embed)
         head.lm_head.weight.copy_(target_lm[draft_ids])
         head.d2t.copy_(draft_ids - torch.arange(vd))
@@ -105,25 +127,28 @@ def batch_at(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
 @dataclass(frozen=True)
 class Batch:
     ids: torch.Tensor  # [B, T] x_{s+1}
-    feats: torch.Tensor  # [B, T, H] f_s
-    next_feats: torch.Tensor  # [B, T, H] f_{s+1}
+    feats: torch.Tensor  # [B, T, F] what the head reads at s (f_s, or EAGLE-3's streams)
+    next_feats: torch.Tensor  # [B, T, H] f_{s+1}, the target's final hidden state (labels)
     mask: torch.Tensor  # [B, T] 1.0 at real positions
 
 
-def make_batch(corpus: Corpus, rows: list[int], device: str) -> Batch:
+def make_batch(corpus: Corpus, rows: list[int], device: str, eagle3: bool = False) -> Batch:
     """Head positions ``s = 0 .. len - 2`` of each row, right-padded to the longest."""
     t = max(int(corpus.offsets[r + 1] - corpus.offsets[r]) for r in rows) - 1
     h = corpus.feats.shape[1]
+    width = corpus.inputs(rows[0], eagle3).shape[1]
     ids = torch.zeros(len(rows), t, dtype=torch.long)
     feats = torch.zeros(len(rows), t + 1, h)
+    inputs = torch.zeros(len(rows), t, width)
     mask = torch.zeros(len(rows), t)
     for i, r in enumerate(rows):
         f, x, _ = corpus.row(r)
         n = x.shape[0] - 1
         ids[i, :n] = x[1:]
         feats[i, : n + 1] = f.float()
+        inputs[i, :n] = corpus.inputs(r, eagle3)[:n].float()
         mask[i, :n] = 1.0
-    return Batch(ids.to(device), feats[:, :-1].to(device), feats[:, 1:].to(device), mask.to(device))
+    return Batch(ids.to(device), inputs.to(device), feats[:, 1:].to(device), mask.to(device))
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -160,6 +185,7 @@ def train(
     """Train ``head`` in place up to ``until`` (default: ``cfg.steps``), resuming from
     ``checkpoint`` when it exists and saving it every ``cfg.checkpoint_every`` steps and at the
     end. target_rows: [V_draft, H] the target's LM-head rows of the draft vocabulary."""
+    check_streams(head, corpus)
     params = trainable_parameters(head)
     named = {n: p for n, p in head.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -175,7 +201,7 @@ def train(
     head.train()
     for step in range(state.step, stop):
         t0 = time.perf_counter()
-        b = make_batch(corpus, batch_at(lengths, cfg, step), device)
+        b = make_batch(corpus, batch_at(lengths, cfg, step), device, cfg.eagle3)
         with torch.autocast(head.device.type, torch.bfloat16, enabled=cfg.bf16):
             outs = head_forward(head, b.ids, b.feats, cfg.depth)
             parts: LossParts = distill_loss(head, outs, b.next_feats, rows_v, b.mask, cfg.weights)

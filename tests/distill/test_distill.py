@@ -19,9 +19,10 @@ from distill.sharegpt import Conversation, held_out
 from distill.train import TrainConfig, make_head, train
 from models.attention import kv_pool_shape
 from models.config import LlamaConfig
-from models.eagle import EagleHead, load_eagle
+from models.eagle import EagleConfig, EagleHead, load_eagle
 from models.weights import load_state_dict
 from runtime.runner import EagleRunner, SeqInput
+from tests.helpers import make_tiny_checkpoint
 
 WORDS = [
     "the",
@@ -66,12 +67,12 @@ def _sharegpt_file(path: Path, n: int) -> Path:
     return path
 
 
-def _head(target: Path, vocab: int = 300, seed: int = 0) -> EagleHead:
+def _head(target: Path, vocab: int = 300, seed: int = 0, eagle3: bool = False) -> EagleHead:
     w = load_state_dict(target)
     embed = w["model.embed_tokens.weight"].float()
-    return make_head(
-        LlamaConfig.from_folder(target), embed, embed, torch.arange(vocab), seed, "cpu"
-    )
+    cfg = LlamaConfig.from_folder(target)
+    norm = w["model.norm.weight"].float()
+    return make_head(cfg, embed, embed, torch.arange(vocab), seed, "cpu", eagle3, norm)
 
 
 def _runner(head: EagleHead) -> EagleRunner:
@@ -79,14 +80,23 @@ def _runner(head: EagleHead) -> EagleRunner:
     return EagleRunner(head, torch.zeros(kv_pool_shape(4, c.num_kv_heads, 1, 16, c.head_dim)), 16)
 
 
-def test_dense_unrolled_forward_is_the_paged_drafting_path(tiny_folder: Path) -> None:
-    head = _head(tiny_folder)
+@pytest.fixture(scope="module")
+def deep_folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny target with the four layers EAGLE-3's default streams need."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("deep"), embedded_folder, 5, num_layers=4)
+
+
+@pytest.mark.parametrize("eagle3", [False, True], ids=["eagle", "eagle3"])
+def test_dense_unrolled_forward_is_the_paged_drafting_path(
+    tiny_folder: Path, deep_folder: Path, eagle3: bool
+) -> None:
+    head = _head(deep_folder if eagle3 else tiny_folder, eagle3=eagle3)
     with torch.no_grad():  # move away from the pass-through initialisation
         for p in head.layer.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
-    h = head.cfg.layer.hidden_size
     ids = torch.randint(3, 300, (1, 20), generator=torch.Generator().manual_seed(2))
-    feats = torch.randn(1, 20, h, generator=torch.Generator().manual_seed(3))
+    width = head.cfg.feature_width  # H, or EAGLE-3's three target streams
+    feats = torch.randn(1, 20, width, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         g1, g2, g3 = unrolled_forward(head, ids, feats, 3)
     paged = _runner(head).run([SeqInput([0, 1], 0, ids[0].tolist(), list(range(20)))], feats[0])
@@ -98,9 +108,10 @@ def test_dense_unrolled_forward_is_the_paged_drafting_path(tiny_folder: Path) ->
         runner = _runner(head)
         table = [0, 1]
         runner.run([SeqInput(table, 0, ids[0, :s].tolist(), [s - 1])], feats[0, :s])
-        step2 = runner.run([SeqInput(table, s, [int(ids[0, s])], [0])], g1[0, s - 1 : s])
+        own = g1[0, s - 1 : s]
+        step2 = runner.run([SeqInput(table, s, [int(ids[0, s])], [0])], own, False)
         assert (step2.hidden[0] - g2[0, s]).abs().max() <= 1e-4
-        step3 = runner.run([SeqInput(table, s + 1, [int(ids[0, s + 1])], [0])], step2.hidden)
+        step3 = runner.run([SeqInput(table, s + 1, [int(ids[0, s + 1])], [0])], step2.hidden, False)
         assert (step3.hidden[0] - g3[0, s + 1]).abs().max() <= 1e-4
 
 
@@ -159,6 +170,51 @@ def test_distill_trains_ships_and_loads_into_the_decode_path(
     greedy = card["held_out_acceptance"][0]
     assert greedy["temperature"] == 0.0
     assert abs(d1["top1"] - greedy["acceptance_per_depth"][0]) < 2e-3
+
+
+def test_an_eagle3_head_is_distilled_and_shipped_only_if_it_beats_the_head_there(
+    deep_folder: Path, tmp_path: Path
+) -> None:
+    """``--kind eagle3`` trains a head on three target streams and ships it in the published
+    layout; where ``--out`` already holds a head for the target, both are measured on the same
+    held-out conversations and the better one stays in ``--out``."""
+    data = _sharegpt_file(tmp_path / "sharegpt.json", 24)
+    out = tmp_path / "draft"
+    common = ["--target", str(deep_folder), "--out", str(out), "--dataset", str(data)]
+    common += ["--train-conversations", "16", "--eval-conversations", "4"]
+    common += ["--held-out-per-mille", "250", "--max-len", "96", "--draft-vocab", "400"]
+    common += ["--batch-tokens", "400", "--lr", "1e-2", "--warmup", "1", "--eval-depth", "3"]
+    common += ["--save-dtype", "float32", "--checkpoint-every", "50"]
+    assert main(["distill", *common, "--work-dir", str(tmp_path / "w1"), "--steps", "20"]) == 0
+    first = json.loads((out / "card.json").read_text())
+    assert first["kind"] == "eagle" and "against_incumbent" not in first
+
+    work = tmp_path / "w3"
+    args = ["distill", *common, "--work-dir", str(work), "--steps", "20", "--kind", "eagle3"]
+    assert main(args) == 0
+    corpus = load_corpus(work / "features-eval")
+    assert corpus.aux is not None and corpus.aux.shape == (corpus.num_tokens, 3 * 64)
+    assert corpus.aux_layers == (2, 2, 1)  # (2, L // 2, L - 3) for four layers
+    replaced = json.loads((out / "card.json").read_text())["kind"] == "eagle3"
+    dest = out if replaced else work / "candidate"
+    card = json.loads((dest / "card.json").read_text())
+    vs = card["against_incumbent"]
+    assert card["kind"] == "eagle3" and vs["kind"] == "eagle" and vs["replaced"] == replaced
+    # The incumbent measured on this run's conversations is what its own run measured.
+    own = first["held_out_acceptance"][0]["chain_tokens_per_forward"]["k=3"]
+    assert abs(vs["greedy_chain_tokens"] - own) <= 1e-3
+    assert replaced == (vs["candidate_greedy_chain_tokens"] >= vs["greedy_chain_tokens"])
+    if not replaced:
+        assert EagleConfig.from_folder(out).eagle3 is False  # the better head stayed
+
+    # What was shipped is the trained head, in the published EAGLE-3 layout.
+    shipped = load_eagle(dest, deep_folder, torch.float32, "cpu")
+    assert shipped.cfg.eagle3 and shipped.cfg.aux_layers == (2, 2, 1)
+    params = torch.load(work / "checkpoint.pt", weights_only=False)["params"]
+    assert torch.equal(shipped.fc.weight, params["fc.weight"])
+    assert torch.equal(shipped.lm_head.weight, params["lm_head.weight"])
+    losses = [h["loss"] for h in torch.load(work / "checkpoint.pt", weights_only=False)["history"]]
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
 
 
 def _is_held(conv_id: str) -> bool:
