@@ -154,7 +154,7 @@ def run(
     t_eval = time.perf_counter()
     accs = evaluate(head, eval_c, lm, plan.eval_depth, (0.0, 0.7))
     eval_seconds = time.perf_counter() - t_eval
-    incumbent = _incumbent(plan, folder, eval_c, lm, spec.fingerprint())
+    incumbent = _incumbent(plan, folder, eval_c, lm)
     better = incumbent is None or (
         accs[0].chain_tokens(plan.eval_depth) >= incumbent["greedy_chain_tokens"]
     )
@@ -227,17 +227,17 @@ def run(
 
 
 def _incumbent(
-    plan: DistillPlan, target: Path, eval_c: Corpus, lm: torch.Tensor, fingerprint: str
+    plan: DistillPlan, target: Path, eval_c: Corpus, lm: torch.Tensor
 ) -> dict[str, Any] | None:
-    """The head already in ``plan.out``, measured on this run's held-out conversations: its
-    kind and greedy tokens per forward at ``plan.eval_depth``; None where there is none, or
-    it was made for another target, or it reads streams this run's features lack."""
+    """The head already in ``plan.out``, measured on this run's held-out conversations with
+    this run's target: its kind and greedy tokens per forward at ``plan.eval_depth``; None
+    where there is none, or it reads streams this run's features lack. (Not compared by
+    fingerprint: the same checkpoint converted by another transformers version has another,
+    and a head that loads against this target is what it would serve with.)"""
+    if not (plan.out / "config.json").exists():
+        return None
     card_path = plan.out / "card.json"
-    if not (plan.out / "config.json").exists() or not card_path.exists():
-        return None
-    card = json.loads(card_path.read_text())
-    if card.get("target", {}).get("fingerprint") != fingerprint:
-        return None
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
     cfg = EagleConfig.from_folder(plan.out)
     if cfg.eagle3 and (
         cfg.for_target(LlamaConfig.from_folder(target)).aux_layers != eval_c.aux_layers
