@@ -9,7 +9,9 @@ layer after each one: under the moving threshold the process keeps those pages, 
 peaks above quantizing the whole model at the end. ``large_blocks_mapped`` fixes the
 threshold while a load runs, then leaves it at glibc's own ceiling, the value the moving
 threshold reaches once a weight is freed, so the steps that follow allocate as they would
-have. Nothing is done where the C library is not glibc (``mallopt`` missing).
+have. The threshold decides only what the heap's free memory cannot serve: it matters to a
+replica loading at start-up, whose heap is small, as here. Nothing is done where the C
+library is not glibc (``mallopt`` missing).
 """
 
 from __future__ import annotations
