@@ -1,0 +1,109 @@
+"""Where a prefill replica's memory goes under prompts of ever new lengths: a diagnostic.
+
+A lone ``PrefillWorker`` of the default configuration (the embedded model, its drafter,
+the object-store transport, leases ended at once) runs ``--rounds`` rounds of 1–4 prompts of
+random tokens, each round's length drawn from 20–200, 200–900 or 900–1,800 tokens. Every 10
+rounds it records the process's anonymous memory, then again after ``malloc_trim(0)`` (what
+glibc's arenas held free and gave back), with the live CPU tensors and Python objects. Flat
+tensors and objects under rising memory mean native memory: the allocator's arenas, or
+caches keyed by shape. ``--onednn-cache N`` caps oneDNN's primitive cache (one entry per
+shape) to see its share.
+
+    .venv/bin/python -m bench.prefill_memory [--rounds 60] [--onednn-cache N]
+        [--out bench/results/prefill_memory.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import random
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--onednn-cache", type=int, default=None, help="oneDNN primitive cache size")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "prefill_memory.json")
+    args = ap.parse_args(argv)
+    if args.onednn_cache is not None:  # read when oneDNN starts: before torch is imported
+        os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_cache)
+
+    import torch
+
+    from cluster.builder import engine_configs, resolve_models
+    from cluster.config import TandemConfig
+    from models.request import Request
+    from models.sampling import SamplingParams
+    from prefill.worker import PrefillWorker
+
+    torch.set_num_threads(1)
+    cfg = TandemConfig.model_validate({})
+    _, wc = engine_configs(cfg, resolve_models(cfg))
+    assert wc is not None
+    worker = PrefillWorker(replace(wc, transport="object_store", lease_seconds=0.0))
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    rng = random.Random(args.seed)
+    vocab = wc.target.config().vocab_size
+    trim(0)
+    base = _anon_mib()
+    rows: list[dict[str, Any]] = []
+    for i in range(args.rounds):
+        lo, hi = rng.choice([(20, 200), (200, 900), (900, 1800)])
+        n = rng.randint(lo, hi)
+        reqs = [
+            Request(
+                f"r{i}-{j}",
+                [rng.randint(3, vocab - 1) for _ in range(n)],
+                SamplingParams(max_tokens=8),
+            )
+            for j in range(rng.randint(1, 4))
+        ]
+        done: list[object] = []
+        for r in reqs:
+            worker.submit(r, done.append)
+        while len(done) < len(reqs):
+            worker.step()
+        worker.reap(now=time.monotonic() + 1e6)  # no decode pulls: end the leases now
+        if i % 10 == 9:
+            grown = _anon_mib() - base
+            trim(0)
+            tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            row = {
+                "rounds": i + 1,
+                "anon_growth_mib": round(grown, 1),
+                "after_trim_growth_mib": round(_anon_mib() - base, 1),
+                "live_tensors": len(tensors),
+                "python_objects": len(gc.get_objects()),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    worker.close()
+    doc = {"rounds": args.rounds, "onednn_cache": args.onednn_cache, "samples": rows}
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
