@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.load_report import write_json
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> Path:
     worker.close()
     doc = {"rounds": args.rounds, "onednn_cache": args.onednn_cache, "samples": rows}
     out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
+    write_json(out, doc)
     print(f"wrote {out}")
     return out
 
