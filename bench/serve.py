@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import platform
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from bench.load_report import plot, report_json, table, write_json
 from bench.router_metrics import router_view, wait_for
 from bench.sharegpt import iter_conversations
 from bench.workloads import WorkItem, bimodal_items, sharegpt_items, synthetic_items
+from runtime.ports import free_port
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -140,12 +140,6 @@ def _ray_metrics_port() -> int:
     return int(ray.nodes()[0]["MetricsExportPort"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
     """A local tandem cluster for the run: (its /v1 base URL, its configuration)."""
@@ -156,7 +150,7 @@ def launched(args: argparse.Namespace) -> Iterator[tuple[str, dict[str, Any]]]:
     base = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
     overrides: dict[str, object] = {
         "mode": args.launch,
-        "http.port": _free_port(),  # never collide with a server already on the config's port
+        "http.port": free_port(),  # never collide with a server already on the config's port
     }
     if args.draft is not None:
         overrides["draft.kind"] = args.draft

@@ -17,7 +17,6 @@ so Ray Serve places a whole group on one node.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from kvtransfer.memory import process_memory
 from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.tp_transport import GroupTransport, RankPulls
 from models.parallel import TPContext
+from runtime.ports import free_port
 from runtime.runner import LocalRunner, ModelRunner, SeqInput, StepResult
 from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
 from runtime.step_wire import pack, unpack
@@ -185,12 +185,6 @@ class TPRunner(ModelRunner):
         self.channel.send(None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def build_tp_shard(spec: ShardSpec) -> Shard:
     """Start ranks 1.. as actors (in the replica's placement group, when there is one), join
     them in a process group, and build rank 0 here. Every rank moves its KV over NIXL: the
@@ -198,7 +192,7 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
     if spec.transport == "object_store":
         raise ValueError(f"kv.transport=object_store needs TP = 1; this shard has {spec.tp_size}")
     host = ray.util.get_node_ip_address()
-    port = _free_port()
+    port = free_port()
     pg = ray.util.get_current_placement_group()
     actors: list[Any] = []
     for rank in range(1, spec.tp_size):

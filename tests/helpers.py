@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 from pathlib import Path
 
 import torch
@@ -51,9 +50,3 @@ def make_tiny_checkpoint(
         if src.exists():
             shutil.copy(src, folder / name)
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

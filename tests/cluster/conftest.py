@@ -10,7 +10,7 @@ from ray import serve
 from cluster.builder import build_app
 from cluster.config import TandemConfig
 from cluster.local_cluster import start_ray
-from tests.helpers import free_port
+from runtime.ports import free_port
 
 
 @contextmanager

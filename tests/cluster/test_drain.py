@@ -22,8 +22,8 @@ from ray.serve._private.build_app import build_app as serve_build_app
 
 from cluster.builder import build_app
 from cluster.config import TandemConfig
+from runtime.ports import free_port
 from tests.cluster.conftest import running_app
-from tests.helpers import free_port
 
 
 def _config(tiny_folder: Path) -> dict[str, Any]:

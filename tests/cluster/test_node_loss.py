@@ -13,7 +13,7 @@ from ray import serve
 
 from bench.node_chaos import PoolCluster, chaos_config, run_fault
 from cluster.builder import build_app
-from tests.helpers import free_port
+from runtime.ports import free_port
 
 
 @pytest.fixture(scope="module")

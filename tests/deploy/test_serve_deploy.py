@@ -25,8 +25,8 @@ from cluster.config import TandemConfig
 from cluster.proto import tandem_pb2 as pb
 from cluster.proto import tandem_pb2_grpc
 from models.embedded import EMBEDDED_NAME
+from runtime.ports import free_port
 from tests.deploy.paths import DEPLOY, load_yaml
-from tests.helpers import free_port
 
 SERVE_FILE = DEPLOY / "serve" / "local-colocated.yaml"
 

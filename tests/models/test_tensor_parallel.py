@@ -14,8 +14,8 @@ import torch.distributed as dist
 from models.attention import kv_pool_shape
 from models.parallel import TPContext
 from models.spec import ModelSpec
+from runtime.ports import free_port
 from runtime.runner import SeqInput, StepResult, run_step
-from tests.helpers import free_port
 
 BS = 16
 T = TypeVar("T")
