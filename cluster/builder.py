@@ -123,6 +123,11 @@ def _options(pool: PoolConfig, name: str, cfg: TandemConfig) -> dict[str, Any]:
     # then share a GPU, and the pool's unit that stands for it
     unit: dict[str, float] = {pool.resource: share}
     actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: share}}
+    if pool.onednn_cache_capacity is not None:  # read when the libraries start: at spawn
+        n = str(pool.onednn_cache_capacity)
+        actor["runtime_env"] = {
+            "env_vars": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": n, "LRU_CACHE_CAPACITY": n}
+        }
     if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned
         actor["num_gpus"] = share  # below 1 (tp 1 only): replicas share a GPU
         unit["GPU"] = share

@@ -61,6 +61,14 @@ class PoolConfig(_Frozen):
         "their share, which is not checked.",
     )
     resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
+    onednn_cache_capacity: int | None = Field(
+        None,
+        ge=1,
+        description="Matmul shapes each replica's process keeps compiled, in oneDNN's primitive "
+        "cache and PyTorch's cache of oneDNN operations (ONEDNN_PRIMITIVE_CACHE_CAPACITY, "
+        "LRU_CACHE_CAPACITY; CPU). Each entry holds memory; null keeps the libraries' 1024, "
+        "right for decode, whose steps reuse a few shapes.",
+    )
     max_ongoing_requests: int = Field(
         256, ge=1, description="Requests one replica accepts at once (Ray Serve)."
     )
@@ -126,6 +134,13 @@ class PoolConfig(_Frozen):
 
 class PrefillConfig(PoolConfig):
     resource: str = Field("prefill_pool", description="Ray custom resource of prefill nodes.")
+    onednn_cache_capacity: int | None = Field(
+        64,
+        ge=1,
+        description="As for any pool; 64 here: a prefill forward's token count is new nearly "
+        "every time, so a cache of 1024 shapes mostly grows and "
+        "rarely hits, while 64 holds every shape of the forwards in flight.",
+    )
     autoscaling: PrefillAutoscalingConfig | None = Field(
         None,
         description="Scale prefill replicas on queued prompts (see cluster/autoscaling.py) "

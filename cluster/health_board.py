@@ -164,6 +164,8 @@ SUMMARY = (
     "leases_expired",
     "queued",
     "rss_bytes",
+    "heap_releases",
+    "onednn_cache_capacity",
     "node_id",
     "age_s",
 )

@@ -28,6 +28,7 @@ from decode.stream import coalesced
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
+from models.host_memory import onednn_cache_capacity
 from models.request import Request, choice_id
 from speculation.capacity import capacity_within_slo
 
@@ -117,6 +118,7 @@ class DecodeServer:
         out = asdict(self.engine.stats())
         out["kv_pool_bytes"] = self.engine.pool.nbytes
         out.update(process_memory())
+        out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

@@ -10,8 +10,13 @@ peaks above quantizing the whole model at the end. ``large_blocks_mapped`` fixes
 threshold while a load runs, then leaves it at glibc's own ceiling, the value the moving
 threshold reaches once a weight is freed, so the steps that follow allocate as they would
 have. The threshold decides only what the heap's free memory cannot serve: it matters to a
-replica loading at start-up, whose heap is small, as here. Nothing is done where the C
-library is not glibc (``mallopt`` missing).
+replica loading at start-up, whose heap is small, as here.
+
+Serving frees memory too: a prefill forward's temporaries are sized by its token count, new
+nearly every time, and glibc's arenas keep what they free for reuse, so a replica's resident
+memory climbs toward the sum of every size it has seen. ``release_free_heap`` gives the free
+pages of every arena back (``malloc_trim``); a replica calls it when it goes idle. Nothing is
+done where the C library is not glibc (``mallopt``, ``malloc_trim`` missing).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -29,19 +35,46 @@ _LOAD_THRESHOLD = 128 * 1024  # glibc's initial threshold: every weight and temp
 _SERVING_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _libc_fn(name: str) -> Callable[..., int] | None:
+    lib = ctypes.util.find_library("c")
+    if lib is None:
         return None
-    fn: Callable[[int, int], int] | None = getattr(ctypes.CDLL(name), "mallopt", None)
+    fn: Callable[..., int] | None = getattr(ctypes.CDLL(lib), name, None)
     return fn
+
+
+def anon_bytes() -> int:
+    """This process's resident anonymous memory (Linux ``RssAnon``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def onednn_cache_capacity() -> int | None:
+    """The matmul shapes this process's oneDNN caches hold, as its environment set them
+    (``PoolConfig.onednn_cache_capacity``; None: the libraries' default)."""
+    value = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    return int(value) if value else None
+
+
+def release_free_heap() -> int | None:
+    """Return the free memory of every malloc arena to the system; the resident anonymous
+    bytes that went back (None where the C library has no ``malloc_trim``)."""
+    fn = _libc_fn("malloc_trim")
+    if fn is None:
+        return None
+    before = anon_bytes()
+    fn(0)
+    return max(0, before - anon_bytes())
 
 
 @contextmanager
 def large_blocks_mapped() -> Iterator[bool]:
     """While inside, every allocation of 128 KiB or more is its own mapping, so freeing it
     returns it to the system; yields whether the C library allows it (glibc)."""
-    fn = _mallopt()
+    fn = _libc_fn("mallopt")
     ok = bool(fn is not None and fn(_M_MMAP_THRESHOLD, _LOAD_THRESHOLD))
     if not ok:
         log.debug("mallopt unavailable: freed weight memory may stay with the process")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -13,6 +14,7 @@ from cluster.replica_logs import route_to_serve
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
+from models.host_memory import onednn_cache_capacity
 from models.request import Request
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
@@ -21,9 +23,12 @@ from prefill.worker import PrefillWorker
 class PrefillServer:
     """Queues prompts into the worker and steps it while there is work; leases are reaped
     between steps and, when idle, every ``REAP_PERIOD_S``. A caller that goes away cancels its
-    prompt (or ends its lease), so no blocks wait for a pull that will never come."""
+    prompt (or ends its lease), so no blocks wait for a pull that will never come. Once idle,
+    at most every ``RELEASE_PERIOD_S``, the worker gives the heap memory its forwards freed
+    back to the system (``PrefillWorker.release_memory``)."""
 
     REAP_PERIOD_S = 0.05
+    RELEASE_PERIOD_S = 1.0
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         route_to_serve()
@@ -32,6 +37,7 @@ class PrefillServer:
         # thread (one OpenMP team: ``decode.loop``'s docstring says why that matters)
         self.worker = self._exec.submit(PrefillWorker, cfg).result()
         KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
+        self._released_at = time.monotonic()
         self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._publisher = BoardPublisher.start(self.snapshot)
@@ -52,8 +58,17 @@ class PrefillServer:
 
     async def _reap_forever(self) -> None:
         while True:
-            await self._run(self.worker.reap)
+            await self._run(self._housekeep)
             await asyncio.sleep(self.REAP_PERIOD_S)
+
+    def _housekeep(self) -> None:
+        """On the worker's thread: end leases; when idle, give freed heap memory back."""
+        self.worker.reap()
+        now = time.monotonic()
+        idle = not self.worker.has_work
+        if idle and now - self._released_at >= self.RELEASE_PERIOD_S:
+            self.worker.release_memory()
+            self._released_at = now
 
     async def prefill(self, req: Request) -> KVHandoff:
         loop = asyncio.get_running_loop()
@@ -85,6 +100,7 @@ class PrefillServer:
         out = asdict(self.worker.stats())
         out["kv_pool_bytes"] = self.worker.pool.nbytes
         out.update(process_memory())
+        out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["transport"] = self.worker.transport.name
         out["transport_fallback"] = self.worker.shard.fallback_reason
         out["transfer"] = asdict(self.worker.transport.counters)

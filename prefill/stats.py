@@ -17,3 +17,5 @@ class PrefillStats:
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache
     leases_expired: int = 0
+    heap_releases: int = 0  # times the idle worker gave free heap memory back (release_memory)
+    heap_released_bytes: int = 0

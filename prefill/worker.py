@@ -30,6 +30,7 @@ import torch
 from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
+from models.host_memory import release_free_heap
 from models.logprobs import token_logprobs
 from models.request import FinishReason, Request
 from models.sampling import Stream, probs_from_logits, sample_token
@@ -82,6 +83,7 @@ class PrefillWorker:
         self._inbox: queue.SimpleQueue[PromptState | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stats = PrefillStats(num_blocks=cfg.num_blocks)
+        self._ran_since_release = False
         self._stop = threading.Event()
         self._progress = threading.Thread(
             target=self._progress_loop, name="tandem-kv-progress", daemon=True
@@ -130,6 +132,7 @@ class PrefillWorker:
         )
         if not chunks:
             return
+        self._ran_since_release = True
         batch = []
         for c in chunks:
             p = active[c.index]
@@ -306,6 +309,22 @@ class PrefillWorker:
             self.allocator.free(lease.blocks)
             freed += len(lease.blocks)
         return freed
+
+    def release_memory(self) -> int | None:
+        """Give the heap memory freed since the last call back to the system, when a forward
+        has run since: each forward's temporaries are sized by its token count, new nearly
+        every time, and the allocator would otherwise keep them all (``models.host_memory``).
+        For an idle worker: it walks every arena. Returns the bytes given back (None: nothing
+        ran, or the C library cannot)."""
+        if not self._ran_since_release:
+            return None
+        self._ran_since_release = False
+        released = release_free_heap()
+        if released is not None:
+            self._stats.heap_releases += 1
+            self._stats.heap_released_bytes += released
+            log.debug("idle prefill gave %.1f MiB of free heap back", released / 2**20)
+        return released
 
     def stats(self) -> PrefillStats:
         s = self._stats

@@ -56,6 +56,22 @@ def test_models_and_health(client: openai.OpenAI, base: str) -> None:
     assert h["status"] == "ok" and h["mode"] == "disaggregated" and h["kv_transport"] == "nixl"
 
 
+def test_prefill_replicas_bound_their_shape_caches_and_give_heap_back_when_idle(
+    client: openai.OpenAI, base: str
+) -> None:
+    client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=4)
+    deadline = time.monotonic() + 30
+    while True:  # the replica gives memory back at most once a second, once idle
+        prefill = _health(base)["pools"]["prefill"]["replicas"]
+        if any(r["heap_releases"] >= 1 for r in prefill.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert any(r["heap_releases"] >= 1 for r in prefill.values()), prefill
+    assert all(r["onednn_cache_capacity"] == 64 for r in prefill.values()), prefill  # the default
+    decode = _health(base)["pools"]["decode"]["replicas"]
+    assert all(r["onednn_cache_capacity"] is None for r in decode.values()), decode
+
+
 def test_chat_completion(client: openai.OpenAI, embedded_folder: Path) -> None:
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)  # type: ignore[arg-type]

@@ -157,3 +157,16 @@ def test_prompt_larger_than_the_pool_is_refused(specs: tuple[ModelSpec, DraftSpe
     with pytest.raises(PrefillCapacityError, match="exceeds the prefill KV pool"):
         w.prefill(Request("big", _prompt(40, 40), SP))
     assert w.stats().free_blocks == 2
+
+
+def test_an_idle_worker_gives_freed_heap_back_once_per_forwards_run(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    w = _worker(specs)
+    assert w.release_memory() is None  # nothing has run since start-up
+    w.prefill(make_request(_prompt(50, 40), SP))
+    released = w.release_memory()
+    assert released is not None and released >= 0  # glibc here: malloc_trim exists
+    assert w.release_memory() is None  # no forward since: nothing to give back
+    s = w.stats()
+    assert s.heap_releases == 1 and s.heap_released_bytes == released
