@@ -42,12 +42,9 @@ from models.config import LlamaConfig
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.weights import load_state_dict, open_checkpoint
+from models.host_memory import anon_bytes as anon
 folder, rank, tp, mode = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
 before, anon_before = peak(), anon()
 model = LlamaModel(LlamaConfig.from_folder(folder), tp=TPContext(rank, tp))
 weights = open_checkpoint(folder) if mode == "lazy" else load_state_dict(folder)
@@ -62,11 +59,8 @@ import json, sys, threading, time
 from pathlib import Path
 from models.quant import Quant
 from models.spec import ModelSpec
+from models.host_memory import anon_bytes as anon
 folder, kind, mode = Path(sys.argv[1]), Quant(sys.argv[2]), sys.argv[3]
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
 high, done = [anon()], threading.Event()
 def sample():
     while not done.is_set():

@@ -16,12 +16,7 @@ import sys
 CHILD = """
 import json
 import torch
-from models.host_memory import large_blocks_mapped
-def anon():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
+from models.host_memory import anon_bytes as anon, large_blocks_mapped
 mib = 2**20
 torch.ones(3 * mib).sum()  # a 12 MiB block freed: glibc's threshold moves above 4 MiB
 with large_blocks_mapped() as ok:
