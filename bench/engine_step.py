@@ -1,7 +1,8 @@
 """The engine's step costs on this machine, each against a baseline taken in the same run.
 
 1. Batch-1 greedy decode: the engine (speculation off) vs transformers ``generate`` on the same
-   weights and dtype (fp32, bf16): tokens/s and their ratio.
+   weights and dtype (fp32, bf16): tokens/s and their ratio; and the step's time against
+   reading the bytes of weights it streams once (the memory wall), alternated in the same run.
 2. Decode throughput at batch 1..32 (speculation off): tokens/s per batch size, ratio to batch 1.
 3. Verification cost: one target forward over k + 1 tokens per sequence, k = 0..8, at batch 1
    and 8, relative to k = 0 (the curve adaptive speculation uses).
@@ -65,6 +66,26 @@ def engine_tokens_per_s(engine: DecodeEngine, batch: int, tokens: int) -> float:
         engine.step()
     dt = time.perf_counter() - t0
     return (sum(len(r.output_token_ids) for r in reqs) - start) / dt
+
+
+def streamed_bytes(spec: ModelSpec) -> int:
+    """Bytes of weights a batch-1 decode step must read once: every matmul weight and the LM
+    head (the embedding lookup reads one row; an untied table is not streamed)."""
+    model = spec.load()
+    skip = set() if model.cfg.tie_word_embeddings else {"embed_tokens.weight"}
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in skip)
+
+
+def stream_ms(buffer: torch.Tensor, rounds: int = 5) -> float:
+    """Median time to read ``buffer`` once (a sum over it, on the benchmark's threads): the
+    memory wall a batch-1 step of that many weight bytes stands against, measured in the same
+    run as the step."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
 
 
 def _hf_model(folder: Path, dtype: torch.dtype) -> Any:
@@ -229,10 +250,13 @@ def main() -> None:
         # Alternate the two, three times each, and compare medians: this machine is noisy.
         hf = _hf_model(folder, spec.load().dtype)
         plain = _plain_engine(spec) if args.plain_baseline else None
-        ours_runs, theirs_runs, plain_runs = [], [], []
+        nbytes = streamed_bytes(spec)
+        wall = torch.ones(nbytes // 4)  # float32: the weights' bytes, to stream
+        ours_runs, theirs_runs, plain_runs, stream_runs = [], [], [], []
         for _ in range(args.trials):
             ours_runs.append(engine_tokens_per_s(engine, 1, args.tokens))
             theirs_runs.append(hf_tokens_per_s(hf, args.tokens))
+            stream_runs.append(stream_ms(wall))
             if plain is not None:
                 plain_runs.append(engine_tokens_per_s(plain, 1, args.tokens))
         ours, theirs = statistics.median(ours_runs), statistics.median(theirs_runs)
@@ -242,7 +266,13 @@ def main() -> None:
             "ratio": ours / theirs,
             "engine_runs": ours_runs,
             "transformers_runs": theirs_runs,
+            "streamed_bytes": nbytes,
+            "stream_ms": statistics.median(stream_runs),
+            "stream_runs_ms": stream_runs,
+            "step_ms": 1000 / ours,
+            "step_over_stream": 1000 / ours / statistics.median(stream_runs),
         }
+        del wall
         if plain is not None:
             r["batch1"]["plain_linear_tok_s"] = statistics.median(plain_runs)
             r["batch1"]["plain_linear_runs"] = plain_runs
@@ -250,7 +280,9 @@ def main() -> None:
             plain.close()
         print(
             f"{dt}: batch-1 engine {ours:.1f} tok/s, transformers {theirs:.1f}, "
-            f"ratio {ours / theirs:.2f}",
+            f"ratio {ours / theirs:.2f}; step {1000 / ours:.1f} ms, "
+            f"{r['batch1']['step_over_stream']:.2f}x the {nbytes / 1e6:.0f} MB weight stream "
+            f"({r['batch1']['stream_ms']:.1f} ms)",
             flush=True,
         )
         thr = {b: engine_tokens_per_s(engine, b, args.tokens) for b in args.batches}

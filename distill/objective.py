@@ -32,7 +32,7 @@ from torch import nn
 
 from models.acceptance import overlap
 from models.eagle import Eagle3Layer, EagleHead
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import RMSNorm, RotaryEmbedding, rotary_tables
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from models.sampling import SamplingParams, probs_from_logits
 
@@ -75,8 +75,7 @@ def dense_attention_mlp(
     where ``mask`` [T, len(keys) * T] is True."""
     b, t, _ = x.shape
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    cos = rope.cos[:t].unsqueeze(1)  # [T, 1, D / 2]
-    sin = rope.sin[:t].unsqueeze(1)
+    cos, sin = rotary_tables(rope.cos, rope.sin, torch.arange(t, device=x.device))
     q, k, v = attn.qkv_proj(x).split([hq * hd, hkv * hd, hkv * hd], -1)
     q = rope(cos, sin, q.view(b, t, hq, hd)).transpose(1, 2)  # [B, Hq, T, D]
     keys.append(rope(cos, sin, k.view(b, t, hkv, hd)).transpose(1, 2))  # [B, Hkv, T, D]

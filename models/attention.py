@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from models.flex_paged import FlexGroup, FlexPool
+from models.layers import rotary_tables
 from models.tree import TreeSpan
 
 
@@ -114,8 +115,8 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
     groups: tuple[AttentionGroup, ...]  # the sequences, by new-token count
-    cos: torch.Tensor  # [T, 1, head_dim / 2] rotary cosines at the new tokens' positions
-    sin: torch.Tensor  # [T, 1, head_dim / 2]
+    cos: torch.Tensor  # [T, 1, 2, head_dim / 2] rotary angles of the new tokens
+    sin: torch.Tensor  # [T, 1, 2, head_dim / 2] (``models.layers.rotary_tables``)
     # Attention in float64 (``build_attention_metadata``'s ``invariant``): a row's result then
     # does not depend on the other rows and sequences of the call, once rounded back.
     invariant: bool = False
@@ -136,8 +137,8 @@ class BucketMetadata:
     write_rows: torch.Tensor  # [b * q] the row whose K/V each write carries (padding: row 0)
     tables: torch.Tensor  # [b, nb] each sequence's blocks (padding: block 0)
     mask: torch.Tensor  # [b, 1, q, nb * block_size] True where a query row may attend
-    cos: torch.Tensor  # [b * q, 1, head_dim / 2]
-    sin: torch.Tensor  # [b * q, 1, head_dim / 2]
+    cos: torch.Tensor  # [b * q, 1, 2, head_dim / 2] (``models.layers.rotary_tables``)
+    sin: torch.Tensor  # [b * q, 1, 2, head_dim / 2]
     num_seqs: int  # b
     max_query: int  # q
     invariant: bool = False  # attention in float64 (``build_attention_metadata``)
@@ -174,14 +175,15 @@ def bucket_metadata(
     if window is not None:
         mask = mask & (ctx > q_pos.unsqueeze(2) - window)
     mask = (mask & valid.unsqueeze(2)) | (~valid.unsqueeze(2) & (ctx == 0))
+    cos, sin = rotary_tables(rope_cos, rope_sin, positions)
     return BucketMetadata(
         slot_blocks=slot_blocks,
         slot_offsets=slot_offsets,
         write_rows=write_rows,
         tables=tables,
         mask=mask.unsqueeze(1),
-        cos=rope_cos[positions].unsqueeze(1),
-        sin=rope_sin[positions].unsqueeze(1),
+        cos=cos,
+        sin=sin,
         num_seqs=b,
         max_query=q,
         invariant=invariant,
@@ -320,13 +322,14 @@ def build_attention_metadata(
     if in_place:
         groups = (_group(seqs, in_place, tables, need, starts, block_size, device, flex), *groups)
     pos_dev = positions.to(device, non_blocking=True)
+    cos, sin = rotary_tables(rope_cos, rope_sin, pos_dev)
     return AttentionMetadata(
         positions=pos_dev,
         slot_blocks=slot_blocks.to(device, non_blocking=True),
         slot_offsets=(slots % block_size).to(device, non_blocking=True),
         groups=groups,
-        cos=rope_cos[pos_dev].unsqueeze(1),
-        sin=rope_sin[pos_dev].unsqueeze(1),
+        cos=cos,
+        sin=sin,
         invariant=invariant,
     )
 
@@ -385,17 +388,14 @@ def _gather(layer_kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The blocks of ``tables`` [b, NBmax] end to end, per sequence, K/V and head:
     layer_kv [NB, 2, Hkv, BS, D] -> [2, b, Hkv, NBmax * BS, D] (a view of one copy).
 
-    One ``index_select`` per (K/V, head) over that head's ``[NB, BS, D]`` chunks: each copies
-    whole ``BS * D`` runs into a contiguous output, where a single gather of whole blocks would
-    need a second copy to bring the heads in front of the tokens."""
+    One ``index_select`` over the blocks dimension of the pool seen as [2, Hkv, NB, BS, D]:
+    it copies whole ``BS * D`` runs straight into the (K/V, head)-major order attention
+    wants, one op where a gather of whole blocks would need a second copy to bring the heads
+    in front of the tokens, and a select per (K/V, head) costs an op each."""
     _nb, _two, hkv, bs, d = layer_kv.shape
     b, nbmax = tables.shape
-    flat = tables.reshape(-1)  # [b * NBmax]
-    out = layer_kv.new_empty(2, hkv, b * nbmax, bs, d)
-    for kv in range(2):
-        for h in range(hkv):
-            torch.index_select(layer_kv[:, kv, h], 0, flat, out=out[kv, h])
-    return out.view(2, hkv, b, nbmax * bs, d).transpose(1, 2)
+    out = torch.index_select(layer_kv.permute(1, 2, 0, 3, 4), 2, tables.reshape(-1))
+    return out.view(2, hkv, b, nbmax * bs, d).transpose(1, 2)  # [2, b, Hkv, C, D]
 
 
 def _attend(

@@ -48,7 +48,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # cos, sin: [T, 1, head_dim / 2], gathered once per step; x: [T, heads, head_dim]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        """Rotate ``x`` [..., T, heads, head_dim] (a strided view is fine) at the positions of
+        ``cos``, ``sin`` [T, 1, 2, head_dim / 2] (``rotary_tables``), in float32.
+
+        ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` as one multiply-add over both
+        halves and their swap: four ops where the textbook form takes nine, and the query and
+        key heads of a layer can go through it in one call. Bit-identical to the textbook form
+        (``a - b`` is ``a + (-b)`` in IEEE arithmetic)."""
+        halves = x.float().unflatten(-1, (2, -1))  # [..., T, heads, 2, head_dim / 2]
+        out: torch.Tensor = halves * cos + halves.flip(-2) * sin
+        return out.flatten(-2).to(x.dtype)
+
+
+def rotary_tables(
+    rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles ``RotaryEmbedding.forward`` takes for tokens at ``positions`` [T], from its
+    ``cos``, ``sin`` tables [max_positions, head_dim / 2]: ``(cos, cos)`` and ``(-sin, sin)``,
+    each [T, 1, 2, head_dim / 2]. Built once per step (device ops only, so a CUDA graph can
+    hold them) and shared by every layer."""
+    cos = rope_cos[positions]  # [T, head_dim / 2]
+    sin = rope_sin[positions]
+    both_cos = torch.stack((cos, cos), 1).unsqueeze(1)  # [T, 1, 2, head_dim / 2]
+    signed_sin = torch.stack((-sin, sin), 1).unsqueeze(1)
+    return both_cos, signed_sin

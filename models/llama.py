@@ -66,13 +66,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_end = self.num_heads * self.head_dim
         k_end = q_end + self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_end].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim
-        q = rope(meta.cos, meta.sin, q)
-        k = rope(meta.cos, meta.sin, k)
+            q = self.q_norm(qkv[:, :q_end].view(t, self.num_heads, self.head_dim))  # per head
+            k = self.k_norm(qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim))
+            q, k = rope(meta.cos, meta.sin, q), rope(meta.cos, meta.sin, k)
+        else:  # the query and key heads rotated in one call
+            qk = rope(meta.cos, meta.sin, qkv[:, :k_end].view(t, -1, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq | Hkv, D]
         out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
         y: torch.Tensor = self.o_proj(out)
         return y
