@@ -42,7 +42,8 @@ from models.attention import StepMetadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
-from models.parallel import ServedLinear, TPContext, linear, onednn_pack
+from models.onednn import PackedWeight, RowInvariance, onednn_pack
+from models.parallel import ServedLinear, TPContext, linear
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
@@ -247,8 +248,8 @@ class EagleHead(nn.Module):
             p.requires_grad_(False)
         # oneDNN reorderings (pack_for_cpu) or quantized copies (quantize) of fc and the LM
         # head for inference; the nn.Linear weights stay, for checkpoints and training
-        self._packed_fc: torch.Tensor | None = None
-        self._packed_head: torch.Tensor | None = None
+        self._packed_fc: PackedWeight | None = None
+        self._packed_head: PackedWeight | None = None
         self._quant_fc: QuantizedWeight | None = None
         self._quant_head: QuantizedWeight | None = None
 
@@ -260,16 +261,18 @@ class EagleHead(nn.Module):
         self._quant_head = quantize(head, kind, row_absmax(head))
 
     def pack_for_cpu(self) -> bool:
-        """Reorder the head's matmul weights for oneDNN (``models.parallel.onednn_pack``), for
-        drafting on a CPU after loading (the head can then no longer be saved). False where the
-        CPU has no such path."""
+        """Reorder the head's matmul weights for oneDNN (``models.onednn``), for drafting on a
+        CPU after loading (the head can then no longer be saved). False where the CPU has no
+        such path."""
         if self.device.type != "cpu":
             return False
-        layer = all(m.pack_for_cpu() for m in self.layer.modules() if isinstance(m, ServedLinear))
+        inv = RowInvariance()
+        served = [m for m in self.layer.modules() if isinstance(m, ServedLinear)]
+        layer = all([m.pack_for_cpu(inv) for m in served])  # noqa: C419 (pack every one)
         if self._quant_fc is not None:  # quantized matmuls have their own kernel
             return layer
-        self._packed_fc = onednn_pack(self.fc.weight.data)
-        self._packed_head = onednn_pack(self.lm_head.weight.data)
+        self._packed_fc = onednn_pack(self.fc.weight.data, inv)
+        self._packed_head = onednn_pack(self.lm_head.weight.data, inv)
         return layer and self._packed_fc is not None and self._packed_head is not None
 
     def forward(

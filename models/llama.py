@@ -11,6 +11,7 @@ from models.attention import StepMetadata, paged_attention
 from models.config import LlamaConfig
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
+from models.onednn import RowInvariance
 from models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -223,13 +224,15 @@ class LlamaModel(nn.Module):
         return self.lm_head.logits(hidden).float()
 
     def pack_for_cpu(self) -> bool:
-        """Reorder every matmul weight for oneDNN (``models.parallel.onednn_pack``): for
-        inference on the CPU, after ``load_weights``. False where the CPU has no such path."""
+        """Reorder every matmul weight for oneDNN (``models.onednn``), in row-invariant column
+        chunks: for inference on the CPU, after ``load_weights``. False where the CPU has no
+        such path."""
         if self.device.type != "cpu":
             return False
+        invariance = RowInvariance()
         layers = [m for m in self.modules() if isinstance(m, ServedLinear)]
-        done = [m.pack_for_cpu() for m in layers]
-        head = self.lm_head.pack_for_cpu()
+        done = [m.pack_for_cpu(invariance) for m in layers]
+        head = self.lm_head.pack_for_cpu(invariance)
         return all(done) and head
 
     def quantize(self, kind: Quant) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.onednn import PackedWeight, RowInvariance, onednn_pack
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, whole
 
@@ -54,41 +55,22 @@ class TPContext:
         return w.narrow(dim, self.rank * n, n)
 
 
-def onednn_pack(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` [out, in] reordered for oneDNN's CPU matmul, or None where there is no such path
-    (a GPU tensor, a build without oneDNN, a CPU lacking the instructions for the dtype).
-
-    On the CPU a decode step is a handful of rows times every weight, a shape where the plain
-    ``F.linear`` (MKL) falls well short of the memory bandwidth and oneDNN's matmul over a
-    weight reordered once at load time comes close to it. The batch-size hint only tunes the
-    blocking.
-    """
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8)
-    except RuntimeError:  # e.g. bf16 on a CPU without AVX-512 BF16
-        return None
-    return packed
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: torch.Tensor | None,
+    packed: PackedWeight | None,
     bias: torch.Tensor | None = None,
     quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T (+ bias)``: through the ``quantized`` weight when there is one, else
-    oneDNN's reordered ``packed`` weight when there is one. x: [T, in] -> [T, out]; bias:
-    [out]."""
+    oneDNN's reordered ``packed`` weight (``models.onednn``) when there is one. x: [T, in] ->
+    [T, out]; bias: [out]."""
     if quantized is not None:
         y = quantized.matmul(x)
         return y if bias is None else y + bias
     if packed is None:
         return nn.functional.linear(x, weight, bias)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out
+    return packed.matmul(x, bias)
 
 
 def tp_group(tp: TPContext) -> Any:
@@ -102,7 +84,7 @@ class ServedLinear(nn.Module):
     weight."""
 
     weight: nn.Parameter
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
     quantized: QuantizedWeight | None = None
 
     def quantize(self, kind: Quant, group: Any = None) -> None:
@@ -112,12 +94,13 @@ class ServedLinear(nn.Module):
         self.quantized = quantize(w, kind, row_absmax(w, group))
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
-    def pack_for_cpu(self) -> bool:
-        """Reorder the loaded weight for oneDNN; False where this CPU has no such path (a
-        quantized weight has its own kernel and stays as it is)."""
+    def pack_for_cpu(self, invariance: RowInvariance | None = None) -> bool:
+        """Reorder the loaded weight for oneDNN (``models.onednn``; ``invariance``: the probes
+        shared across the model); False where this CPU has no such path (a quantized weight
+        has its own kernel and stays as it is)."""
         if self.quantized is not None:
             return True
-        packed = onednn_pack(self.weight.data)
+        packed = onednn_pack(self.weight.data, invariance)
         if packed is None:
             return False
         self.packed = packed
@@ -218,7 +201,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.packed: torch.Tensor | None = None  # a oneDNN reordering for logits (CPU)
+        self.packed: PackedWeight | None = None  # a oneDNN reordering for logits (CPU)
         self.quantized: QuantizedWeight | None = None  # a quantized copy for logits
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
@@ -239,12 +222,12 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, invariance: RowInvariance | None = None) -> bool:
         """Keep a oneDNN reordering of the table for ``logits`` (the table itself stays: the
         embedding lookup reads it); a quantized table needs none."""
         if self.quantized is not None:
             return True
-        self.packed = onednn_pack(self.weight.data)
+        self.packed = onednn_pack(self.weight.data, invariance)
         return self.packed is not None
 
     def quantize(self, kind: Quant, keep_table: bool) -> None:

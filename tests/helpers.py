@@ -18,15 +18,17 @@ def make_tiny_checkpoint(
     kv_heads: int = 2,
     vocab_size: int | None = None,
     tie: bool = True,
+    intermediate: int | None = None,
 ) -> Path:
-    """A randomly initialised Llama of the embedded model's family, with its tokenizer files."""
+    """A randomly initialised Llama of the embedded model's family, with its tokenizer files
+    (``intermediate``: the MLP's width, twice ``hidden`` unless given)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok_cfg = LlamaConfig.from_pretrained(tokenizer_from)
     cfg = LlamaConfig(
         vocab_size=vocab_size or tok_cfg.vocab_size,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

@@ -1,0 +1,105 @@
+"""oneDNN-reordered weights compute each row as a one-row matmul does, bit for bit, so that
+verification rows equal one-token decodes (greedy speculation token-identical to plain
+decoding) on a bf16 model too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import kv_pool_shape
+from models.onednn import RowInvariance, onednn_pack
+from models.spec import ModelSpec
+from runtime.runner import SeqInput, run_step
+from tests.helpers import make_tiny_checkpoint
+
+BS = 16
+
+
+def _bf16_packs() -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 8)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 1536), (960, 576), (256, 4096)])
+def test_every_row_is_computed_as_a_one_row_matmul(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    out, inp = shape
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)  # [out, in]
+    x = torch.randn(160, inp, generator=g).to(dtype)  # [M, in]
+    packed = onednn_pack(w, RowInvariance())
+    if packed is None:  # only where this CPU's oneDNN has no kernel for the dtype
+        assert dtype == torch.bfloat16 and not _bf16_packs()
+        return
+    one_row = torch.cat([packed.matmul(x[i : i + 1]) for i in range(40)])  # [40, out]
+    for m in (2, 8, 9, 33, 160):
+        assert torch.equal(packed.matmul(x[:m])[:40], one_row[: min(m, 40)]), m
+    bias = torch.randn(out, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(packed.matmul(x, bias).float(), want, atol=tol, rtol=tol)
+
+
+def test_a_long_reduction_is_probed_and_chunked_consistently() -> None:
+    inv = RowInvariance()
+    width = inv.chunk_width(torch.float32, 1536, 576)
+    assert 0 < width <= 1536 and (width == 1536 or width % 64 == 0)
+    assert inv.chunk_width(torch.float32, 1536, 576) == width  # remembered
+    packed = onednn_pack(torch.randn(576, 1536), inv)
+    assert packed is not None
+    assert packed.bounds[0] == 0 and packed.bounds[-1] == 1536
+    assert all(b - a <= width for a, b in zip(packed.bounds, packed.bounds[1:], strict=False))
+
+
+def test_bf16_verification_rows_equal_one_token_decodes(
+    embedded_folder: Path, tmp_path: Path
+) -> None:
+    """A bf16 model served as on a CPU (weights reordered for oneDNN): verifying k + 1 tokens
+    gives each row the logits a one-token decode gives it, bit for bit. The MLP's reduction
+    (1,536 wide) is one oneDNN splits differently for one row and for several."""
+    folder = make_tiny_checkpoint(
+        tmp_path / "m",
+        embedded_folder,
+        seed=5,
+        num_layers=2,
+        hidden=576,
+        heads=9,
+        kv_heads=3,
+        vocab_size=512,
+        intermediate=1536,
+    )
+    model = ModelSpec(str(folder), "bfloat16").load()
+    if not model.pack_for_cpu():
+        assert not _bf16_packs()
+        return
+    c = model.cfg
+    g = torch.Generator().manual_seed(3)
+    n, k = 100, 15
+    prompt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
+    tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
+    table = list(range(8))
+
+    def fresh() -> torch.Tensor:
+        pool = torch.zeros(
+            kv_pool_shape(8, c.num_kv_heads, c.num_layers, BS, c.head_dim), dtype=model.dtype
+        )
+        run_step(model, pool, BS, [SeqInput(table, 0, prompt, [n - 1])])
+        return pool
+
+    pool = fresh()
+    one_by_one = [
+        run_step(model, pool, BS, [SeqInput(table, n + i, [t], [0])]).logits[0]
+        for i, t in enumerate(tokens)
+    ]
+    pool = fresh()
+    verified = run_step(model, pool, BS, [SeqInput(table, n, tokens, list(range(k)))]).logits
+    for i in range(k):
+        assert torch.equal(verified[i], one_by_one[i]), i
