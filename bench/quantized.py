@@ -68,7 +68,7 @@ def weight_bytes(engine: DecodeEngine) -> int:
     for m in runner.model.modules():
         tensors = list(m.parameters(recurse=False))
         packed, quantized = getattr(m, "packed", None), getattr(m, "quantized", None)
-        tensors += [packed] if packed is not None else []
+        tensors += list(packed.chunks) if packed is not None else []
         tensors += [quantized.data, quantized.scale] if quantized is not None else []
         for t in tensors:
             if id(t) not in seen:

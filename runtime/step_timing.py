@@ -23,9 +23,10 @@ from speculation.step_time import StepTimeModel, isotonic
 
 log = logging.getLogger(__name__)
 CONTEXT = 128  # tokens of context the calibration steps attend over
-# bumped when measurement or fit change, so cached models are re-measured (5: replicas now
-# build and step their engine on one thread, and ran ~1.4x slower when measured before)
-METHOD = 5
+# bumped when measurement, fit or the step's own cost change, so cached models are re-measured
+# (5: replicas build and step their engine on one thread; 6: fewer ops per layer and the MLP's
+# down projection in row-invariant chunks)
+METHOD = 6
 
 
 def calibration_points(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:

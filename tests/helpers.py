@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from models.llama import LlamaModel
 
 
 def make_tiny_checkpoint(
@@ -52,3 +56,33 @@ def make_tiny_checkpoint(
         if src.exists():
             shutil.copy(src, folder / name)
     return folder
+
+
+def assert_verification_equals_decodes(model: LlamaModel, n: int, k: int, blocks: int) -> None:
+    """Verifying ``k`` tokens after an ``n``-token prompt gives each row the logits a one-token
+    decode gives it, bit for bit: what keeps greedy speculation token-identical to plain
+    decoding. ``blocks`` of 16 tokens must hold ``n + k``."""
+    from models.attention import kv_pool_shape
+    from runtime.runner import SeqInput, run_step
+
+    bs, c = 16, model.cfg
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
+    tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
+    table = list(range(blocks))
+
+    def fresh() -> torch.Tensor:
+        shape = kv_pool_shape(blocks, c.num_kv_heads, c.num_layers, bs, c.head_dim)
+        pool = torch.zeros(shape, dtype=model.dtype)
+        run_step(model, pool, bs, [SeqInput(table, 0, prompt, [n - 1])])
+        return pool
+
+    pool = fresh()
+    one_by_one = [
+        run_step(model, pool, bs, [SeqInput(table, n + i, [t], [0])]).logits[0]
+        for i, t in enumerate(tokens)
+    ]
+    pool = fresh()
+    verified = run_step(model, pool, bs, [SeqInput(table, n, tokens, list(range(k)))]).logits
+    for i in range(k):
+        assert torch.equal(verified[i], one_by_one[i]), f"row {i} of {k}"

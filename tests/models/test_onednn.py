@@ -9,13 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.attention import kv_pool_shape
 from models.onednn import RowInvariance, onednn_pack
 from models.spec import ModelSpec
-from runtime.runner import SeqInput, run_step
-from tests.helpers import make_tiny_checkpoint
-
-BS = 16
+from tests.helpers import assert_verification_equals_decodes, make_tiny_checkpoint
 
 
 def _bf16_packs() -> bool:
@@ -80,26 +76,4 @@ def test_bf16_verification_rows_equal_one_token_decodes(
     if not model.pack_for_cpu():
         assert not _bf16_packs()
         return
-    c = model.cfg
-    g = torch.Generator().manual_seed(3)
-    n, k = 100, 15
-    prompt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
-    tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
-    table = list(range(8))
-
-    def fresh() -> torch.Tensor:
-        pool = torch.zeros(
-            kv_pool_shape(8, c.num_kv_heads, c.num_layers, BS, c.head_dim), dtype=model.dtype
-        )
-        run_step(model, pool, BS, [SeqInput(table, 0, prompt, [n - 1])])
-        return pool
-
-    pool = fresh()
-    one_by_one = [
-        run_step(model, pool, BS, [SeqInput(table, n + i, [t], [0])]).logits[0]
-        for i, t in enumerate(tokens)
-    ]
-    pool = fresh()
-    verified = run_step(model, pool, BS, [SeqInput(table, n, tokens, list(range(k)))]).logits
-    for i in range(k):
-        assert torch.equal(verified[i], one_by_one[i]), i
+    assert_verification_equals_decodes(model, n=100, k=15, blocks=8)

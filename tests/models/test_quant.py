@@ -17,6 +17,7 @@ from models.parallel import ServedLinear
 from models.quant import FP8, Quant, QuantizedWeight, quantize, row_absmax
 from models.spec import ModelSpec
 from runtime.runner import SeqInput, StepResult, run_step
+from tests.helpers import assert_verification_equals_decodes
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1, on_two_ranks
 
 BS = 16
@@ -199,24 +200,4 @@ def test_int8_verification_rounds_exactly_like_one_token_decodes(tiny_folder: Pa
     activations would amplify attention's call-shape rounding, so attention runs in float64."""
     model = ModelSpec(str(tiny_folder), quantization="int8").load()
     assert model.invariant_attention
-    c = model.cfg
-    g = torch.Generator().manual_seed(3)
-    n, k = 300, 8
-    prompt = torch.randint(3, c.vocab_size, (n,), generator=g).tolist()
-    tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
-    table = list(range(20))
-
-    def fresh() -> torch.Tensor:
-        pool = torch.zeros(kv_pool_shape(20, c.num_kv_heads, c.num_layers, BS, c.head_dim))
-        run_step(model, pool, BS, [SeqInput(table, 0, prompt, [n - 1])])
-        return pool
-
-    pool = fresh()
-    one_by_one = [
-        run_step(model, pool, BS, [SeqInput(table, n + i, [t], [0])]).logits[0]
-        for i, t in enumerate(tokens)
-    ]
-    pool = fresh()
-    verified = run_step(model, pool, BS, [SeqInput(table, n, tokens, list(range(k)))]).logits
-    for i in range(k):
-        assert torch.equal(verified[i], one_by_one[i])
+    assert_verification_equals_decodes(model, n=300, k=8, blocks=20)
