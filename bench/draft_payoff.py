@@ -1,7 +1,7 @@
 """Whether adaptive speculation pays at a batch size, in-process, drafters against none.
 
-The embedded model in float32 decodes ShareGPT first prompts of at most 600 characters (chat
-template; computed in-engine first, then timed) at ``--batch`` sequences, greedy, with no
+The embedded model in float32 decodes ShareGPT first prompts (chat template; computed
+in-engine first, then timed) at ``--batch`` sequences, greedy, with no
 drafter and with each drafter as served (k = 4 adaptive): the shipped EAGLE head behind n-gram
 lookup, and n-gram lookup alone.
 The engines alternate ``--trials`` times. Per run: decode tokens/s, and per step the tokens
@@ -9,8 +9,13 @@ the target scored, the tokens the drafter's model computed (its rounds), and the
 emitted. Adaptive speculation should never be much slower than none: where a drafter's
 tokens/s fall below none's, the planner granted drafts that did not pay.
 
+With ``--closed-loop N``, the engines instead serve ``N`` prompts as ``--batch`` clients
+would, each sending its next prompt when its last request ends, so prompts are computed in
+the steps between decodes as a colocated replica computes them; the clock covers the whole
+run, prompts included (output tokens over it, as ``vllm bench serve`` reports).
+
     .venv/bin/python -m bench.draft_payoff [--batch 8] [--new-tokens 64] [--trials 2]
-        [--out bench/results/draft_payoff.json]
+        [--closed-loop 32] [--out bench/results/draft_payoff.json]
 """
 
 from __future__ import annotations
@@ -73,19 +78,51 @@ def _run(engine: DecodeEngine, prompts: list[list[int]], new: int) -> dict[str, 
     }
 
 
+def _closed_loop(
+    engine: DecodeEngine, prompts: list[list[int]], clients: int, new: int
+) -> dict[str, float]:
+    queue = list(prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=new)
+    running: list[Request] = []
+    done: list[Request] = []
+    s0 = engine.stats()
+    t0 = time.perf_counter()
+    while queue or running:
+        while queue and len(running) < clients:
+            r = Request(uuid.uuid4().hex, queue.pop(0), sp)
+            engine.add(r, None)
+            running.append(r)
+        engine.step()
+        done += [r for r in running if r.is_finished]
+        running = [r for r in running if not r.is_finished]
+    seconds = time.perf_counter() - t0
+    s1 = engine.stats()
+    emitted = sum(len(r.output_token_ids) for r in done)
+    steps = max(s1.steps - s0.steps, 1)
+    return {
+        "tok_s": emitted / seconds,
+        "steps": steps,
+        "target_tokens_per_step": (s1.target_tokens_fed - s0.target_tokens_fed) / steps,
+        "draft_tokens_per_step": (s1.draft_tokens_fed - s0.draft_tokens_fed) / steps,
+        "emitted_per_step": emitted / steps,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--closed-loop", type=int, default=0, help="prompts served by --batch clients")
     ap.add_argument("--out", type=Path, default=RESULTS / "draft_payoff.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}]) for t in first_prompts(args.batch)
+        tok.apply_chat_template([{"role": "user", "content": t}])
+        for t in first_prompts(args.closed_loop or args.batch)
     ]
     engines = {
         name: DecodeEngine(
@@ -98,7 +135,11 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for _ in range(args.trials):  # alternate: a burst of load lands on one run of each
         for name, engine in engines.items():
-            runs[name].append(_run(engine, prompts, args.new_tokens))
+            runs[name].append(
+                _closed_loop(engine, prompts, args.batch, args.new_tokens)
+                if args.closed_loop
+                else _run(engine, prompts, args.new_tokens)
+            )
             print(f"{name}: {runs[name][-1]}", flush=True)
     for engine in engines.values():
         engine.close()
@@ -108,6 +149,7 @@ def main() -> None:
         "batch": args.batch,
         "threads": args.threads,
         "new_tokens": args.new_tokens,
+        "closed_loop_prompts": args.closed_loop,
         "runs": runs,
         "ratio_to_none": {
             name: statistics.median(r["tok_s"] for r in rs) / none for name, rs in runs.items()
