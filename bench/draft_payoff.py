@@ -33,6 +33,7 @@ from bench.load_report import write_json
 from bench.sharegpt import first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from decode.outputs import EngineStats
 from models.embedded import embedded_eagle_path
 from models.request import Request
 from models.sampling import SamplingParams
@@ -52,6 +53,19 @@ def _drafts() -> dict[str, DraftSpec]:
     }
 
 
+def _report(s0: EngineStats, s1: EngineStats, emitted: int, seconds: float) -> dict[str, float]:
+    """A run's tokens/s, and per step: tokens scored by the target and by the drafter's model
+    (its rounds), tokens emitted; from the engine's counters before and after it."""
+    steps = max(s1.steps - s0.steps, 1)
+    return {
+        "tok_s": emitted / seconds,
+        "steps": steps,
+        "target_tokens_per_step": (s1.target_tokens_fed - s0.target_tokens_fed) / steps,
+        "draft_tokens_per_step": (s1.draft_tokens_fed - s0.draft_tokens_fed) / steps,
+        "emitted_per_step": emitted / steps,
+    }
+
+
 def _run(engine: DecodeEngine, prompts: list[list[int]], new: int) -> dict[str, float]:
     reqs = [
         Request(uuid.uuid4().hex, p, SamplingParams(temperature=0.0, max_tokens=new))
@@ -66,16 +80,8 @@ def _run(engine: DecodeEngine, prompts: list[list[int]], new: int) -> dict[str, 
     while engine.has_work:
         engine.step()
     seconds = time.perf_counter() - t0
-    s1 = engine.stats()
     emitted = sum(len(r.output_token_ids) for r in reqs) - before
-    steps = max(s1.steps - s0.steps, 1)
-    return {
-        "tok_s": emitted / seconds,
-        "steps": steps,
-        "target_tokens_per_step": (s1.target_tokens_fed - s0.target_tokens_fed) / steps,
-        "draft_tokens_per_step": (s1.draft_tokens_fed - s0.draft_tokens_fed) / steps,
-        "emitted_per_step": emitted / steps,
-    }
+    return _report(s0, engine.stats(), emitted, seconds)
 
 
 def _closed_loop(
@@ -96,16 +102,8 @@ def _closed_loop(
         done += [r for r in running if r.is_finished]
         running = [r for r in running if not r.is_finished]
     seconds = time.perf_counter() - t0
-    s1 = engine.stats()
     emitted = sum(len(r.output_token_ids) for r in done)
-    steps = max(s1.steps - s0.steps, 1)
-    return {
-        "tok_s": emitted / seconds,
-        "steps": steps,
-        "target_tokens_per_step": (s1.target_tokens_fed - s0.target_tokens_fed) / steps,
-        "draft_tokens_per_step": (s1.draft_tokens_fed - s0.draft_tokens_fed) / steps,
-        "emitted_per_step": emitted / steps,
-    }
+    return _report(s0, engine.stats(), emitted, seconds)
 
 
 def main() -> None:
