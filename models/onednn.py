@@ -12,16 +12,19 @@ reduction one way for a single row and another way for several, so the same row 
 few ulps apart. In float32 that rarely moves an argmax; a bf16 model rounds it into other
 tokens. So a weight whose reduction is long is reordered in column chunks that are each
 reduced alike for any number of rows, and the chunks' partial products are added in a fixed
-order. Which widths are safe is oneDNN's choice and the CPU's, so it is probed (``RowInvariance``)
-once per dtype and width rather than assumed.
+order. Which widths are safe is oneDNN's choice and the CPU's, so the exact chunking is probed
+(``RowInvariance``) once per dtype and shape rather than assumed.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Row counts the probe compares with one-row matmuls: every count up to 17, then the sizes a
 # step of verifications or a prompt chunk reaches.
@@ -65,13 +68,20 @@ def _reorder(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _row_invariant(dtype: torch.dtype, width: int, out: int, seed: int = 0) -> bool:
-    """Whether oneDNN reduces ``width`` input features into ``out`` outputs alike for one row
-    and for each probed row count (a random weight and input, compared bit for bit)."""
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(out, width, generator=g) * 0.05).to(dtype)  # [out, width]
-    x = torch.randn(max(_PROBE_ROWS), width, generator=g).to(dtype)  # [M, width]
-    packed = PackedWeight((_reorder(w),), (0, width))
+def _chunked(w: torch.Tensor, width: int) -> PackedWeight:
+    """``w`` [out, in] reordered in column chunks of ``width`` (the last one what is left)."""
+    bounds = (*range(0, w.shape[1], width), w.shape[1])
+    return PackedWeight(tuple(_reorder(w[:, a:b]) for a, b in pairwise(bounds)), bounds)
+
+
+def _row_invariant(dtype: torch.dtype, in_features: int, out: int, width: int) -> bool:
+    """Whether a weight [out, in_features] packed in chunks of ``width`` gives every row alike
+    for one row and for each probed row count (a random weight and input, bit for bit): the
+    exact chunking it will be served with, remainder chunk included."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out, in_features, generator=g) * 0.05).to(dtype)  # [out, in]
+    x = torch.randn(max(_PROBE_ROWS), in_features, generator=g).to(dtype)  # [M, in]
+    packed = _chunked(w, width)
     ref = torch.cat([packed.matmul(x[i : i + 1]) for i in range(_PROBE_REFERENCE_ROWS)])
     for m in _PROBE_ROWS:
         rows = min(m, _PROBE_REFERENCE_ROWS)
@@ -97,12 +107,22 @@ class RowInvariance:
     @staticmethod
     def _probe(dtype: torch.dtype, in_features: int, out: int) -> int:
         """``in_features`` if the whole reduction is row-invariant, else the widest of
-        ``_CHUNKS`` that is (the narrowest if none is)."""
+        ``_CHUNKS`` whose chunking is; if none is, the narrowest, logged (rows may then differ
+        in their last bits with the number of rows in a step)."""
         narrower = [c for c in _CHUNKS if c < in_features]
         for width in (in_features, *narrower):
-            if _row_invariant(dtype, width, out):
+            if _row_invariant(dtype, in_features, out, width):
                 return width
-        return narrower[-1] if narrower else in_features
+        width = narrower[-1] if narrower else in_features
+        log.warning(
+            "oneDNN reduces a %s matmul over %d inputs differently by row count at every chunk "
+            "width tried; serving it in chunks of %d: greedy speculation may then differ from "
+            "plain decoding in rare tokens",
+            dtype,
+            in_features,
+            width,
+        )
+        return width
 
 
 def onednn_pack(w: torch.Tensor, invariance: RowInvariance | None = None) -> PackedWeight | None:
@@ -116,6 +136,4 @@ def onednn_pack(w: torch.Tensor, invariance: RowInvariance | None = None) -> Pac
         width = (invariance or RowInvariance()).chunk_width(w.dtype, w.shape[1], w.shape[0])
     except RuntimeError:  # e.g. bf16 on a CPU without AVX-512 BF16
         return None
-    bounds = (*range(0, w.shape[1], width), w.shape[1])
-    chunks = tuple(_reorder(w[:, a:b]) for a, b in pairwise(bounds))
-    return PackedWeight(chunks, bounds)
+    return _chunked(w, width)
