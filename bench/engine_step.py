@@ -80,7 +80,7 @@ def stream_ms(buffer: torch.Tensor, rounds: int = 5) -> float:
     """The fastest of ``rounds`` reads of ``buffer`` (a sum over it, on the benchmark's
     threads): the memory wall a batch-1 step of that many weight bytes stands against,
     measured in the same run as the step. The fastest, since a wall is what the machine can
-    do (a read here takes 10-18 ms for the same 538 MB from one moment to the next)."""
+    do, and a shared machine's reads vary from one moment to the next."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()

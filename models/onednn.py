@@ -7,7 +7,7 @@ reordered once at load time comes close to it.
 **Row invariance.** Greedy speculation is token-identical to plain decoding only if verifying
 k + 1 tokens gives each row what a one-token decode gives it, bit for bit, and a decode row
 must not change with what else shares its step. oneDNN's matmul does not promise that: over a
-long reduction (on the CPUs this was written on, more than 1,024 input features) it blocks the
+long reduction (on AVX-512 CPUs, more than 1,024 input features) it blocks the
 reduction one way for a single row and another way for several, so the same row comes out a
 few ulps apart. In float32 that rarely moves an argmax; a bf16 model rounds it into other
 tokens. So a weight whose reduction is long is reordered in column chunks that are each
