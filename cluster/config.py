@@ -51,6 +51,16 @@ class PoolConfig(_Frozen):
         "auto", description="Where the models run; 'auto' picks CUDA when a GPU is visible."
     )
     num_threads: int = Field(0, ge=0, description="torch CPU threads per replica (0: default).")
+    switch_interval_s: float | None = Field(
+        0.0002,
+        gt=0,
+        le=0.1,
+        description="Python's thread switch interval in each replica's process "
+        "(sys.setswitchinterval). The engine's thread releases the GIL in every torch op and "
+        "takes it back after; whenever the replica's other threads (Serve's event loop "
+        "streaming tokens, Ray's) are running Python, it waits up to this long for it, "
+        "thousands of times a step. null keeps the interpreter's 0.005 s.",
+    )
     gpu_fraction: float = Field(
         1.0,
         gt=0,

@@ -166,6 +166,7 @@ SUMMARY = (
     "rss_bytes",
     "heap_releases",
     "onednn_cache_capacity",
+    "switch_interval_s",
     "node_id",
     "age_s",
 )

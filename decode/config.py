@@ -24,6 +24,7 @@ class DecodeEngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step: decodes, drafts and prompt chunks
     max_model_len: int = 8192  # prompt plus output tokens of one request
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    switch_interval_s: float | None = None  # the process's GIL switch interval (ShardSpec)
     pull_margin_s: float = 1.0  # refuse to start a pull whose lease ends sooner than this
     pull_timeout_s: float = 10.0  # a pull still running after this has failed
     kv_failure_policy: str = "recompute"  # on a failed pull: "recompute" the prompt, or "fail"

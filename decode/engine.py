@@ -64,6 +64,7 @@ class DecodeEngine:
                 device=cfg.device,
                 tp_size=cfg.tp_size,
                 num_threads=cfg.num_threads,
+                switch_interval_s=cfg.switch_interval_s,
                 transport=cfg.transport,
                 buckets=BucketSpec(
                     max_seqs=cfg.max_batch_size,

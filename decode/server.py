@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
@@ -119,6 +120,7 @@ class DecodeServer:
         out["kv_pool_bytes"] = self.engine.pool.nbytes
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
+        out["switch_interval_s"] = sys.getswitchinterval()
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

@@ -24,3 +24,4 @@ class PrefillWorkerConfig:
     probe_window: int = 16  # prompt positions the acceptance probe averages over
     lease_seconds: float = 30.0
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    switch_interval_s: float | None = None  # the process's GIL switch interval (ShardSpec)

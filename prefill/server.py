@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -101,6 +102,7 @@ class PrefillServer:
         out["kv_pool_bytes"] = self.worker.pool.nbytes
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
+        out["switch_interval_s"] = sys.getswitchinterval()
         out["transport"] = self.worker.transport.name
         out["transport_fallback"] = self.worker.shard.fallback_reason
         out["transfer"] = asdict(self.worker.transport.counters)

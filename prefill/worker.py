@@ -67,6 +67,7 @@ class PrefillWorker:
                 device=cfg.device,
                 tp_size=cfg.tp_size,
                 num_threads=cfg.num_threads,
+                switch_interval_s=cfg.switch_interval_s,
                 transport=cfg.transport,
             )
         )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvtransfer.select import make_transport
 from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
 from runtime.tp_group import build_tp_shard
@@ -11,8 +9,7 @@ from runtime.tp_group import build_tp_shard
 
 def build_shard(spec: ShardSpec) -> Shard:
     """Load the models and allocate and register the pools: locally, or over a TP group."""
-    if spec.num_threads > 0:
-        torch.set_num_threads(spec.num_threads)
+    spec.configure_process()
     if spec.tp_size > 1:
         return build_tp_shard(spec)
     pool = rank_pool(spec, 0)

@@ -10,9 +10,12 @@ makes either.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
@@ -38,8 +41,20 @@ class ShardSpec:
     device: str = "cpu"
     tp_size: int = 1
     num_threads: int = 0  # torch CPU threads per rank; 0 keeps torch's default
+    # sys.setswitchinterval in each rank's process (None keeps the interpreter's): the step's
+    # thread takes the GIL back after every torch op, and waits up to this long each time
+    # another thread of the process (Serve's event loop, Ray's) is running Python
+    switch_interval_s: float | None = None
     transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
     buckets: BucketSpec | None = None  # the target's bucketed steps (None: ragged only)
+
+    def configure_process(self) -> None:
+        """Apply the process-wide settings of a rank's process: torch's CPU threads and the
+        interpreter's switch interval."""
+        if self.num_threads > 0:
+            torch.set_num_threads(self.num_threads)
+        if self.switch_interval_s is not None:
+            sys.setswitchinterval(self.switch_interval_s)
 
 
 @dataclass(frozen=True)

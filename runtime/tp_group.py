@@ -121,8 +121,7 @@ class RankWorker:
             raise RuntimeError(f"TP rank {rank} could not load its shard") from self._error
 
     def _build(self, spec: ShardSpec, rank: int) -> None:
-        if spec.num_threads > 0:
-            torch.set_num_threads(spec.num_threads)
+        spec.configure_process()
         tp = TPContext(rank, spec.tp_size, self.groups.compute)
         self.pool = rank_pool(spec, rank)
         self.runner = rank_target(spec, self.pool, tp)

@@ -56,7 +56,7 @@ def test_models_and_health(client: openai.OpenAI, base: str) -> None:
     assert h["status"] == "ok" and h["mode"] == "disaggregated" and h["kv_transport"] == "nixl"
 
 
-def test_prefill_replicas_bound_their_shape_caches_and_give_heap_back_when_idle(
+def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
     client: openai.OpenAI, base: str
 ) -> None:
     client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=4)
@@ -70,6 +70,8 @@ def test_prefill_replicas_bound_their_shape_caches_and_give_heap_back_when_idle(
     assert all(r["onednn_cache_capacity"] == 64 for r in prefill.values()), prefill  # the default
     decode = _health(base)["pools"]["decode"]["replicas"]
     assert all(r["onednn_cache_capacity"] is None for r in decode.values()), decode
+    for pool in (prefill, decode):  # the pools' default reached each replica's interpreter
+        assert all(r["switch_interval_s"] == pytest.approx(2e-4) for r in pool.values()), pool
 
 
 def test_chat_completion(client: openai.OpenAI, embedded_folder: Path) -> None:
