@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,18 +85,19 @@ def _run(engine: DecodeEngine, prompts: list[list[int]], new: int) -> dict[str, 
     return _report(s0, engine.stats(), emitted, seconds)
 
 
-def _closed_loop(
-    engine: DecodeEngine, prompts: list[list[int]], clients: int, new: int
+def closed_loop(
+    engine: DecodeEngine, prompts: Sequence[list[int]], clients: int, sampling: SamplingParams
 ) -> dict[str, float]:
+    """``prompts`` served in order by ``clients`` closed-loop clients (each sends its next prompt
+    when its last request ends); output tokens/s over the whole run and per-step counts."""
     queue = list(prompts)
-    sp = SamplingParams(temperature=0.0, max_tokens=new)
     running: list[Request] = []
     done: list[Request] = []
     s0 = engine.stats()
     t0 = time.perf_counter()
     while queue or running:
         while queue and len(running) < clients:
-            r = Request(uuid.uuid4().hex, queue.pop(0), sp)
+            r = Request(uuid.uuid4().hex, queue.pop(0), sampling)
             engine.add(r, None)
             running.append(r)
         engine.step()
@@ -130,11 +132,12 @@ def main() -> None:
         )
         for name, d in _drafts().items()
     }
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     for _ in range(args.trials):  # alternate: a burst of load lands on one run of each
         for name, engine in engines.items():
             runs[name].append(
-                _closed_loop(engine, prompts, args.batch, args.new_tokens)
+                closed_loop(engine, prompts, args.batch, greedy)
                 if args.closed_loop
                 else _run(engine, prompts, args.new_tokens)
             )

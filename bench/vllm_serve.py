@@ -26,7 +26,13 @@ then (``--server both`` is the default; ``tandem`` or ``vllm`` runs one):
 
     .venv/bin/python -m bench.vllm_serve [--config deploy/local.yaml] [--num-prompts 64]
         [--max-concurrency 1 8] [--output-len 128] [--seed 0] [--backend openai-chat]
-        [--vllm-python /work/vllm-venv/bin/python] [--out bench/results/vllm_serve.json]
+        [--in-process] [--vllm-python /work/vllm-venv/bin/python]
+        [--out bench/results/vllm_serve.json]
+
+``--in-process`` (colocated configs) also runs, right after the served tandem, the same engine
+in this process with no Ray, Serve or HTTP on the client's own requests (drawn by the client's
+sampler from the same arguments), as closed-loop clients at each concurrency: the served
+figure over that one is what the serving path costs, measured in the same run.
 
 Reading the numbers: TPOT is ``(latency - TTFT) / (tokens - 1)`` per request, with the token
 count from the server's usage chunk, so it compares the servers per token. ITL is per streamed
@@ -52,10 +58,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.draft_payoff import closed_loop
 from bench.local_app import local_app
 from bench.sharegpt import dataset_path, iter_conversations
-from cluster.builder import resolve_models
+from cluster.builder import engine_configs, resolve_models
 from cluster.config import TandemConfig
+from decode.engine import DecodeEngine
+from models.sampling import SamplingParams
+from models.tokenizer import Tokenizer
 from models.weights import resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +79,17 @@ CLIENT = (
     "from vllm.benchmarks.serve import add_cli_args, main\n"
     "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
     "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
+)
+# The client's own sampler, same arguments: the prompts a run sends, in order (as JSON).
+SAMPLER = (
+    "import json, sys\n"
+    "from vllm.benchmarks.datasets import get_samples\n"
+    "from vllm.benchmarks.serve import add_cli_args\n"
+    "from vllm.tokenizers import get_tokenizer\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p); a = p.parse_args(sys.argv[2:])\n"
+    "s = get_samples(a, get_tokenizer(a.tokenizer, tokenizer_mode=a.tokenizer_mode))\n"
+    "json.dump([r.prompt for r in s], open(sys.argv[1], 'w'))\n"
 )
 # Kept from each client result: counts, throughputs, latency statistics (ms).
 SUMMARY_KEYS = (
@@ -253,16 +274,11 @@ def tandem_server(cfg: TandemConfig, num_cpus: int) -> Iterator[str]:
         yield v1_url.removesuffix("/v1")
 
 
-def run_client(
-    python: Path,
-    base_url: str,
-    model: str,
-    run: ClientRun,
-    concurrency: int,
-    result: Path,
-) -> dict[str, Any]:
-    """One run of vLLM's client against ``base_url``; its detailed result JSON."""
-    argv = [
+def client_argv(
+    base_url: str, model: str, run: ClientRun, concurrency: int, result: Path
+) -> list[str]:
+    """The arguments of one run of vLLM's client (and of its sampler: ``client_requests``)."""
+    return [
         "--backend",
         run.backend,
         "--base-url",
@@ -302,6 +318,18 @@ def run_client(
         result.name,
         *(["--ignore-eos"] if run.ignore_eos else []),
     ]
+
+
+def run_client(
+    python: Path,
+    base_url: str,
+    model: str,
+    run: ClientRun,
+    concurrency: int,
+    result: Path,
+) -> dict[str, Any]:
+    """One run of vLLM's client against ``base_url``; its detailed result JSON."""
+    argv = client_argv(base_url, model, run, concurrency, result)
     sys.stdout.flush()
     subprocess.run(
         [str(python), "-c", CLIENT, *argv],
@@ -311,6 +339,53 @@ def run_client(
     )
     out: dict[str, Any] = json.loads(result.read_text())
     return out
+
+
+def client_requests(python: Path, run: ClientRun, dest: Path) -> list[str]:
+    """The prompts the client sends in a run, in order, drawn by its own sampler from the same
+    arguments (the sample does not depend on the server or the concurrency)."""
+    argv = client_argv("http://127.0.0.1:1", "unused", run, 1, dest)
+    subprocess.run(
+        [str(python), "-c", SAMPLER, str(dest), *argv],
+        env=vllm_env({"OMP_NUM_THREADS": "1"}),
+        cwd=tempfile.gettempdir(),
+        check=True,
+    )
+    prompts: list[str] = json.loads(dest.read_text())
+    return prompts
+
+
+def engine_in_process(
+    cfg: TandemConfig, prompts: Sequence[str], run: ClientRun, concurrency: int
+) -> dict[str, Any]:
+    """The engine a colocated decode replica serves (``cluster.builder.engine_configs``), in
+    this process with no Ray, Serve or HTTP, fed the client's requests as the ingress makes
+    them: each prompt under the chat template, ``run.output_len`` max tokens, stopping at the
+    end-of-sequence token, greedy; ``concurrency`` closed-loop clients after the client's
+    warm-ups. What it gives over what the served app gives is what the serving path costs."""
+    if cfg.mode != "colocated":
+        raise SystemExit("--in-process needs a colocated config: its engine computes prompts")
+    engine_cfg, _ = engine_configs(cfg, resolve_models(cfg))
+    engine = DecodeEngine(engine_cfg)
+    try:
+        tok = Tokenizer(run.tokenizer)
+        ids = [
+            tok.encode(p)
+            if run.backend == "openai"
+            else tok.apply_chat_template([{"role": "user", "content": p}])
+            for p in prompts
+        ]
+        sampling = SamplingParams(
+            temperature=0.0,
+            max_tokens=run.output_len,
+            stop_token_ids=() if run.ignore_eos else tok.eos_token_ids,
+        )
+        if run.warmups:
+            closed_loop(engine, ids[:1] * run.warmups, concurrency, sampling)
+        out = closed_loop(engine, ids, concurrency, sampling)
+    finally:
+        engine.close()
+    return {"output_throughput": out["tok_s"], **{k: v for k, v in out.items() if k != "tok_s"}}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -360,6 +435,14 @@ def table(report: dict[str, Any]) -> str:
                 f"{label:22s} {c:4d} {cells[0]} {cells[1]} "
                 + (f"{ratio:12.2f}" if ratio is not None else f"{'-':>12s}")
             )
+        engine = report.get("in_process", {}).get(str(c))
+        served = servers.get("tandem", {}).get("runs", {}).get(str(c), {}).get("output_throughput")
+        if engine and served:
+            tok_s = engine["output_throughput"]
+            lines.append(
+                f"{'in-process tok/s':22s} {c:4d} {tok_s:10.2f}  served / in-process "
+                f"{served / tok_s:.2f}"
+            )
         same = report["agreement"].get(str(c))
         if same:
             lines.append(f"{'same greedy text':22s} {c:4d} {same['same_text']}/{same['requests']}")
@@ -391,6 +474,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=2, help="client warm-up requests per run")
     ap.add_argument("--ignore-eos", action="store_true", help="every request writes output-len")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="after the served tandem, run its engine in this process on the client's own "
+        "requests at each concurrency (colocated configs): what the serving path costs",
+    )
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument(
@@ -493,6 +582,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 except subprocess.CalledProcessError as e:
                     runs[str(c)] = {"error": f"the client exited with {e.returncode}"}
         report["servers"][server] = {"startup_s": round(startup_s, 1), "runs": runs}
+        if server == "tandem" and args.in_process:
+            prompts = client_requests(args.vllm_python, run, args.raw_dir / "prompts.json")
+            report["in_process"] = {}
+            for c in args.max_concurrency:
+                report["in_process"][str(c)] = engine_in_process(cfg, prompts, run, c)
+                print(f"in-process engine, concurrency {c}: {report['in_process'][str(c)]}")
         args.out.write_text(json.dumps(report, indent=2))  # what ran so far survives a failure
     report["tandem_over_vllm"] = ratios(report)
     report["agreement"] = (
