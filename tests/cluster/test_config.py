@@ -62,6 +62,8 @@ def test_cli_draft_override_drops_the_configs_head() -> None:
         ({"decode": {"gpu_fraction": 0.5}}, "gpu_fraction=0.5 needs device: cuda"),
         ({"prefill": {"device": "cuda", "tp": 2, "gpu_fraction": 0.5}}, "needs tp 1"),
         ({"decode": {"device": "cuda", "gpu_fraction": 0}}, "gpu_fraction"),
+        ({"decode": {"switch_interval_s": 0}}, "switch_interval_s"),
+        ({"prefill": {"switch_interval_s": 1}}, "switch_interval_s"),
         (
             {"draft": {"adaptive": False}, "decode": {"speculation_tpot_slo_s": 0.05}},
             "speculation_tpot_slo_s is set but speculation is not adaptive",
