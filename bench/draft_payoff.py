@@ -45,7 +45,7 @@ from models.weights import resolve_checkpoint
 RESULTS = Path(__file__).parent / "results"
 
 
-def _drafts() -> dict[str, DraftSpec]:
+def drafts() -> dict[str, DraftSpec]:
     head = ModelSpec(str(embedded_eagle_path()), "float32")
     return {
         "none": DraftSpec(),
@@ -130,7 +130,7 @@ def main() -> None:
                 "m", ModelSpec(str(folder), "float32"), d, num_blocks=2048, max_batch_size=32
             )
         )
-        for name, d in _drafts().items()
+        for name, d in drafts().items()
     }
     greedy = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
