@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from bench.engine_run import decode_after_first
+from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from distill.sharegpt import held_out, iter_conversations
@@ -220,7 +221,7 @@ def main() -> None:
     folder = resolve_checkpoint(card["target"]["source"])
     tok = Tokenizer(folder)
     texts = held_out_prompts(card["data"]["held_out_per_mille"], args.prompts, args.max_chars)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     target = ModelSpec(str(folder))
     head = ModelSpec(str(args.draft))
     fixed = _drafts(head, args, adaptive=False)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.load_report import write_json
-from bench.sharegpt import first_prompts
+from bench.sharegpt import chat_prompts, first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.outputs import EngineStats
@@ -120,10 +120,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}])
-        for t in first_prompts(args.closed_loop or args.batch)
-    ]
+    prompts = chat_prompts(tok, first_prompts(args.closed_loop or args.batch))
     engines = {
         name: DecodeEngine(
             DecodeEngineConfig(

@@ -23,6 +23,7 @@ import torch
 
 from bench.draft_acceptance import held_out_prompts
 from bench.load_report import write_json
+from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.request import Request
@@ -75,7 +76,7 @@ def main() -> None:
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
     texts = held_out_prompts(30, args.prompts, max_chars=600)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     report: dict[str, Any] = {
         "benchmark": "greedy_identity",
         "prompts": len(prompts),

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.copy_prompts import COPY_PROMPTS
-from bench.sharegpt import first_prompts
+from bench.sharegpt import chat_prompts, first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.embedded import embedded_eagle_path
@@ -86,7 +86,7 @@ def main() -> None:
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
     texts = first_prompts(args.sharegpt, max_chars=600) + list(COPY_PROMPTS)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     target = ModelSpec(str(folder))
     t0 = time.time()
     runs = {name: _run(target, d, prompts, args.max_tokens) for name, d in _drafts().items()}

@@ -30,6 +30,7 @@ import torch
 
 from bench.draft_acceptance import held_out_prompts
 from bench.engine_step import engine_tokens_per_s
+from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.request import Request
@@ -126,7 +127,7 @@ def main() -> None:
 
     tok = Tokenizer(folder)
     texts = held_out_prompts(30, args.prompts, max_chars=600)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     outputs = {name: greedy_outputs(e, prompts, args.agree_tokens) for name, e in engines.items()}
     agree = {n: agreement(outputs["float32"], outputs[n]) for n in CONFIGS if n != "float32"}
     print(f"greedy agreement with float32 {json.dumps(agree)}", flush=True)

@@ -32,6 +32,7 @@ import torch
 
 from bench.copy_prompts import COPY_PROMPTS
 from bench.engine_run import decode_after_first, serve_refilling
+from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from distill.sharegpt import first_prompts
@@ -119,7 +120,7 @@ def _steady(engine: DecodeEngine, prompts: list[list[int]], batch: int, max_toke
 def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[str, Any]:
     tok = Tokenizer(folder)
     texts = first_prompts(max(8, 3 * max(batches)), max_chars=500, skip=500)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     target = ModelSpec(str(folder))
     off = _engine(target, DraftSpec())
     on = _engine(target, DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=True))
@@ -163,7 +164,7 @@ def adaptive_vs_off(folder: Path, batches: list[int], max_tokens: int) -> dict[s
 def acceptance(folder: Path, eagle: Path | None, n: int, max_tokens: int) -> dict[str, Any]:
     tok = Tokenizer(folder)
     texts = first_prompts(n, max_chars=800, skip=2000)  # held out from the other parts
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     target = ModelSpec(str(folder))
     drafts = {"ngram": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=False)}
     if eagle is not None:

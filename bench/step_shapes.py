@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.sharegpt import first_prompts
+from bench.sharegpt import chat_prompts, first_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.embedded import embedded_eagle_path
@@ -70,7 +70,7 @@ def main() -> None:
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
     texts = first_prompts(max(args.batches), max_chars=600)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_prompts(tok, texts)
     engines = {
         (kind, shapes): DecodeEngine(
             DecodeEngineConfig(

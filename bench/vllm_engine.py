@@ -32,7 +32,7 @@ import torch
 
 from bench.draft_payoff import drafts
 from bench.load_report import write_json
-from bench.sharegpt import first_prompts
+from bench.sharegpt import chat_prompts, first_prompts
 from bench.vllm_serve import VLLM_PYTHON, vllm_env, vllm_version
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
@@ -159,10 +159,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}])
-        for t in first_prompts(max(args.batches))
-    ]
+    prompts = chat_prompts(tok, first_prompts(max(args.batches)))
     common = (prompts, args.batches, args.new_tokens, args.trials)
     results = {"vllm": run_vllm(args.vllm_python, folder, *common, args.vllm_memory_utilization)}
     served = drafts()
