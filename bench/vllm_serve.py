@@ -60,7 +60,7 @@ from typing import Any
 
 from bench.draft_payoff import closed_loop
 from bench.local_app import local_app
-from bench.sharegpt import dataset_path, iter_conversations
+from bench.sharegpt import chat_prompts, dataset_path, iter_conversations
 from cluster.builder import engine_configs, resolve_models
 from cluster.config import TandemConfig
 from decode.engine import DecodeEngine
@@ -369,12 +369,11 @@ def engine_in_process(
     engine = DecodeEngine(engine_cfg)
     try:
         tok = Tokenizer(run.tokenizer)
-        ids = [
-            tok.encode(p)
+        ids = (
+            [tok.encode(p) for p in prompts]
             if run.backend == "openai"
-            else tok.apply_chat_template([{"role": "user", "content": p}])
-            for p in prompts
-        ]
+            else chat_prompts(tok, prompts)
+        )
         sampling = SamplingParams(
             temperature=0.0,
             max_tokens=run.output_len,
