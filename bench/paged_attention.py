@@ -1,12 +1,13 @@
-"""Reading the KV pool in place (``models.flex_paged``) against gathering it (``models.attention``),
-inside whole forward steps of the embedded model.
+"""Reading the KV pool in place against gathering it (``models.attention``), inside whole forward
+steps of the embedded model: the CPU kernel (``models.cpu_paged``, the default on a CPU) and
+``flex_attention`` (``models.flex_paged``, the GPU's path, compiled by inductor here).
 
-For each (batch, context) every sequence brings ``--new`` tokens (5: a k = 4 verification) after
-``context`` cached ones; the same step runs with every group on the in-place kernel and with
-every group on the gather path, median of ``--repeats`` after a warm-up step (the first in-place
-step compiles its shape bucket; its time is reported apart). Logits of the two are compared.
+For each (batch, context) and each ``--new`` (1: a decode; 5: a k = 4 verification) every
+sequence brings that many tokens after ``context`` cached ones; the same step runs on each path,
+median of ``--repeats`` after a warm-up step (the first flex step compiles its shape bucket; its
+time is reported apart). Logits are compared with the gather path's.
 
-    .venv/bin/python -m bench.paged_attention [--shapes 2x2048 8x1024 8x2048 32x2048]
+    .venv/bin/python -m bench.paged_attention [--shapes 8x256 32x256 8x2048 32x2048] [--new 1 5]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def _measure(model: Any, batch: int, context: int, new: int, repeats: int) -> di
     steps = [SeqInput(t, context, list(range(5, 5 + new)), list(range(new))) for t in tables]
     out: dict[str, Any] = {"batch": batch, "context": context, "new_tokens": new}
     logits: dict[str, torch.Tensor] = {}
-    for path, threshold in (("in_place", 0), ("gather", 1 << 62)):
+    native = model.paged_native
+    paths = (("cpu_paged", native, 1 << 62), ("flex", None, 0), ("gather", None, 1 << 62))
+    for path, kernel, threshold in paths:
+        model.paged_native = kernel
         model.paged_flex.min_context_tokens = threshold
         t0 = time.perf_counter()
         r: StepResult = run_step(model, pool, BLOCK, steps)
@@ -54,19 +58,23 @@ def _measure(model: Any, batch: int, context: int, new: int, repeats: int) -> di
             "step_ms": round(1e3 * statistics.median(times), 1),
         }
         print(path, out[path], flush=True)
-    out["speedup"] = round(out["gather"]["step_ms"] / out["in_place"]["step_ms"], 3)
-    out["max_logit_diff"] = float((logits["in_place"] - logits["gather"]).abs().max())
-    out["same_argmax"] = bool(
-        torch.equal(logits["in_place"].argmax(-1), logits["gather"].argmax(-1))
-    )
-    out["fallbacks"] = model.paged_flex.fallbacks
+    model.paged_native = native
+    for path in ("cpu_paged", "flex"):
+        out[path]["speedup"] = round(out["gather"]["step_ms"] / out[path]["step_ms"], 3)
+        out[path]["max_logit_diff"] = float((logits[path] - logits["gather"]).abs().max())
+        out[path]["same_argmax"] = bool(
+            torch.equal(logits[path].argmax(-1), logits["gather"].argmax(-1))
+        )
+    out["flex"]["fallbacks"] = model.paged_flex.fallbacks
+    out["cpu_paged"]["fallbacks"] = native.fallbacks
+    out["cpu_paged"]["failed"] = native.failed
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", nargs="+", default=["2x2048", "8x1024", "8x2048", "32x2048"])
-    ap.add_argument("--new", type=int, default=5)
+    ap.add_argument("--shapes", nargs="+", default=["8x256", "32x256", "8x2048", "32x2048"])
+    ap.add_argument("--new", type=int, nargs="+", default=[1, 5])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS / "paged_attention.json")
@@ -77,8 +85,9 @@ def main() -> None:
     rows = []
     for shape in args.shapes:
         batch, context = (int(x) for x in shape.split("x"))
-        rows.append(_measure(model, batch, context, args.new, args.repeats))
-        print(rows[-1], flush=True)
+        for new in args.new:
+            rows.append(_measure(model, batch, context, new, args.repeats))
+            print(rows[-1], flush=True)
     report = {"model": "embedded SmolLM2-135M fp32", "threads": args.threads, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -167,6 +167,8 @@ SUMMARY = (
     "heap_releases",
     "onednn_cache_capacity",
     "switch_interval_s",
+    "attention",
+    "attention_fallbacks",
     "node_id",
     "age_s",
 )

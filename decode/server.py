@@ -121,6 +121,7 @@ class DecodeServer:
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
+        out["attention"], out["attention_fallbacks"] = self.engine.target.attention_path()
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

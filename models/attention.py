@@ -22,10 +22,13 @@ context lengths (``AttentionGroup``), each padded to its own longest query and c
 long prompt chunk does not make every decode in the step attend with its query length, nor one
 long context every short one with its length.
 
-A group of decodes or verifications over many context tokens reads the pool in place
-(``models.flex_paged``, when the builder is given the model's ``FlexPool``); the others gather
-their blocks into a dense copy per layer (``_gather``) and run SDPA over it, which costs less
-where the copy is small.
+On a CPU, every decode, verification (chain or tree) and short prompt chunk of a step reads
+the pool in place through one call of a C kernel per layer (``models.cpu_paged``, when the
+builder is given the model's ``CpuPagedAttention``); on a GPU, a group of decodes or
+verifications over many context tokens reads it in place through ``flex_attention``
+(``models.flex_paged``, given the model's ``FlexPool``). The others gather their blocks into a
+dense copy per layer (``_gather``) and run SDPA over it, which costs less where the copy is
+small next to the queries (long prompt chunks).
 
 **Bucketed steps.** A step of decodes and chain verifications only can instead be laid out in
 a fixed *bucket* (``BucketMetadata``): ``b`` sequences of ``q`` query rows each and contexts of
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.cpu_paged import CpuPagedAttention, NativeGroup
 from models.flex_paged import FlexGroup, FlexPool
 from models.layers import rotary_tables
 from models.tree import TreeSpan
@@ -114,7 +118,7 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] rotary position of each new token (its slot, unless a tree)
     slot_blocks: torch.Tensor  # [T] block that receives each new token's K/V
     slot_offsets: torch.Tensor  # [T] offset inside that block
-    groups: tuple[AttentionGroup, ...]  # the sequences, by new-token count
+    groups: tuple[AttentionGroup | NativeGroup, ...]  # the sequences, by new-token count
     cos: torch.Tensor  # [T, 1, 2, head_dim / 2] rotary angles of the new tokens
     sin: torch.Tensor  # [T, 1, 2, head_dim / 2] (``models.layers.rotary_tables``)
     # Attention in float64 (``build_attention_metadata``'s ``invariant``): a row's result then
@@ -142,6 +146,7 @@ class BucketMetadata:
     num_seqs: int  # b
     max_query: int  # q
     invariant: bool = False  # attention in float64 (``build_attention_metadata``)
+    native: NativeGroup | None = None  # set: the CPU kernel reads the pool in place
 
 
 def bucket_metadata(
@@ -157,12 +162,15 @@ def bucket_metadata(
     rope_sin: torch.Tensor,
     window: int | None = None,
     invariant: bool = False,
+    native: CpuPagedAttention | None = None,
 ) -> BucketMetadata:
     """The metadata of a bucket from its buffers, with device ops only (so a CUDA graph can
     hold it): positions, slot_blocks, slot_offsets, write_rows [b * q]; tables [b, nb];
     cached, num_new [b] (a padding sequence brings 0 new tokens). A query row sees the keys at
     or before its position (and within the ``window``, when the model has one); a padding row
-    sees key 0 alone, so no softmax row is empty."""
+    sees key 0 alone, so no softmax row is empty. With ``native`` on a CPU, the kernel of
+    ``models.cpu_paged`` attends instead (no graphs there; padding rows come out 0): each row
+    then gets the bits of the same step unpadded."""
     b, nb = tables.shape
     q = positions.shape[0] // b
     c = nb * block_size
@@ -176,6 +184,9 @@ def bucket_metadata(
         mask = mask & (ctx > q_pos.unsqueeze(2) - window)
     mask = (mask & valid.unsqueeze(2)) | (~valid.unsqueeze(2) & (ctx == 0))
     cos, sin = rotary_tables(rope_cos, rope_sin, positions)
+    in_place = None
+    if native is not None and dev.type == "cpu" and native.ready():
+        in_place = native.plan_bucket(tables, cached, num_new, q, window)
     return BucketMetadata(
         slot_blocks=slot_blocks,
         slot_offsets=slot_offsets,
@@ -187,6 +198,7 @@ def bucket_metadata(
         num_seqs=b,
         max_query=q,
         invariant=invariant,
+        native=in_place,
     )
 
 
@@ -206,6 +218,18 @@ def _tables(seqs: Sequence[SeqSlice], need: Sequence[int]) -> torch.Tensor:
             raise ValueError(f"block table holds {len(s.block_table)} blocks, step needs {n}")
         tables[i, :n] = torch.tensor(list(s.block_table[:n]), dtype=torch.long)
     return tables
+
+
+def _rows(
+    seqs: Sequence[SeqSlice], members: Sequence[int], starts: Sequence[int]
+) -> torch.Tensor | None:
+    """[t] the step's rows of ``seqs[members]`` tokens (``starts[i]``: sequence i's first;
+    ``starts[-1]``: T); None when they are the whole step in order."""
+    rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
+    total = starts[-1]
+    if rows.numel() == total and bool((rows == torch.arange(total)).all()):
+        return None
+    return rows
 
 
 def _group(
@@ -244,9 +268,7 @@ def _group(
     # Padded query rows attend to slot 0 only, so no row of the softmax is empty (no NaN).
     mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
     token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
-    rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
-    total = starts[-1]
-    in_order = rows.numel() == total and bool((rows == torch.arange(total)).all())
+    rows = _rows(seqs, members, starts)
 
     def dev(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
@@ -256,7 +278,7 @@ def _group(
         group_need = torch.tensor([need[i] for i in members])  # [b]
         in_place = flex.kernel.plan(tables, group_need, cached, flex, block_size, device)
     return AttentionGroup(
-        rows=None if in_order else dev(rows),
+        rows=None if rows is None else dev(rows),
         tables=dev(tables),
         token_index=dev(token_index),
         mask=dev(mask.unsqueeze(1)),
@@ -276,11 +298,15 @@ def build_attention_metadata(
     flex: FlexPool | None = None,
     window: int | None = None,
     invariant: bool = False,
+    native: CpuPagedAttention | None = None,
 ) -> AttentionMetadata:
-    """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch);
-    with ``flex``, the groups it serves read the pool in place (``models.flex_paged``). With a
-    sliding ``window`` (``LlamaConfig.sliding_window``) every group gathers: the in-place
-    kernel's block masks have no window.
+    """Index tensors for one step over ``seqs`` (in the order their tokens appear in the batch).
+
+    With ``native`` (on a CPU), every sequence it ``fits`` goes into one group that reads the
+    pool in place (``models.cpu_paged``), whatever its length, tree or window; the flex kernel
+    is then not used. Else, with ``flex``, the groups it serves read the pool in place
+    (``models.flex_paged``); with a sliding ``window`` (``LlamaConfig.sliding_window``) those
+    gather: the flex kernel's block masks have no window.
 
     ``invariant`` computes attention in float64. SDPA's CPU kernels round a row differently
     depending on how many query rows and sequences share the call (in the last bits), so a
@@ -288,8 +314,8 @@ def build_attention_metadata(
     that rarely moves an argmax; a model whose activations are rounded to 16 bits (bf16, or
     int8 weights, whose kernel takes bf16) amplifies it into different greedy tokens. In
     float64 the difference is far below what rounding back to float32 keeps, so speculation
-    stays token-identical to plain decoding. Those groups gather (the in-place kernel runs at
-    the model's dtype)."""
+    stays token-identical to plain decoding. Those groups gather, but for the ``native`` group,
+    whose kernel gives a row the same bits whatever shares its call."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
@@ -305,12 +331,17 @@ def build_attention_metadata(
     # Decodes and verifications the in-place kernel serves go together, whatever their
     # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
     in_place: list[int] = []
-    if flex is not None and window is None and not invariant:
+    on_cpu: list[int] = []
+    if native is not None and device.type == "cpu" and native.ready():
+        on_cpu = [i for i, s in enumerate(seqs) if native.fits(block_size, s)]
+    elif native is not None:
+        native.fallbacks += 1  # the kernel could not be built here (logged once): gather
+    elif flex is not None and window is None and not invariant:
         fits = [i for i, s in enumerate(seqs) if flex.kernel.fits(flex.group_size, s)]
         if flex.kernel.applies(sum(need[i] for i in fits) * block_size):
             in_place = fits
     by_bucket: dict[tuple[int, int], list[int]] = {}
-    taken = set(in_place)
+    taken = set(in_place) | set(on_cpu)
     for i, s in enumerate(seqs):
         if i not in taken:
             by_bucket.setdefault((_pow2_bucket(s.num_new), _pow2_bucket(need[i])), []).append(i)
@@ -318,9 +349,15 @@ def build_attention_metadata(
         _group(seqs, members, tables, need, starts, block_size, device, None, window)
         for _, members in sorted(by_bucket.items())
     )
-    groups = tuple(gathered)
+    groups: tuple[AttentionGroup | NativeGroup, ...] = tuple(gathered)
     if in_place:
         groups = (_group(seqs, in_place, tables, need, starts, block_size, device, flex), *groups)
+    if on_cpu:
+        assert native is not None
+        rows = _rows(seqs, on_cpu, starts)
+        group_tables = tables[torch.tensor(on_cpu), : max(need[i] for i in on_cpu)]
+        part = [seqs[i] for i in on_cpu]
+        groups = (native.plan(part, group_tables, rows, window), *groups)
     pos_dev = positions.to(device, non_blocking=True)
     cos, sin = rotary_tables(rope_cos, rope_sin, pos_dev)
     return AttentionMetadata(
@@ -352,12 +389,25 @@ def paged_attention(
     layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
     exact = meta.invariant
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, layer_kv, meta.groups[0], scale, exact)
+        return _attend_any(q, layer_kv, meta.groups[0], scale, exact)
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
     for g in meta.groups:
         assert g.rows is not None  # only a lone group covering the whole step has none
-        out[g.rows] = _attend(q[g.rows], layer_kv, g, scale, exact)
+        out[g.rows] = _attend_any(q[g.rows], layer_kv, g, scale, exact)
     return out
+
+
+def _attend_any(
+    q: torch.Tensor,
+    layer_kv: torch.Tensor,
+    g: AttentionGroup | NativeGroup,
+    scale: float,
+    exact: bool,
+) -> torch.Tensor:
+    """One group's attention, q: [t, Hq, D] -> [t, Hq * D], by the kernel its group names."""
+    if isinstance(g, NativeGroup):
+        return g.kernel.attend(q, layer_kv, g, scale)
+    return _attend(q, layer_kv, g, scale, exact)
 
 
 def _bucket_attention(
@@ -374,6 +424,9 @@ def _bucket_attention(
     layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = new
     b, qn = meta.num_seqs, meta.max_query
     _rows, hq, d = q.shape
+    if meta.native is not None:
+        out = q.new_zeros(b * qn, hq * d)  # [b * q, Hq * D]: padding rows stay 0
+        return meta.native.kernel.attend(q, layer_kv, meta.native, scale, out)
     keys, values = _gather(layer_kv, meta.tables)  # [b, Hkv, C, D] each
     queries = q.view(b, qn, hq, d).transpose(1, 2)  # [b, Hq, q, D]
     if meta.invariant:

@@ -9,6 +9,8 @@ from torch import nn
 
 from models.attention import StepMetadata, paged_attention
 from models.config import LlamaConfig
+from models.cpu_paged import DTYPES as CPU_DTYPES
+from models.cpu_paged import CpuPagedAttention
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
 from models.onednn import RowInvariance
@@ -157,7 +159,13 @@ class LlamaModel(nn.Module):
         # co-hosts.
         self.feature_layers: tuple[int, ...] = ()
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
-        self.paged_flex = FlexPagedAttention()  # in-place attention at long contexts
+        self.paged_flex = FlexPagedAttention()  # in-place attention at long contexts (GPU)
+        # in-place attention on a CPU, for every decode and verification (models.cpu_paged)
+        self.paged_native = (
+            CpuPagedAttention(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+            if dev.type == "cpu" and dtype in CPU_DTYPES
+            else None
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
@@ -203,10 +211,23 @@ class LlamaModel(nn.Module):
     def invariant_attention(self) -> bool:
         """Whether attention runs in float64 (``build_attention_metadata``): on a CPU, for a
         model whose activations are rounded to 16 bits (bf16 or fp16 weights, or quantized
-        ones), so that greedy speculation stays token-identical to plain decoding."""
+        ones), so that greedy speculation stays token-identical to plain decoding. It applies
+        to the groups that gather (long prompt chunks, or every group where the CPU kernel is
+        unavailable): the kernel of ``models.cpu_paged`` is batch-invariant at the model's
+        dtype."""
         return self.device.type == "cpu" and (
             self.dtype != torch.float32 or self.quant is not Quant.NONE
         )
+
+    def attention_path(self) -> tuple[str, int]:
+        """What runs decode attention (``models.attention``), and the steps that gathered
+        because the CPU kernel could not be built: for ``/health``."""
+        native = self.paged_native
+        if native is not None:
+            return native.describe(), native.fallbacks
+        if self.device.type == "cuda":
+            return "flex_paged at long contexts, else gather", self.paged_flex.fallbacks
+        return f"gather (no cpu_paged kernel for {self.dtype})", 0
 
     def flex_pool(self, kv_pool: torch.Tensor) -> FlexPool:
         """What the metadata builder needs to let long-context groups read ``kv_pool`` in

@@ -103,6 +103,7 @@ class BucketedRunner(LocalRunner):
             m.rope.sin,
             m.cfg.sliding_window,
             m.invariant_attention,
+            m.paged_native,
         )
         return m.forward_with_features(v.ids, self.kv_pool, meta)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from models.attention import SeqSlice, build_attention_metadata
+from models.cpu_paged import DTYPES as CPU_DTYPES
+from models.cpu_paged import CpuPagedAttention
 from models.eagle import EagleHead
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.llama import LlamaModel
@@ -62,6 +64,7 @@ def run_step(
         model.flex_pool(kv_pool),
         model.cfg.sliding_window,
         model.invariant_attention,
+        model.paged_native,
     )
     ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
     hidden, features = model.forward_with_features(ids, kv_pool, meta)  # [T, hidden], [T, F]
@@ -97,6 +100,11 @@ class ModelRunner(ABC):
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
         """One forward step over ``batch``."""
 
+    @abstractmethod
+    def attention_path(self) -> tuple[str, int]:
+        """What runs decode attention here, and the steps it fell back to gathering
+        (``LlamaModel.attention_path``; a TP group: rank 0's)."""
+
 
 class LocalRunner(ModelRunner):
     """The whole model in this process (TP = 1), its pool a local tensor."""
@@ -108,6 +116,9 @@ class LocalRunner(ModelRunner):
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
         return run_step(self.model, self.kv_pool, self.block_size, batch)
+
+    def attention_path(self) -> tuple[str, int]:
+        return self.model.attention_path()
 
 
 class EagleRunner:
@@ -124,6 +135,10 @@ class EagleRunner:
             num_blocks=kv_pool.shape[1],
             group_size=c.num_heads // c.num_kv_heads,
         )
+        on_cpu = head.device.type == "cpu" and head.dtype in CPU_DTYPES
+        self.native = (  # and on a CPU, every drafting step does (models.cpu_paged)
+            CpuPagedAttention(c.num_heads // c.num_kv_heads, c.head_dim) if on_cpu else None
+        )
 
     @torch.inference_mode()
     def run(
@@ -139,6 +154,7 @@ class EagleRunner:
             self.head.rope.cos,
             self.head.rope.sin,
             self.flex,
+            native=self.native,
         )
         ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
         hidden = self.head(ids, features.to(dev), self.kv_pool, meta, from_target)  # [T, H]

@@ -179,6 +179,9 @@ class TPRunner(ModelRunner):
         self.channel.send(batch)
         return self.local.run(batch)
 
+    def attention_path(self) -> tuple[str, int]:
+        return self.local.attention_path()
+
     def stop(self) -> None:
         """End the ranks' step loops (before the group is torn down)."""
         self.channel.send(None)

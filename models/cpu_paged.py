@@ -1,0 +1,282 @@
+"""Paged attention on a CPU that reads the KV pool in place: a small C kernel, built on first use.
+
+The gather path of ``models.attention`` copies every context block of every sequence into a
+dense tensor per layer, pads it to the group's longest context, and SDPA reads it again: in a
+decode step at batch 8 to 32 that is most of the attention's time, and attention is about as
+much of the step as the matmuls. No maintained kernel reads a paged cache on a CPU for the
+torch this project runs on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU
+kernels are built into their own wheels against their own torch pins), so this one is written
+by hand (``models/csrc/paged_attention.c``): per (sequence, KV head), an online softmax over
+the sequence's blocks read where they lie, fp32 accumulation, OpenMP over the pairs.
+
+**Batch invariance.** A row's result depends on its query, its position and the keys it sees,
+never on what shares the call, so a token verified among k + 1 rows gets the bits it gets when
+decoded alone. Groups that the gather path would have to run in float64 for that reason
+(``build_attention_metadata``'s ``invariant``: bf16 and quantized models) run here at the
+model's dtype.
+
+**Build.** The source is compiled with the system's C compiler (``$CC``, else ``cc``) for
+this CPU (``-march=native``) into a cache keyed by the source, the flags, the compiler and the
+CPU's feature flags (``$TANDEM_KERNEL_CACHE``, else ``~/.cache/tandem/kernels``). It links the
+OpenMP runtime torch has loaded, so its threads are torch's. Where it cannot be built or
+loaded (no compiler), the reason is logged once and kept in ``failed``, and every step takes
+the gather path, counted in ``fallbacks``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from models.attention import SeqSlice
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",  # vectorised dot products; the reassociation is the same every call
+    "-fno-signed-zeros",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+MAX_ACCUMULATOR = 16384  # floats a (sequence, head) pair accumulates: G * new tokens * D
+MAX_BLOCK_SIZE = 256
+MAX_HEAD_DIM = 512
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class NativeGroup:
+    """Sequences whose attention the kernel computes in one call, shared by every layer of a
+    step. Host tensors, laid out as the C function takes them."""
+
+    kernel: CpuPagedAttention
+    rows: torch.Tensor | None  # [t] the group's tokens among the step's T; None: all, in order
+    tables: torch.Tensor  # [b, NBmax] int32, each sequence's blocks
+    q_start: torch.Tensor  # [b] int32, each sequence's first row among the group's t
+    q_len: torch.Tensor  # [b] int32, its rows (its new tokens; 0: a bucket's padding)
+    cached: torch.Tensor  # [b] int32, tokens before the new ones
+    tree_base: torch.Tensor  # [b] int32, first slot of the sequence's token tree; -1: none
+    tree_mask: torch.Tensor  # [t, W] uint8, the tree slots each row sees (W = 1 without trees)
+    window: int  # sliding window in positions; 0: none
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags, which ``-march=native`` compiles for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TANDEM_KERNEL_CACHE")
+    return Path(base) if base else Path.home() / ".cache" / "tandem" / "kernels"
+
+
+def build_library() -> Path:
+    """The compiled kernel for this CPU: from the cache, else compiled into it (about a second).
+    Raises when no compiler is found or the compile fails."""
+    cc = os.environ.get("CC", "cc")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, " ".join(FLAGS).encode(), version.stdout.encode(), _cpu_flags().encode()):
+        key.update(part)
+    out_dir = _cache_dir()
+    target = out_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:400]}")
+        os.replace(tmp, target)  # atomic: another process may be building the same file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built the CPU paged-attention kernel: %s", target)
+    return target
+
+
+class CpuPagedAttention:
+    """The kernel of one model (loaded on first use) and the rule for which sequences take it:
+    ``group_size`` query heads per KV head, ``head_dim`` per head.
+
+    ``failed``: why it could not be built or loaded (then it is never tried again);
+    ``fallbacks``: steps that gathered because of that; ``calls``: the group-layers it served.
+    """
+
+    def __init__(self, group_size: int, head_dim: int) -> None:
+        self.group_size = group_size
+        self.head_dim = head_dim
+        self._fn: Callable[..., int] | None = None
+        self.failed: str | None = None
+        self.fallbacks = 0
+        self.calls = 0
+
+    def describe(self) -> str:
+        """What runs this model's decode attention, for ``/health``."""
+        if self.failed is not None:
+            return f"gather (cpu_paged unavailable: {self.failed})"
+        return "cpu_paged" if self._fn is not None else "cpu_paged (not built yet)"
+
+    def ready(self) -> bool:
+        """Whether the kernel is loaded, loading it on the first call."""
+        if self._fn is None and self.failed is None:
+            try:
+                lib = ctypes.CDLL(str(build_library()))  # ctypes releases the GIL in calls
+                fn = lib.tandem_paged_attention
+                fn.restype = ctypes.c_int
+                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                fn.argtypes = [p, i64, p, p, i64, p, p, p, p, p, i32, p, i64]
+                fn.argtypes += [i32] * 6 + [ctypes.c_float, i32]
+                self._fn = fn
+            except Exception as e:  # no compiler, a failed compile, a library that won't load
+                self.failed = f"{type(e).__name__}: {e}"[:500]
+                log.error("the CPU paged-attention kernel is unavailable, gathering: %s", e)
+        return self._fn is not None
+
+    def fits(self, block_size: int, seq: SeqSlice) -> bool:
+        """Whether a sequence's new tokens fit one call's accumulator (decodes, verifications
+        and their trees, short prompt chunks)."""
+        return (
+            self.group_size * seq.num_new * self.head_dim <= MAX_ACCUMULATOR
+            and self.head_dim <= MAX_HEAD_DIM
+            and block_size <= MAX_BLOCK_SIZE
+        )
+
+    def plan(
+        self,
+        seqs: list[SeqSlice],
+        tables: torch.Tensor,
+        rows: torch.Tensor | None,
+        window: int | None,
+    ) -> NativeGroup:
+        """The group of ``seqs`` (tables [b, NBmax] their blocks; rows [t] their tokens in the
+        step, None when they are all of it in order)."""
+        b = len(seqs)
+        q_len = torch.tensor([s.num_new for s in seqs], dtype=torch.int32)
+        q_start = torch.zeros(b, dtype=torch.int32)
+        q_start[1:] = q_len.cumsum(0)[:-1]
+        t = int(q_len.sum())
+        trees = [s.tree for s in seqs]
+        width = max((tr.size for tr in trees if tr is not None), default=1)
+        with_trees = any(tr is not None for tr in trees)
+        tree_mask = torch.zeros(t if with_trees else 1, width, dtype=torch.uint8)
+        tree_base = torch.full((b,), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            tr = s.tree
+            if tr is not None:  # [num_new, tree size]: the tree slots each new token sees
+                anc = tr.ancestors()[s.num_cached - tr.base :]
+                tree_mask[int(q_start[i]) : int(q_start[i]) + s.num_new, : tr.size] = anc
+                tree_base[i] = tr.base
+        return NativeGroup(
+            kernel=self,
+            rows=rows,
+            tables=tables.to(torch.int32).contiguous(),
+            q_start=q_start,
+            q_len=q_len,
+            cached=torch.tensor([s.num_cached for s in seqs], dtype=torch.int32),
+            tree_base=tree_base,
+            tree_mask=tree_mask,
+            window=window or 0,
+        )
+
+    def plan_bucket(
+        self,
+        tables: torch.Tensor,
+        cached: torch.Tensor,
+        num_new: torch.Tensor,
+        max_query: int,
+        window: int | None,
+    ) -> NativeGroup:
+        """The group of a bucketed step (``models.attention.BucketMetadata``): tables [b, nb];
+        cached, num_new [b] (0: a padding sequence); sequence i's rows start at i * max_query."""
+        b = tables.shape[0]
+        return NativeGroup(
+            kernel=self,
+            rows=None,
+            tables=tables.to(torch.int32).contiguous(),
+            q_start=torch.arange(0, b * max_query, max_query, dtype=torch.int32),
+            q_len=num_new.to(torch.int32).contiguous(),
+            cached=cached.to(torch.int32).contiguous(),
+            tree_base=torch.full((b,), -1, dtype=torch.int32),
+            tree_mask=torch.zeros(1, 1, dtype=torch.uint8),
+            window=window or 0,
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer_kv: torch.Tensor,
+        ng: NativeGroup,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q: [t, Hq, D] the group's queries; layer_kv: [NB, 2, Hkv, BS, D], contiguous, on
+        the CPU, float32 or bfloat16 like q. Returns [t, Hq * D]: ``out`` when given, whose rows
+        no sequence owns are left as they are."""
+        code = DTYPES.get(q.dtype)
+        if self._fn is None or code is None or q.dtype != layer_kv.dtype:
+            raise ValueError(f"no CPU paged attention for {q.dtype} queries over {layer_kv.dtype}")
+        if q.device.type != "cpu" or not layer_kv.is_contiguous():
+            raise ValueError("CPU paged attention reads a contiguous pool on the CPU")
+        t, hq, d = q.shape
+        _nb, _two, hkv, bs, _d = layer_kv.shape
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        if out is None:
+            out = q.new_empty(t, hq * d)  # [t, Hq * D]
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            layer_kv.data_ptr(),
+            ng.tables.data_ptr(),
+            ng.tables.shape[1],
+            ng.q_start.data_ptr(),
+            ng.q_len.data_ptr(),
+            ng.cached.data_ptr(),
+            ng.tree_base.data_ptr(),
+            ng.tree_mask.data_ptr(),
+            ng.tree_mask.shape[1],
+            out.data_ptr(),
+            out.stride(0),
+            ng.cached.shape[0],
+            hq,
+            hkv,
+            d,
+            bs,
+            ng.window,
+            scale,
+            code,
+        )
+        if rc != 0:  # fits() keeps this from happening: a shape beyond the C limits
+            raise ValueError(f"CPU paged attention refused the shapes (code {rc})")
+        self.calls += 1
+        return out

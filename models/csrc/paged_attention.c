@@ -1,0 +1,206 @@
+/* Decode and chain-verification attention over the paged KV pool, read in place, on a CPU.
+ *
+ * Why by hand: no maintained CPU kernel reads a paged KV cache for the torch this project runs
+ * on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU kernels are built
+ * against their own torch pins). The gather path copies every context block into a dense
+ * tensor per layer and SDPA reads it again, padded to the longest context of the group; this
+ * kernel reads each (block, head) of K and V once, in place, with an online softmax.
+ *
+ * One layer of the pool is [NB, 2, Hkv, BS, D] (models/attention.py): the keys of head h of
+ * block b are the BS x D floats at ((b * 2 + 0) * Hkv + h) * BS * D, its values Hkv * BS * D
+ * further. Queries and outputs are flat [T, Hq, D] rows (row stride given), sequence s owning
+ * the q_len[s] rows from q_start[s]: its new tokens, at positions cached[s] + t. Query t
+ * sees keys at positions p <= cached[s] + t (and p > cached[s] + t - window when window > 0).
+ * Query heads h * G .. h * G + G - 1 share KV head h (grouped-query attention). A sequence
+ * whose new tokens end a token tree (tree_base[s] >= 0) has them see, inside the tree's slots
+ * tree_base[s] .. tree_base[s] + W - 1, only the slots its row of tree_mask marks (its
+ * ancestors and itself): tree_mask is [T, W] bytes, one row per query token.
+ *
+ * A row's result depends on its query, its position and the keys it sees alone: the loop over
+ * blocks and keys is the same whatever else shares the call (blocks a row cannot see are
+ * skipped whole), so a token verified among k + 1 rows gets the bits it gets decoded alone.
+ *
+ * Work is split over (sequence, KV head) pairs across the OpenMP threads of the runtime torch
+ * itself uses (the library links the libgomp torch loaded), every pair accumulating in fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_ACC 16384 /* floats of accumulator per (sequence, head): rows * head_dim */
+#define MAX_BS 256
+#define MAX_D 512
+
+/* e^x for x <= 0, to about 2 ulp (0 below -87), branch-free so that loops over it vectorise
+ * (no libm call). */
+static inline float exp_nonpos(float x) {
+    const float log2e = 1.44269504088896341f;
+    const float xc = x < -87.0f ? -87.0f : x;
+    float n = floorf(xc * log2e + 0.5f);
+    float f = xc - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
+    float p = 1.9875691500e-4f;
+    p = p * f + 1.3981999507e-3f;
+    p = p * f + 8.3334519073e-3f;
+    p = p * f + 4.1665795894e-2f;
+    p = p * f + 1.6666665459e-1f;
+    p = p * f + 5.0000001201e-1f;
+    p = p * f * f + f + 1.0f;
+    union { float f; int32_t i; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : p * u.f;
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)v << 16;
+    return u.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t i; } u;
+    u.f = f;
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40u); /* NaN */
+    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) void attend_pair(
+    const void* q, int64_t q_stride, const void* kv, const int32_t* table, int32_t row0,
+    int32_t n, int32_t c0, int32_t tree_base, const uint8_t* tree_mask, int tree_width, void* out,
+    int64_t out_stride, int h, int g, int hkv, int d, int bs, int window, float scale, int bf16) {
+    const int rows = g * n;
+    float qs[MAX_ACC], acc[MAX_ACC];
+    float m[MAX_ACC / 16], l[MAX_ACC / 16];
+    float kbuf[MAX_BS * MAX_D / 8], vbuf[MAX_BS * MAX_D / 8];
+    float s[MAX_BS], w[MAX_BS];
+    for (int r = 0; r < rows; r++) {
+        const int t = r / g, head = h * g + r % g;
+        for (int e = 0; e < d; e++) {
+            int64_t at = (int64_t)(row0 + t) * q_stride + (int64_t)head * d + e;
+            float v = bf16 ? bf16_to_f32(((const uint16_t*)q)[at]) : ((const float*)q)[at];
+            qs[r * d + e] = v * scale;
+            acc[r * d + e] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int ctx = c0 + n;
+    int first = 0;
+    if (window > 0 && c0 - window + 1 > 0) first = (c0 - window + 1) / bs;
+    const int64_t chunk = (int64_t)bs * d;
+    const int64_t elt = bf16 ? 2 : 4; /* bytes per element */
+    for (int j = first; j * bs < ctx; j++) {
+        const int64_t base = (((int64_t)table[j] * 2) * hkv + h) * chunk;
+        const int ntok = ctx - j * bs < bs ? ctx - j * bs : bs;
+        if ((j + 1) * bs < ctx) { /* the next block's keys and values, while this one computes */
+            const int64_t next = (((int64_t)table[j + 1] * 2) * hkv + h) * chunk * elt;
+            const char* nk = (const char*)kv + next;
+            for (int64_t at = 0; at < chunk * elt; at += 64) {
+                __builtin_prefetch(nk + at);
+                __builtin_prefetch(nk + hkv * chunk * elt + at);
+            }
+        }
+        const float *kb, *vb;
+        if (bf16) {
+            const uint16_t* k16 = (const uint16_t*)kv + base;
+            const uint16_t* v16 = (const uint16_t*)kv + base + hkv * chunk;
+            for (int64_t e = 0; e < chunk; e++) {
+                kbuf[e] = bf16_to_f32(k16[e]);
+                vbuf[e] = bf16_to_f32(v16[e]);
+            }
+            kb = kbuf;
+            vb = vbuf;
+        } else {
+            kb = (const float*)kv + base;
+            vb = (const float*)kv + base + hkv * chunk;
+        }
+        for (int r = 0; r < rows; r++) {
+            const int pos = c0 + r / g;
+            const int lo = window > 0 ? pos - window + 1 : 0;
+            const float* qr = qs + r * d;
+            const uint8_t* seen =
+                tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
+            for (int i = 0; i < bs; i++) {
+                const float* kr = kb + (int64_t)i * d;
+                float dot = 0.0f;
+                for (int e = 0; e < d; e++) dot += qr[e] * kr[e];
+                s[i] = dot;
+            }
+            /* every loop over the block's keys runs its full width, the keys past the row's
+             * last masked to weight 0: a row's sums are grouped the same whatever else shares
+             * the call (see the top of the file) */
+            float top = -INFINITY;
+            for (int i = 0; i < bs; i++) {
+                const int p = j * bs + i;
+                int ok = i < ntok && p <= pos && p >= lo;
+                if (seen && p >= tree_base) ok = ok && seen[p - tree_base];
+                s[i] = ok ? s[i] : -INFINITY;
+                top = s[i] > top ? s[i] : top;
+            }
+            if (top == -INFINITY) continue;
+            const float mnew = top > m[r] ? top : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - mnew);
+            float sum = 0.0f;
+            for (int i = 0; i < bs; i++) {
+                w[i] = s[i] == -INFINITY ? 0.0f : exp_nonpos(s[i] - mnew);
+                sum += w[i];
+            }
+            float* ar = acc + r * d;
+            for (int e = 0; e < d; e++) ar[e] *= alpha;
+            for (int i = 0; i < ntok; i++) {
+                if (w[i] == 0.0f) continue; /* a masked key: its slot may hold anything */
+                const float* vr = vb + (int64_t)i * d;
+                const float wi = w[i];
+                for (int e = 0; e < d; e++) ar[e] += wi * vr[e];
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = mnew;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int t = r / g, head = h * g + r % g;
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int e = 0; e < d; e++) {
+            int64_t at = (int64_t)(row0 + t) * out_stride + (int64_t)head * d + e;
+            float v = acc[r * d + e] * inv;
+            if (bf16) ((uint16_t*)out)[at] = f32_to_bf16(v);
+            else ((float*)out)[at] = v;
+        }
+    }
+}
+
+/* The limits a caller checks before it calls (rows * head_dim, block size, head dim). */
+int tandem_paged_attention_limits(int which) {
+    return which == 0 ? MAX_ACC : which == 1 ? MAX_BS : MAX_D;
+}
+
+/* q, out: [T, Hq, D] rows at the given strides (elements); kv: one layer [NB, 2, Hkv, BS, D];
+ * tables [b, nbmax]; q_start, q_len, cached [b]; tree_base [b] (-1: no tree); tree_mask
+ * [T, tree_width]. window 0: none. dtype 0: float32, 1: bfloat16. Returns 0, or a negative
+ * number when a shape is beyond the limits (nothing written). */
+int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
+                           const int32_t* tables, int64_t nbmax, const int32_t* q_start,
+                           const int32_t* q_len, const int32_t* cached, const int32_t* tree_base,
+                           const uint8_t* tree_mask, int tree_width, void* out,
+                           int64_t out_stride, int b, int hq, int hkv, int d, int bs, int window,
+                           float scale, int dtype) {
+    const int g = hq / hkv;
+    if (g * hkv != hq || bs > MAX_BS || d > MAX_D || (int64_t)bs * d > MAX_BS * MAX_D / 8)
+        return -1;
+    for (int s = 0; s < b; s++)
+        if ((int64_t)g * q_len[s] * d > MAX_ACC) return -2;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < (int64_t)b * hkv; it++) {
+        const int s = (int)(it / hkv), h = (int)(it % hkv);
+        const int32_t n = q_len[s];
+        if (n <= 0) continue;
+        if (dtype == 1)
+            attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
+                        tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs,
+                        window, scale, 1);
+        else
+            attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
+                        tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs,
+                        window, scale, 0);
+    }
+    return 0;
+}

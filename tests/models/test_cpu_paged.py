@@ -1,0 +1,135 @@
+"""The CPU kernel that reads the KV pool in place (``models.cpu_paged``) against the gather path,
+its batch invariance, and its named fallback where it cannot be built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import SeqSlice, build_attention_metadata, paged_attention
+from models.cpu_paged import CpuPagedAttention, NativeGroup, build_library
+from models.layers import RotaryEmbedding
+from models.tree import TreeSpan
+
+HKV, G, D, BS, NB = 2, 3, 16, 16, 160
+CPU = torch.device("cpu")
+
+
+def _step(
+    seqs: list[SeqSlice],
+    native: CpuPagedAttention | None,
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    window: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """One layer's attention over ``seqs``: [T, Hq * D], and how many groups the kernel ran."""
+    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+    meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, window=window, native=native)
+    t = q.shape[0]
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(t, HKV, D, generator=gen).to(pool.dtype)
+    v = torch.randn(t, HKV, D, generator=gen).to(pool.dtype)
+    out = paged_attention(q, k, v, pool, meta, D**-0.5)
+    return out, sum(isinstance(g, NativeGroup) for g in meta.groups)
+
+
+def _mixed_step(gen: torch.Generator) -> list[SeqSlice]:
+    """Decodes, chain verifications, a draft tree, a short prompt chunk and one too long for
+    the kernel's accumulator (G * 400 * D floats), over blocks in shuffled order."""
+    perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
+    shapes = [(300, 1), (517, 5), (16, 1), (250, 3), (40, 24), (0, 400), (7, 1)]
+    seqs, start = [], 0
+    for cached, new in shapes:
+        n = (cached + new + BS - 1) // BS
+        seqs.append(SeqSlice(perm[start : start + n], cached, new))
+        start += n
+    # a tree of 6 nodes after 100 cached tokens: two levels already cached, 4 new nodes
+    tree = TreeSpan(98, (-1, 0, 1, 1, 2, 3))
+    n = (98 + 6 + BS - 1) // BS
+    seqs.append(SeqSlice(perm[start : start + n], 100, 4, tree))
+    return seqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 64])
+def test_in_place_equals_the_gather_path(dtype: torch.dtype, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(0)
+    seqs = _mixed_step(gen)
+    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
+    q = torch.randn(sum(s.num_new for s in seqs), HKV * G, D, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, D)
+    got, native_groups = _step(seqs, kernel, pool.clone(), q, window)
+    want, none = _step(seqs, None, pool.clone(), q, window)
+    assert native_groups == 1 and none == 0
+    assert kernel.failed is None and kernel.fallbacks == 0 and kernel.calls == 1
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_the_long_prompt_chunk_gathers_and_the_rest_is_one_call() -> None:
+    gen = torch.Generator().manual_seed(2)
+    seqs = _mixed_step(gen)
+    kernel = CpuPagedAttention(G, D)
+    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+    meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, native=kernel)
+    native = [g for g in meta.groups if isinstance(g, NativeGroup)]
+    assert len(native) == 1
+    assert native[0].cached.tolist() == [s.num_cached for s in seqs if s.num_new != 400]
+    assert len(meta.groups) == 2  # the 400-token chunk alone takes the gather path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verified_row_gets_the_bits_of_its_decode_alone(dtype: torch.dtype) -> None:
+    """k + 1 rows verified beside other sequences equal, bit for bit, each position decoded
+    alone: what keeps greedy speculation token-identical without float64 attention."""
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
+    table = list(range(3, 3 + 25))
+    other = SeqSlice(list(range(40, 60)), 290, 2)
+    cached, k1 = 371, 5
+    q = torch.randn(k1, HKV * G, D, generator=gen).to(dtype)
+    q_other = torch.randn(2, HKV * G, D, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, D)
+    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+
+    def attend(seqs: list[SeqSlice], queries: torch.Tensor) -> torch.Tensor:
+        meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, native=kernel)
+        assert isinstance(meta.groups[0], NativeGroup)
+        return kernel.attend(queries, pool, meta.groups[0], D**-0.5)
+
+    together = attend([other, SeqSlice(table, cached, k1)], torch.cat([q_other, q]))[2:]
+    for t in range(k1):
+        alone = attend([SeqSlice(table, cached + t, 1)], q[t : t + 1])
+        assert torch.equal(alone[0], together[t]), f"row {t} differs"
+
+
+def test_without_a_compiler_every_step_gathers_named_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    gen = torch.Generator().manual_seed(4)
+    seqs = _mixed_step(gen)
+    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
+    q = torch.randn(sum(s.num_new for s in seqs), HKV * G, D, generator=gen)
+    kernel = CpuPagedAttention(G, D)
+    got, native_groups = _step(seqs, kernel, pool.clone(), q)
+    want, _ = _step(seqs, None, pool.clone(), q)
+    assert native_groups == 0 and kernel.calls == 0
+    assert kernel.failed is not None and "no-such-cc" in kernel.failed
+    _step(seqs, kernel, pool.clone(), q)
+    assert kernel.fallbacks == 2  # one per step, and the build is not tried again
+    torch.testing.assert_close(got, want)
+
+
+def test_the_build_is_cached_per_source_and_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    first = build_library()
+    stamp = first.stat().st_mtime_ns
+    again = build_library()
+    assert again == first and again.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
