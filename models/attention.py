@@ -315,7 +315,8 @@ def build_attention_metadata(
     int8 weights, whose kernel takes bf16) amplifies it into different greedy tokens. In
     float64 the difference is far below what rounding back to float32 keeps, so speculation
     stays token-identical to plain decoding. Those groups gather, but for the ``native`` group,
-    whose kernel gives a row the same bits whatever shares its call."""
+    whose kernel gives a row the same bits whatever shares its call, and a tree's node the bits
+    of the chain it becomes."""
     if not seqs or any(s.num_new <= 0 for s in seqs):
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]

@@ -10,10 +10,10 @@ by hand (``models/csrc/paged_attention.c``): per (sequence, KV head), an online 
 the sequence's blocks read where they lie, fp32 accumulation, OpenMP over the pairs.
 
 **Batch invariance.** A row's result depends on its query, its position and the keys it sees,
-never on what shares the call, so a token verified among k + 1 rows gets the bits it gets when
-decoded alone. Groups that the gather path would have to run in float64 for that reason
-(``build_attention_metadata``'s ``invariant``: bf16 and quantized models) run here at the
-model's dtype.
+never on what shares the call nor on where its keys sit in blocks, so a token verified among
+k + 1 rows, or as a node of a draft tree, gets the bits it gets when decoded alone. Groups that
+the gather path would have to run in float64 for that reason (``build_attention_metadata``'s
+``invariant``: bf16 and quantized models) run here at the model's dtype.
 
 **Build.** The source is compiled with the system's C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``) into a cache keyed by the source, the flags, the compiler and the
@@ -167,6 +167,7 @@ class CpuPagedAttention:
         and their trees, short prompt chunks)."""
         return (
             self.group_size * seq.num_new * self.head_dim <= MAX_ACCUMULATOR
+            and self.group_size * seq.num_new <= MAX_ACCUMULATOR // 16
             and self.head_dim <= MAX_HEAD_DIM
             and block_size <= MAX_BLOCK_SIZE
         )
@@ -276,6 +277,8 @@ class CpuPagedAttention:
             scale,
             code,
         )
+        if rc == -3:
+            raise MemoryError("CPU paged attention could not allocate its score buffer")
         if rc != 0:  # fits() keeps this from happening: a shape beyond the C limits
             raise ValueError(f"CPU paged attention refused the shapes (code {rc})")
         self.calls += 1

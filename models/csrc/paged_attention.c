@@ -4,7 +4,7 @@
  * on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU kernels are built
  * against their own torch pins). The gather path copies every context block into a dense
  * tensor per layer and SDPA reads it again, padded to the longest context of the group; this
- * kernel reads each (block, head) of K and V once, in place, with an online softmax.
+ * kernel reads each (block, head) of K and V once, in place.
  *
  * One layer of the pool is [NB, 2, Hkv, BS, D] (models/attention.py): the keys of head h of
  * block b are the BS x D floats at ((b * 2 + 0) * Hkv + h) * BS * D, its values Hkv * BS * D
@@ -16,18 +16,20 @@
  * tree_base[s] .. tree_base[s] + W - 1, only the slots its row of tree_mask marks (its
  * ancestors and itself): tree_mask is [T, W] bytes, one row per query token.
  *
- * A row's result depends on its query, its position and the keys it sees alone: the loop over
- * blocks and keys is the same whatever else shares the call (blocks a row cannot see are
- * skipped whole), so a token verified among k + 1 rows gets the bits it gets decoded alone.
+ * A row's result depends on its query and the sequence of keys it sees alone (attend_pair),
+ * so a token verified among k + 1 rows, or as a node of a draft tree, gets the bits it gets
+ * decoded alone.
  *
  * Work is split over (sequence, KV head) pairs across the OpenMP threads of the runtime torch
  * itself uses (the library links the libgomp torch loaded), every pair accumulating in fp32.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MAX_ACC 16384 /* floats of accumulator per (sequence, head): rows * head_dim */
+#define MAX_ROWS (MAX_ACC / 16) /* query rows per (sequence, head) */
 #define MAX_BS 256
 #define MAX_D 512
 
@@ -63,15 +65,30 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
 
-static inline __attribute__((always_inline)) void attend_pair(
+/* Whether query row r (token t = r / g, at slot pos) sees the key at slot p. */
+static inline int sees(int p, int pos, int lo, int32_t tree_base, const uint8_t* seen) {
+    int ok = p <= pos && p >= lo;
+    if (seen && p >= tree_base) ok = ok && seen[p - tree_base];
+    return ok;
+}
+
+/* One (sequence, KV head) pair: its g * n query rows over the sequence's blocks.
+ *
+ * Two passes over the blocks. The first computes every row's scores of the keys it sees, in
+ * slot order, packed (``sc``: row r's from r * kmax), the second the weighted sum of their
+ * values in the same order. Between them, each row's weights are e^(score - max) over its
+ * packed scores and their sum: the row's arithmetic is a function of the sequence of keys it
+ * sees alone, not of where they sit in blocks (a draft tree's nodes sit at other slots than the
+ * chain they become) nor of the other rows. */
+static inline __attribute__((always_inline)) int attend_pair(
     const void* q, int64_t q_stride, const void* kv, const int32_t* table, int32_t row0,
     int32_t n, int32_t c0, int32_t tree_base, const uint8_t* tree_mask, int tree_width, void* out,
     int64_t out_stride, int h, int g, int hkv, int d, int bs, int window, float scale, int bf16) {
     const int rows = g * n;
     float qs[MAX_ACC], acc[MAX_ACC];
-    float m[MAX_ACC / 16], l[MAX_ACC / 16];
-    float kbuf[MAX_BS * MAX_D / 8], vbuf[MAX_BS * MAX_D / 8];
-    float s[MAX_BS], w[MAX_BS];
+    float buf[MAX_BS * MAX_D / 8];
+    int32_t cnt[MAX_ROWS];
+    float total[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
         const int t = r / g, head = h * g + r % g;
         for (int e = 0; e < d; e++) {
@@ -80,85 +97,75 @@ static inline __attribute__((always_inline)) void attend_pair(
             qs[r * d + e] = v * scale;
             acc[r * d + e] = 0.0f;
         }
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
+        cnt[r] = 0;
     }
     const int ctx = c0 + n;
     int first = 0;
     if (window > 0 && c0 - window + 1 > 0) first = (c0 - window + 1) / bs;
+    const int kmax = ctx - first * bs; /* keys any row may see */
+    float* sc = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)kmax);
+    if (!sc) return -3;
     const int64_t chunk = (int64_t)bs * d;
     const int64_t elt = bf16 ? 2 : 4; /* bytes per element */
-    for (int j = first; j * bs < ctx; j++) {
-        const int64_t base = (((int64_t)table[j] * 2) * hkv + h) * chunk;
-        const int ntok = ctx - j * bs < bs ? ctx - j * bs : bs;
-        if ((j + 1) * bs < ctx) { /* the next block's keys and values, while this one computes */
-            const int64_t next = (((int64_t)table[j + 1] * 2) * hkv + h) * chunk * elt;
-            const char* nk = (const char*)kv + next;
-            for (int64_t at = 0; at < chunk * elt; at += 64) {
-                __builtin_prefetch(nk + at);
-                __builtin_prefetch(nk + hkv * chunk * elt + at);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int r = 0; r < rows; r++) cnt[r] = 0;
+        for (int j = first; j * bs < ctx; j++) {
+            /* pass 0 reads the block's keys, pass 1 its values */
+            const int64_t base = (((int64_t)table[j] * 2 + pass) * hkv + h) * chunk;
+            const int ntok = ctx - j * bs < bs ? ctx - j * bs : bs;
+            if ((j + 1) * bs < ctx) { /* the next block's, while this one computes */
+                const int64_t next = ((int64_t)table[j + 1] * 2 + pass) * hkv + h;
+                const char* nx = (const char*)kv + next * chunk * elt;
+                for (int64_t at = 0; at < chunk * elt; at += 64) __builtin_prefetch(nx + at);
+            }
+            const float* blk;
+            if (bf16) {
+                const uint16_t* b16 = (const uint16_t*)kv + base;
+                for (int64_t e = 0; e < (int64_t)ntok * d; e++) buf[e] = bf16_to_f32(b16[e]);
+                blk = buf;
+            } else {
+                blk = (const float*)kv + base;
+            }
+            for (int r = 0; r < rows; r++) {
+                const int pos = c0 + r / g;
+                const int lo = window > 0 ? pos - window + 1 : 0;
+                const uint8_t* seen =
+                    tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
+                const float* qr = qs + r * d;
+                float* ar = acc + r * d;
+                float* mine = sc + (int64_t)r * kmax;
+                for (int i = 0; i < ntok; i++) {
+                    if (!sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                    const float* row = blk + (int64_t)i * d;
+                    if (pass == 0) {
+                        float dot = 0.0f;
+                        for (int e = 0; e < d; e++) dot += qr[e] * row[e];
+                        mine[cnt[r]++] = dot;
+                    } else {
+                        const float w = mine[cnt[r]++];
+                        for (int e = 0; e < d; e++) ar[e] += w * row[e];
+                    }
+                }
             }
         }
-        const float *kb, *vb;
-        if (bf16) {
-            const uint16_t* k16 = (const uint16_t*)kv + base;
-            const uint16_t* v16 = (const uint16_t*)kv + base + hkv * chunk;
-            for (int64_t e = 0; e < chunk; e++) {
-                kbuf[e] = bf16_to_f32(k16[e]);
-                vbuf[e] = bf16_to_f32(v16[e]);
-            }
-            kb = kbuf;
-            vb = vbuf;
-        } else {
-            kb = (const float*)kv + base;
-            vb = (const float*)kv + base + hkv * chunk;
-        }
-        for (int r = 0; r < rows; r++) {
-            const int pos = c0 + r / g;
-            const int lo = window > 0 ? pos - window + 1 : 0;
-            const float* qr = qs + r * d;
-            const uint8_t* seen =
-                tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
-            for (int i = 0; i < bs; i++) {
-                const float* kr = kb + (int64_t)i * d;
-                float dot = 0.0f;
-                for (int e = 0; e < d; e++) dot += qr[e] * kr[e];
-                s[i] = dot;
-            }
-            /* every loop over the block's keys runs its full width, the keys past the row's
-             * last masked to weight 0: a row's sums are grouped the same whatever else shares
-             * the call (see the top of the file) */
-            float top = -INFINITY;
-            for (int i = 0; i < bs; i++) {
-                const int p = j * bs + i;
-                int ok = i < ntok && p <= pos && p >= lo;
-                if (seen && p >= tree_base) ok = ok && seen[p - tree_base];
-                s[i] = ok ? s[i] : -INFINITY;
-                top = s[i] > top ? s[i] : top;
-            }
-            if (top == -INFINITY) continue;
-            const float mnew = top > m[r] ? top : m[r];
-            const float alpha = m[r] == -INFINITY ? 0.0f : exp_nonpos(m[r] - mnew);
+        if (pass == 1) break;
+        for (int r = 0; r < rows; r++) { /* the weights, in place of the scores */
+            float* mine = sc + (int64_t)r * kmax;
+            const int c = cnt[r];
+            float m = -INFINITY;
+            for (int k = 0; k < c; k++) m = mine[k] > m ? mine[k] : m;
             float sum = 0.0f;
-            for (int i = 0; i < bs; i++) {
-                w[i] = s[i] == -INFINITY ? 0.0f : exp_nonpos(s[i] - mnew);
-                sum += w[i];
+            for (int k = 0; k < c; k++) {
+                mine[k] = exp_nonpos(mine[k] - m);
+                sum += mine[k];
             }
-            float* ar = acc + r * d;
-            for (int e = 0; e < d; e++) ar[e] *= alpha;
-            for (int i = 0; i < ntok; i++) {
-                if (w[i] == 0.0f) continue; /* a masked key: its slot may hold anything */
-                const float* vr = vb + (int64_t)i * d;
-                const float wi = w[i];
-                for (int e = 0; e < d; e++) ar[e] += wi * vr[e];
-            }
-            l[r] = l[r] * alpha + sum;
-            m[r] = mnew;
+            total[r] = sum;
         }
     }
+    free(sc);
     for (int r = 0; r < rows; r++) {
         const int t = r / g, head = h * g + r % g;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
         for (int e = 0; e < d; e++) {
             int64_t at = (int64_t)(row0 + t) * out_stride + (int64_t)head * d + e;
             float v = acc[r * d + e] * inv;
@@ -166,6 +173,7 @@ static inline __attribute__((always_inline)) void attend_pair(
             else ((float*)out)[at] = v;
         }
     }
+    return 0;
 }
 
 /* The limits a caller checks before it calls (rows * head_dim, block size, head dim). */
@@ -187,20 +195,22 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
     if (g * hkv != hq || bs > MAX_BS || d > MAX_D || (int64_t)bs * d > MAX_BS * MAX_D / 8)
         return -1;
     for (int s = 0; s < b; s++)
-        if ((int64_t)g * q_len[s] * d > MAX_ACC) return -2;
-#pragma omp parallel for schedule(dynamic, 1)
+        if ((int64_t)g * q_len[s] * d > MAX_ACC || g * q_len[s] > MAX_ROWS) return -2;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t it = 0; it < (int64_t)b * hkv; it++) {
         const int s = (int)(it / hkv), h = (int)(it % hkv);
         const int32_t n = q_len[s];
         if (n <= 0) continue;
         if (dtype == 1)
-            attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
-                        tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs,
-                        window, scale, 1);
+            failed |= attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
+                                  tree_base[s], tree_mask, tree_width, out, out_stride, h, g,
+                                  hkv, d, bs, window, scale, 1) != 0;
         else
-            attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
-                        tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs,
-                        window, scale, 0);
+            failed |= attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
+                                  tree_base[s], tree_mask, tree_width, out, out_stride, h, g,
+                                  hkv, d, bs, window, scale, 0) != 0;
     }
+    if (failed) return -3; /* out of memory */
     return 0;
 }

@@ -105,6 +105,41 @@ def test_a_verified_row_gets_the_bits_of_its_decode_alone(dtype: torch.dtype) ->
         assert torch.equal(alone[0], together[t]), f"row {t} differs"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_node_gets_the_bits_of_the_chain_it_becomes(dtype: torch.dtype) -> None:
+    """A draft tree's node attends to the same keys as its path laid out as a chain, but they
+    sit at other slots (and so in other blocks): the kernel's result must not notice."""
+    gen = torch.Generator().manual_seed(6)
+    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
+    base = 37  # the tree starts mid-block
+    tree = TreeSpan(base, (-1, 0, 0, 1, 2, 3, 3))  # node 5's path: 0, 1, 3, 5
+    path = [0, 1, 3, 5]
+    tree_table = list(range(10, 14))
+    chain_table = list(range(50, 54))
+
+    def copy(src: int, dst: int) -> None:  # slot src of the tree's blocks to dst of the chain's
+        s_blk, d_blk = tree_table[src // BS], chain_table[dst // BS]
+        pool[d_blk, :, :, dst % BS] = pool[s_blk, :, :, src % BS]  # [2, Hkv, D]
+
+    for p in range(base):  # the same context in both layouts
+        copy(p, p)
+    for depth, node in enumerate(path):  # the path's keys and values, packed as a chain
+        copy(base + node, base + depth)
+    q = torch.randn(tree.size, HKV * G, D, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, D)
+    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+
+    def attend(seq: SeqSlice, queries: torch.Tensor) -> torch.Tensor:
+        meta = build_attention_metadata([seq], BS, CPU, rope.cos, rope.sin, native=kernel)
+        assert isinstance(meta.groups[0], NativeGroup)
+        return kernel.attend(queries, pool, meta.groups[0], D**-0.5)
+
+    in_tree = attend(SeqSlice(tree_table, base, tree.size, tree), q)
+    for depth, node in enumerate(path):
+        in_chain = attend(SeqSlice(chain_table, base + depth, 1), q[node : node + 1])
+        assert torch.equal(in_chain[0], in_tree[node]), f"node {node} differs"
+
+
 def test_without_a_compiler_every_step_gathers_named_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
