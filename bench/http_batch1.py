@@ -14,7 +14,8 @@ no match: ``draft.lookup_first``), k = 4 adaptive, as served; a ``+treeW`` suffi
 (``eagle+tree4``, ``eagle+lookup+tree4``) drafts trees ``W`` wide (``draft.tree_width``).
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
-        [--drafts ngram eagle eagle+lookup] [--quantization int8] [--in-process]
+        [--drafts ngram eagle eagle+lookup] [--quantization int8] [--dtype bfloat16]
+        [--in-process]
         [--out bench/results/http_batch1.json]
 """
 
@@ -48,17 +49,23 @@ RESULTS = Path(__file__).parent / "results"
 EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
-def _config(draft: str, port: int, quantization: str = "none") -> TandemConfig:
+def _config(
+    draft: str, port: int, quantization: str = "none", dtype: str = "float32"
+) -> TandemConfig:
     """``draft``: a kind, then ``+lookup`` (lookup first) and ``+treeW`` (trees W wide);
-    ``quantization`` applies to the target and to an EAGLE head."""
+    ``quantization`` and ``dtype`` apply to the target and to an EAGLE head."""
     kind, *extras = draft.split("+")
     trees = [int(e.removeprefix("tree")) for e in extras if e.startswith("tree")]
     return TandemConfig.model_validate(
         {
             "mode": "disaggregated",
-            "model": {"quantization": quantization},
+            "model": {"quantization": quantization, "dtype": dtype},
             "draft": {"kind": kind, "num_speculative_tokens": 4}
-            | ({"source": EAGLE_HEAD, "quantization": quantization} if kind == "eagle" else {})
+            | (
+                {"source": EAGLE_HEAD, "quantization": quantization, "dtype": dtype}
+                if kind == "eagle"
+                else {}
+            )
             | ({"lookup_first": True} if "lookup" in extras else {})
             | ({"tree_width": trees[0]} if trees else {}),
             "prefill": {"num_blocks": 256, "num_threads": 2},
@@ -81,10 +88,15 @@ def _summary(ts: list[Timing]) -> dict[str, float]:
 
 
 def run_config(
-    draft: str, sets: dict[str, list[str]], max_tokens: int, port: int, quantization: str = "none"
+    draft: str,
+    sets: dict[str, list[str]],
+    max_tokens: int,
+    port: int,
+    quantization: str = "none",
+    dtype: str = "float32",
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Per prompt set: the summary, and the texts (greedy: to compare across drafters)."""
-    cfg = _config(draft, port, quantization)
+    cfg = _config(draft, port, quantization, dtype)
     with local_app(cfg, num_cpus=2) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="x", timeout=600)
         model = resolve_models(cfg).name
@@ -100,12 +112,16 @@ def run_config(
 
 
 def run_in_process(
-    draft: str, sets: dict[str, list[str]], max_tokens: int, quantization: str = "none"
+    draft: str,
+    sets: dict[str, list[str]],
+    max_tokens: int,
+    quantization: str = "none",
+    dtype: str = "float32",
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """``run_config`` without the serving path: the same worker and engine, in this process,
     each prompt alone; time to first token is the prefill, decode time runs from there to the
     last token (as the HTTP client measures it, without the hops)."""
-    cfg = _config(draft, 8000, quantization)  # the port is not used in-process
+    cfg = _config(draft, 8000, quantization, dtype)  # the port is not used in-process
     m = resolve_models(cfg)
     engine_cfg, worker_cfg = engine_configs(cfg, m)
     assert worker_cfg is not None
@@ -176,6 +192,12 @@ def main() -> None:
         "--quantization", default="none", help="model.quantization (and an EAGLE head's)"
     )
     ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model.dtype (and an EAGLE head's)",
+    )
+    ap.add_argument(
         "--in-process",
         action="store_true",
         help="also run each configuration in-process (the serving path's baseline)",
@@ -185,7 +207,7 @@ def main() -> None:
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
     t0 = time.time()
     runs = {
-        d: run_config(d, sets, args.max_tokens, args.port, args.quantization)
+        d: run_config(d, sets, args.max_tokens, args.port, args.quantization, args.dtype)
         for d in ["none", *args.drafts]
     }
     results = {d: r[0] for d, r in runs.items()}
@@ -193,7 +215,7 @@ def main() -> None:
     serving: dict[str, Any] = {}
     if args.in_process:
         local = {
-            d: run_in_process(d, sets, args.max_tokens, args.quantization)
+            d: run_in_process(d, sets, args.max_tokens, args.quantization, args.dtype)
             for d in ["none", *args.drafts]
         }
         serving = {
@@ -226,6 +248,7 @@ def main() -> None:
         "machine": {"cpus": 2, "platform": platform.platform()},
         "max_tokens": args.max_tokens,
         "quantization": args.quantization,
+        "dtype": args.dtype,
         "prompts": {k: len(v) for k, v in sets.items()},
         "results": results,
         **ratios,

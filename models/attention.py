@@ -185,8 +185,11 @@ def bucket_metadata(
     mask = (mask & valid.unsqueeze(2)) | (~valid.unsqueeze(2) & (ctx == 0))
     cos, sin = rotary_tables(rope_cos, rope_sin, positions)
     in_place = None
-    if native is not None and dev.type == "cpu" and native.ready():
-        in_place = native.plan_bucket(tables, cached, num_new, q, window)
+    if native is not None and dev.type == "cpu":
+        if native.ready():
+            in_place = native.plan_bucket(tables, cached, num_new, q, window)
+        else:
+            native.fallbacks += 1  # the kernel could not be built here (logged once): gather
     return BucketMetadata(
         slot_blocks=slot_blocks,
         slot_offsets=slot_offsets,
@@ -333,10 +336,11 @@ def build_attention_metadata(
     # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
     in_place: list[int] = []
     on_cpu: list[int] = []
-    if native is not None and device.type == "cpu" and native.ready():
-        on_cpu = [i for i, s in enumerate(seqs) if native.fits(block_size, s)]
-    elif native is not None:
-        native.fallbacks += 1  # the kernel could not be built here (logged once): gather
+    if native is not None and device.type == "cpu":
+        if native.ready():
+            on_cpu = [i for i, s in enumerate(seqs) if native.fits(block_size, s)]
+        else:
+            native.fallbacks += 1  # the kernel could not be built here (logged once): gather
     elif flex is not None and window is None and not invariant:
         fits = [i for i, s in enumerate(seqs) if flex.kernel.fits(flex.group_size, s)]
         if flex.kernel.applies(sum(need[i] for i in fits) * block_size):

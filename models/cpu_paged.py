@@ -6,8 +6,9 @@ decode step at batch 8 to 32 that is most of the attention's time, and attention
 much of the step as the matmuls. No maintained kernel reads a paged cache on a CPU for the
 torch this project runs on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU
 kernels are built into their own wheels against their own torch pins), so this one is written
-by hand (``models/csrc/paged_attention.c``): per (sequence, KV head), an online softmax over
-the sequence's blocks read where they lie, fp32 accumulation, OpenMP over the pairs.
+by hand (``models/csrc/paged_attention.c``): per (sequence, KV head), the scores of the keys
+each query row sees, then their softmax weights and the weighted values, every block read
+where it lies, in fp32, OpenMP over the pairs.
 
 **Batch invariance.** A row's result depends on its query, its position and the keys it sees,
 never on what shares the call nor on where its keys sit in blocks, so a token verified among
@@ -57,8 +58,10 @@ FLAGS = (
     "-shared",
 )
 MAX_ACCUMULATOR = 16384  # floats a (sequence, head) pair accumulates: G * new tokens * D
+MAX_ROWS = MAX_ACCUMULATOR // 16  # query rows of a (sequence, head) pair: G * new tokens
 MAX_BLOCK_SIZE = 256
 MAX_HEAD_DIM = 512
+MAX_BLOCK_FLOATS = 16384  # block_size * head_dim: one block of one head, converted from bf16
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -167,9 +170,10 @@ class CpuPagedAttention:
         and their trees, short prompt chunks)."""
         return (
             self.group_size * seq.num_new * self.head_dim <= MAX_ACCUMULATOR
-            and self.group_size * seq.num_new <= MAX_ACCUMULATOR // 16
+            and self.group_size * seq.num_new <= MAX_ROWS
             and self.head_dim <= MAX_HEAD_DIM
             and block_size <= MAX_BLOCK_SIZE
+            and block_size * self.head_dim <= MAX_BLOCK_FLOATS
         )
 
     def plan(

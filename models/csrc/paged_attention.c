@@ -29,6 +29,8 @@
 #include <string.h>
 
 #define MAX_ACC 16384 /* floats of accumulator per (sequence, head): rows * head_dim */
+/* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
+ * MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_BLOCK_FLOATS) */
 #define MAX_ROWS (MAX_ACC / 16) /* query rows per (sequence, head) */
 #define MAX_BS 256
 #define MAX_D 512
@@ -174,11 +176,6 @@ static inline __attribute__((always_inline)) int attend_pair(
         }
     }
     return 0;
-}
-
-/* The limits a caller checks before it calls (rows * head_dim, block size, head dim). */
-int tandem_paged_attention_limits(int which) {
-    return which == 0 ? MAX_ACC : which == 1 ? MAX_BS : MAX_D;
 }
 
 /* q, out: [T, Hq, D] rows at the given strides (elements); kv: one layer [NB, 2, Hkv, BS, D];
