@@ -169,6 +169,7 @@ SUMMARY = (
     "switch_interval_s",
     "attention",
     "attention_fallbacks",
+    "matmul",
     "node_id",
     "age_s",
 )

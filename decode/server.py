@@ -122,6 +122,7 @@ class DecodeServer:
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
         out["attention"], out["attention_fallbacks"] = self.engine.target.attention_path()
+        out["matmul"] = self.engine.target.matmul_path()
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

@@ -16,10 +16,8 @@ k + 1 rows, or as a node of a draft tree, gets the bits it gets when decoded alo
 the gather path would have to run in float64 for that reason (``build_attention_metadata``'s
 ``invariant``: bf16 and quantized models) run here at the model's dtype.
 
-**Build.** The source is compiled with the system's C compiler (``$CC``, else ``cc``) for
-this CPU (``-march=native``) into a cache keyed by the source, the flags, the compiler and the
-CPU's feature flags (``$TANDEM_KERNEL_CACHE``, else ``~/.cache/tandem/kernels``). It links the
-OpenMP runtime torch has loaded, so its threads are torch's. Where it cannot be built or
+**Build.** The source is compiled on first use for this CPU and cached (``models.native``);
+it links the OpenMP runtime torch has loaded, so its threads are torch's. Where it cannot be built or
 loaded (no compiler), the reason is logged once and kept in ``failed``, and every step takes
 the gather path, counted in ``fallbacks``.
 """
@@ -27,12 +25,7 @@ the gather path, counted in ``fallbacks``.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +33,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from models import native
+
 if TYPE_CHECKING:
     from models.attention import SeqSlice
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+SOURCE = native.CSRC / "paged_attention.c"
 FLAGS = (
     "-O3",
     "-march=native",
@@ -81,50 +76,10 @@ class NativeGroup:
     window: int  # sliding window in positions; 0: none
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags, which ``-march=native`` compiles for."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TANDEM_KERNEL_CACHE")
-    return Path(base) if base else Path.home() / ".cache" / "tandem" / "kernels"
-
-
 def build_library() -> Path:
-    """The compiled kernel for this CPU: from the cache, else compiled into it (about a second).
-    Raises when no compiler is found or the compile fails."""
-    cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), version.stdout.encode(), _cpu_flags().encode()):
-        key.update(part)
-    out_dir = _cache_dir()
-    target = out_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[:400]}")
-        os.replace(tmp, target)  # atomic: another process may be building the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built the CPU paged-attention kernel: %s", target)
-    return target
+    """The compiled kernel for this CPU (``models.native``). Raises when no compiler is found
+    or the compile fails."""
+    return native.build_library(SOURCE, FLAGS)
 
 
 class CpuPagedAttention:

@@ -42,7 +42,7 @@ from models.attention import StepMetadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
-from models.onednn import PackedWeight, RowInvariance, onednn_pack
+from models.cpu_linear import CpuPacker, CpuWeight
 from models.parallel import ServedLinear, TPContext, linear
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
@@ -246,10 +246,11 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         for p in self.parameters():
             p.requires_grad_(False)
-        # oneDNN reorderings (pack_for_cpu) or quantized copies (quantize) of fc and the LM
-        # head for inference; the nn.Linear weights stay, for checkpoints and training
-        self._packed_fc: PackedWeight | None = None
-        self._packed_head: PackedWeight | None = None
+        # quantized copies (quantize) of fc and the LM head, or those (or the plain weights)
+        # packed for the CPU (pack_for_cpu), for inference; the nn.Linear weights stay, for
+        # checkpoints and training
+        self._packed_fc: CpuWeight | None = None
+        self._packed_head: CpuWeight | None = None
         self._quant_fc: QuantizedWeight | None = None
         self._quant_head: QuantizedWeight | None = None
 
@@ -261,18 +262,19 @@ class EagleHead(nn.Module):
         self._quant_head = quantize(head, kind, row_absmax(head))
 
     def pack_for_cpu(self) -> bool:
-        """Reorder the head's matmul weights for oneDNN (``models.onednn``), for drafting on a
-        CPU after loading (the head can then no longer be saved). False where the CPU has no
-        such path."""
+        """Pack the head's matmul weights for the CPU (``models.cpu_linear``), for drafting on a
+        CPU after loading (and quantizing). False where the CPU has no such path."""
         if self.device.type != "cpu":
             return False
-        inv = RowInvariance()
+        packer = CpuPacker()
         served = [m for m in self.layer.modules() if isinstance(m, ServedLinear)]
-        layer = all([m.pack_for_cpu(inv) for m in served])  # noqa: C419 (pack every one)
-        if self._quant_fc is not None:  # quantized matmuls have their own kernel
-            return layer
-        self._packed_fc = onednn_pack(self.fc.weight.data, inv)
-        self._packed_head = onednn_pack(self.lm_head.weight.data, inv)
+        layer = all([m.pack_for_cpu(packer) for m in served])  # noqa: C419 (pack every one)
+        if self._quant_fc is not None and self._quant_head is not None:
+            self._packed_fc = packer.pack_quantized(self._quant_fc)
+            self._packed_head = packer.pack_quantized(self._quant_head)
+            return layer  # without the kernel, the quantized matmuls serve
+        self._packed_fc = packer.pack(self.fc.weight.data)
+        self._packed_head = packer.pack(self.lm_head.weight.data)
         return layer and self._packed_fc is not None and self._packed_head is not None
 
     def forward(

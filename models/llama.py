@@ -13,7 +13,7 @@ from models.cpu_paged import DTYPES as CPU_DTYPES
 from models.cpu_paged import CpuPagedAttention
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
-from models.onednn import RowInvariance
+from models.cpu_linear import CpuPacker
 from models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -166,6 +166,8 @@ class LlamaModel(nn.Module):
             if dev.type == "cpu" and dtype in CPU_DTYPES
             else None
         )
+        self.packer = CpuPacker()  # matmuls on a CPU (models.cpu_linear), by pack_for_cpu
+        self.packed_for_cpu = False
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
@@ -245,16 +247,22 @@ class LlamaModel(nn.Module):
         return self.lm_head.logits(hidden).float()
 
     def pack_for_cpu(self) -> bool:
-        """Reorder every matmul weight for oneDNN (``models.onednn``), in row-invariant column
-        chunks: for inference on the CPU, after ``load_weights``. False where the CPU has no
-        such path."""
+        """Pack every matmul weight for row-invariant matmuls on the CPU
+        (``models.cpu_linear``): for inference, after ``load_weights`` (and ``quantize``).
+        False where the CPU has no such path; ``matmul_path`` says which it took."""
         if self.device.type != "cpu":
             return False
-        invariance = RowInvariance()
         layers = [m for m in self.modules() if isinstance(m, ServedLinear)]
-        done = [m.pack_for_cpu(invariance) for m in layers]
-        head = self.lm_head.pack_for_cpu(invariance)
+        done = [m.pack_for_cpu(self.packer) for m in layers]
+        head = self.lm_head.pack_for_cpu(self.packer)
+        self.packed_for_cpu = True
         return all(done) and head
+
+    def matmul_path(self) -> str:
+        """What runs the matmuls, for ``/health``."""
+        if self.packed_for_cpu:
+            return self.packer.describe()
+        return f"torch ({self.device.type})"
 
     def quantize(self, kind: Quant) -> None:
         """Quantize every matmul weight and the LM head (``models.quant``), after

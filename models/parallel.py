@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.onednn import PackedWeight, RowInvariance, onednn_pack
+from models.cpu_linear import CpuPacker, CpuWeight
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, whole
 
@@ -58,19 +58,19 @@ class TPContext:
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: PackedWeight | None,
+    packed: CpuWeight | None,
     bias: torch.Tensor | None = None,
     quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """``x @ weight^T (+ bias)``: through the ``quantized`` weight when there is one, else
-    oneDNN's reordered ``packed`` weight (``models.onednn``) when there is one. x: [T, in] ->
-    [T, out]; bias: [out]."""
+    """``x @ weight^T (+ bias)``: through the weight ``packed`` for the CPU
+    (``models.cpu_linear``) when there is one, else the ``quantized`` weight when there is one,
+    else the plain one. x: [T, in] -> [T, out]; bias: [out]."""
+    if packed is not None:
+        return packed.matmul(x, bias)
     if quantized is not None:
         y = quantized.matmul(x)
         return y if bias is None else y + bias
-    if packed is None:
-        return nn.functional.linear(x, weight, bias)
-    return packed.matmul(x, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 def tp_group(tp: TPContext) -> Any:
@@ -79,12 +79,12 @@ def tp_group(tp: TPContext) -> Any:
 
 
 class ServedLinear(nn.Module):
-    """A layer whose ``weight`` [out, in] is served plain, reordered for oneDNN on the CPU
-    (``pack_for_cpu``), or quantized (``quantize``); either of the last two drops the plain
-    weight."""
+    """A layer whose ``weight`` [out, in] is served plain, quantized (``quantize``), or packed
+    for the CPU (``pack_for_cpu``, after quantizing if at all); quantizing or packing drops the
+    weight it replaces."""
 
     weight: nn.Parameter
-    packed: PackedWeight | None = None
+    packed: CpuWeight | None = None
     quantized: QuantizedWeight | None = None
 
     def quantize(self, kind: Quant, group: Any = None) -> None:
@@ -94,13 +94,16 @@ class ServedLinear(nn.Module):
         self.quantized = quantize(w, kind, row_absmax(w, group))
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
-    def pack_for_cpu(self, invariance: RowInvariance | None = None) -> bool:
-        """Reorder the loaded weight for oneDNN (``models.onednn``; ``invariance``: the probes
-        shared across the model); False where this CPU has no such path (a quantized weight
-        has its own kernel and stays as it is)."""
+    def pack_for_cpu(self, packer: CpuPacker) -> bool:
+        """Pack the loaded (or quantized) weight for the CPU (``models.cpu_linear``); False
+        where this CPU has no such path for a plain weight's dtype (a quantized weight the
+        kernel does not take keeps its own matmul)."""
         if self.quantized is not None:
+            packed_q = packer.pack_quantized(self.quantized)
+            if packed_q is not None:
+                self.packed, self.quantized = packed_q, None
             return True
-        packed = onednn_pack(self.weight.data, invariance)
+        packed = packer.pack(self.weight.data)
         if packed is None:
             return False
         self.packed = packed
@@ -201,7 +204,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.packed: PackedWeight | None = None  # a oneDNN reordering for logits (CPU)
+        self.packed: CpuWeight | None = None  # the table packed for logits on a CPU
         self.quantized: QuantizedWeight | None = None  # a quantized copy for logits
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
@@ -222,12 +225,15 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
-    def pack_for_cpu(self, invariance: RowInvariance | None = None) -> bool:
-        """Keep a oneDNN reordering of the table for ``logits`` (the table itself stays: the
-        embedding lookup reads it); a quantized table needs none."""
+    def pack_for_cpu(self, packer: CpuPacker) -> bool:
+        """Keep the table packed for ``logits`` on a CPU (``models.cpu_linear``; the table
+        itself stays: the embedding lookup reads it), or its quantized copy packed."""
         if self.quantized is not None:
+            packed_q = packer.pack_quantized(self.quantized)
+            if packed_q is not None:
+                self.packed, self.quantized = packed_q, None
             return True
-        self.packed = onednn_pack(self.weight.data, invariance)
+        self.packed = packer.pack(self.weight.data)
         return self.packed is not None
 
     def quantize(self, kind: Quant, keep_table: bool) -> None:

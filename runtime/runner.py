@@ -105,6 +105,10 @@ class ModelRunner(ABC):
         """What runs decode attention here, and the steps it fell back to gathering
         (``LlamaModel.attention_path``; a TP group: rank 0's)."""
 
+    @abstractmethod
+    def matmul_path(self) -> str:
+        """What runs the matmuls here (``LlamaModel.matmul_path``; a TP group: rank 0's)."""
+
 
 class LocalRunner(ModelRunner):
     """The whole model in this process (TP = 1), its pool a local tensor."""
@@ -119,6 +123,9 @@ class LocalRunner(ModelRunner):
 
     def attention_path(self) -> tuple[str, int]:
         return self.model.attention_path()
+
+    def matmul_path(self) -> str:
+        return self.model.matmul_path()
 
 
 class EagleRunner:

@@ -151,7 +151,7 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
 
 
 def _pack(model: LlamaModel | EagleHead, what: str) -> None:
-    """Reorder a CPU model's weights for oneDNN; where the CPU has no such path for the dtype,
-    say so once: the model then runs on the plain matmul."""
+    """Pack a CPU model's weights for row-invariant matmuls (``models.cpu_linear``); where the
+    CPU has no such path for the dtype, say so once: the model then runs on the plain matmul."""
     if model.device.type == "cpu" and not model.pack_for_cpu():
-        log.warning("%s: no oneDNN reordering for %s on this CPU; plain matmuls", what, model.dtype)
+        log.warning("%s: no packed matmul for %s on this CPU; plain matmuls", what, model.dtype)

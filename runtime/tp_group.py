@@ -182,6 +182,9 @@ class TPRunner(ModelRunner):
     def attention_path(self) -> tuple[str, int]:
         return self.local.attention_path()
 
+    def matmul_path(self) -> str:
+        return self.local.matmul_path()
+
     def stop(self) -> None:
         """End the ranks' step loops (before the group is torn down)."""
         self.channel.send(None)

@@ -73,6 +73,8 @@ def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
     # decode attention read the pool in place (models.cpu_paged), with no step gathering
     assert all(r["attention"] == "cpu_paged" for r in decode.values()), decode
     assert all(r["attention_fallbacks"] == 0 for r in decode.values()), decode
+    # and its matmuls took the row-invariant panel kernel (models.cpu_linear)
+    assert all(r["matmul"] == "cpu_panel" for r in decode.values()), decode
     for pool in (prefill, decode):  # the pools' default reached each replica's interpreter
         assert all(r["switch_interval_s"] == pytest.approx(2e-4) for r in pool.values()), pool
 

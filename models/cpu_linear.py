@@ -1,0 +1,206 @@
+"""Matmuls on a CPU over weights packed once into column panels: a small C kernel, built on
+first use, that computes every row alike whatever the number of rows.
+
+A decode step at batch 1 to 32 is a few rows times every weight: the time is the weights'
+stream from memory. oneDNN's matmul, made row-invariant by reordering in column chunks
+(``models.onednn``), reads them at about half the rate a plain sum does and loses most at one
+row. The kernel of ``models/csrc/panel_linear.c`` streams each weight once per call in panels
+of 16 output columns and feeds every output element by multiply-adds over the input features
+in order, so:
+
+- **Row invariance by construction**: a row's bits depend on that row and the weight alone,
+  for any number of rows (not only the counts a probe tried), so verifying k + 1 tokens gives
+  each row its one-token decode's logits and greedy speculation stays token-identical to plain
+  decoding in every dtype.
+- **fp32, bf16 and int8 weights**: bf16 by the CPU's bf16 dot-product instruction (AVX512-BF16;
+  without it bf16 weights take oneDNN), int8 (``models.quant``) converted in registers, so the
+  weights stream at one byte a value.
+
+**Fallback.** Where the kernel cannot be built or loaded (no compiler), the reason is logged
+once and kept in ``failed``, and weights are reordered for oneDNN instead (``models.onednn``),
+counted in ``CpuPacker.fallbacks``; ``describe`` names the path for ``/health``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from models import native
+from models.onednn import PackedWeight, RowInvariance, onednn_pack
+from models.quant import Quant, QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "panel_linear.c"
+# No -ffast-math or -fassociative-math: each output's multiply-adds must stay in order.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",  # a * b + c as one FMA, alike at every call site
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+PANEL = 16  # output columns per panel (NR in the C source)
+
+
+class PanelKind(enum.IntEnum):
+    """What the kernel multiplies (its ``kind`` argument)."""
+
+    F32 = 0  # fp32 x, weights and y
+    BF16 = 1  # bf16 x, weights and y, fp32 accumulation
+    INT8 = 2  # int8 weights with fp32 per-column scales; fp32 x and y
+
+
+class CpuLinear:
+    """The kernel (loaded on first use). ``failed``: why it could not be built or loaded (then
+    it is never tried again)."""
+
+    def __init__(self) -> None:
+        self._fn: Callable[..., int] | None = None
+        self._bf16 = False
+        self.failed: str | None = None
+
+    def ready(self) -> bool:
+        """Whether the kernel is loaded, loading it on the first call."""
+        if self._fn is None and self.failed is None:
+            try:
+                lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))  # releases the GIL
+                fn = lib.tandem_panel_linear
+                fn.restype = ctypes.c_int
+                p, i64 = ctypes.c_void_p, ctypes.c_int64
+                fn.argtypes = [ctypes.c_int, p, i64, p, p, p, i64, i64, i64, i64]
+                lib.tandem_panel_bf16.restype = ctypes.c_int
+                self._bf16 = bool(lib.tandem_panel_bf16())
+                self._fn = fn
+            except Exception as e:  # no compiler, a failed compile, a library that won't load
+                self.failed = f"{type(e).__name__}: {e}"[:500]
+                log.error("the CPU panel matmul kernel is unavailable, using oneDNN: %s", e)
+        return self._fn is not None
+
+    def kind_for(self, dtype: torch.dtype) -> PanelKind | None:
+        """The kind a plain weight of ``dtype`` is served as, None where the kernel has none."""
+        if not self.ready():
+            return None
+        if dtype == torch.float32:
+            return PanelKind.F32
+        if dtype == torch.bfloat16 and self._bf16:
+            return PanelKind.BF16
+        return None
+
+    def run(
+        self,
+        kind: PanelKind,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        scale: torch.Tensor | None,
+        y: torch.Tensor,
+    ) -> None:
+        """y [M, N] = x [M, K] times the packed weight ``data`` (unit stride along K and N)."""
+        assert self._fn is not None
+        rc = self._fn(
+            int(kind),
+            x.data_ptr(),
+            x.stride(0),
+            data.data_ptr(),
+            None if scale is None else scale.data_ptr(),
+            y.data_ptr(),
+            y.stride(0),
+            x.shape[0],
+            y.shape[1],
+            x.shape[1],
+        )
+        if rc != 0:  # pack() keeps this from happening
+            raise ValueError(f"the panel matmul refused kind {kind.name} (code {rc})")
+
+
+def pack_panels(w: torch.Tensor, kind: PanelKind) -> torch.Tensor:
+    """``w`` [N, K] in the kernel's layout: [P, K, 16] (fp32, int8) or [P, K / 2, 16, 2]
+    (bf16), P = ceil(N / 16), the last panel padded with zero columns."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    padded = w.new_zeros(panels * PANEL, k)
+    padded[:n] = w
+    if kind is PanelKind.BF16:
+        return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A weight [out, in] packed for the kernel."""
+
+    kernel: CpuLinear
+    kind: PanelKind
+    data: torch.Tensor  # pack_panels' layout
+    scale: torch.Tensor | None  # [P * 16] float32 per-column scales (int8), padding 0
+    out_features: int
+    out_dtype: torch.dtype  # what the layer returns: the model's dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out] in ``out_dtype``, ``x @ weight^T (+ bias)``."""
+        act = torch.bfloat16 if self.kind is PanelKind.BF16 else torch.float32
+        if x.dtype != act:
+            x = x.to(act)  # int8 in a bf16 model: its activations widened to fp32
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = x.new_empty(x.shape[0], self.out_features)  # [T, out]
+        if x.shape[0]:
+            self.kernel.run(self.kind, x, self.data, self.scale, y)
+        if y.dtype != self.out_dtype:
+            y = y.to(self.out_dtype)
+        return y if bias is None else y.add_(bias)
+
+
+CpuWeight = PanelWeight | PackedWeight
+
+
+@dataclass
+class CpuPacker:
+    """Packs a model's weights for the CPU: for the panel kernel, else (no kernel, or bf16 on a
+    CPU without bf16 instructions) reordered for oneDNN in row-invariant chunks, each such
+    weight counted in ``fallbacks``. One per model being packed."""
+
+    kernel: CpuLinear = field(default_factory=CpuLinear)
+    invariance: RowInvariance = field(default_factory=RowInvariance)
+    fallbacks: int = 0
+
+    def pack(self, w: torch.Tensor) -> CpuWeight | None:
+        """``w`` [out, in] packed for the fastest row-invariant path here, None where there is
+        none (a GPU tensor; a dtype neither path takes)."""
+        if w.device.type != "cpu":
+            return None
+        kind = self.kernel.kind_for(w.dtype)
+        if kind is not None and (kind is not PanelKind.BF16 or w.shape[1] % 2 == 0):
+            return PanelWeight(
+                self.kernel, kind, pack_panels(w.detach(), kind), None, w.shape[0], w.dtype
+            )
+        self.fallbacks += 1
+        return onednn_pack(w, self.invariance)
+
+    def pack_quantized(self, q: QuantizedWeight) -> PanelWeight | None:
+        """An int8 weight packed for the kernel; None for fp8 or without the kernel (the
+        quantized weight then serves through its own matmul, ``models.quant``)."""
+        if q.kind is not Quant.INT8 or q.data.device.type != "cpu" or not self.kernel.ready():
+            return None
+        n = q.data.shape[0]
+        scale = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
+        scale[:n] = q.scale.float()
+        data = pack_panels(q.data, PanelKind.INT8)
+        return PanelWeight(self.kernel, PanelKind.INT8, data, scale, n, q.out_dtype)
+
+    def describe(self) -> str:
+        """What runs this model's matmuls, for ``/health``."""
+        if self.kernel.failed is not None:
+            return f"onednn (cpu_panel unavailable: {self.kernel.failed})"
+        if self.fallbacks:
+            return f"cpu_panel, onednn for {self.fallbacks} weights"
+        return "cpu_panel"

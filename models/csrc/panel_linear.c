@@ -1,0 +1,220 @@
+/* y = x W^T on a CPU over weights packed once into column panels: every row computed alike for
+ * any number of rows, from one row (a batch-1 decode) to a prompt chunk.
+ *
+ * Why by hand: greedy speculation is token-identical to plain decoding only if a row verified
+ * among k + 1 gets the bits of its one-token decode, and a decode row's bits must not change
+ * with what shares its step. oneDNN's matmul blocks its reduction differently by row count;
+ * reordering around that (models/onednn.py) costs it about half its speed at one row. No
+ * maintained CPU GEMM promises row invariance, so this one is written for it: each output
+ * element is one lane of one accumulator, fed by fused multiply-adds over the input features
+ * in order 0, 1, ..., K-1 (bf16: pairs 0-1, 2-3, ... by the CPU's bf16 dot-product
+ * instruction), whatever tile of rows and panels the element falls in. No horizontal sums, no
+ * reassociation (this file is compiled without -ffast-math / -fassociative-math).
+ *
+ * Layout. W [N, K] is packed in panels of NR = 16 output columns (N padded with zero columns
+ * to a multiple of 16): panel p holds columns 16p .. 16p + 15 as [K][16] (fp32, int8) or
+ * [K / 2][16][2] (bf16, the pairs the dot-product instruction takes). A K step loads one
+ * vector per panel and broadcasts one input feature per row, so the weights stream once per
+ * call whatever M is, and a tile of MR rows x NPG panels reuses each load MR times.
+ *
+ * Kinds: 0 fp32 x, W, y; 1 bf16 x, W, y (fp32 accumulation, rounded to nearest even at the
+ * end; needs AVX512-BF16); 2 int8 W with one fp32 scale per output column, fp32 x and y
+ * (the int8 values are converted to fp32 in registers, so the weights stream at one byte a
+ * value).
+ *
+ * Work is split over groups of panels across the OpenMP threads of the runtime torch itself
+ * uses (the library links the libgomp torch loaded); every element is computed by one thread,
+ * so the split does not change its bits either.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define NR 16  /* output columns per panel: one 16-float vector */
+#define MR 6   /* rows per tile */
+#define NPG 4  /* panels per tile (and per unit of work) */
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+
+static inline v16f splat(float a) { return (v16f){} + a; }
+
+static inline v16f load_f32(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v16f load_i8(const int8_t* p) {
+#ifdef __AVX512F__
+    __m512 r = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    v16f v;
+    memcpy(&v, &r, sizeof v);
+    return v;
+#else
+    v16b b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, v16f);
+#endif
+}
+
+/* Columns n0 .. of a panel's result into row y (the last panel may be partly padding). */
+static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
+    if (n0 + NR <= n) {
+        memcpy(y + n0, &v, sizeof v);
+    } else {
+        float t[NR];
+        memcpy(t, &v, sizeof t);
+        for (int64_t c = 0; n0 + c < n; c++) y[n0 + c] = t[c];
+    }
+}
+
+/* One tile: rows x[0 .. mr), panels w[0 .. np) (each K * NR values apart). mr and np are
+ * constants at every call site, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void tile_f32(int mr, int np, const float* x,
+                                                          int64_t xs, const float* w, int64_t k_,
+                                                          float* y, int64_t ys, int64_t n0,
+                                                          int64_t n) {
+    v16f acc[MR][NPG];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
+    for (int64_t k = 0; k < k_; k++) {
+        v16f wv[NPG];
+        for (int j = 0; j < np; j++) wv[j] = load_f32(w + ((int64_t)j * k_ + k) * NR);
+        for (int i = 0; i < mr; i++) {
+            const v16f b = splat(x[i * xs + k]);
+            for (int j = 0; j < np; j++) acc[i][j] = acc[i][j] + b * wv[j]; /* one FMA */
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) store_f32(y + i * ys, n0 + j * NR, n, acc[i][j]);
+}
+
+static inline __attribute__((always_inline)) void tile_i8(int mr, int np, const float* x,
+                                                         int64_t xs, const int8_t* w,
+                                                         const float* scale, int64_t k_,
+                                                         float* y, int64_t ys, int64_t n0,
+                                                         int64_t n) {
+    v16f acc[MR][NPG];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
+    for (int64_t k = 0; k < k_; k++) {
+        v16f wv[NPG];
+        for (int j = 0; j < np; j++) wv[j] = load_i8(w + ((int64_t)j * k_ + k) * NR);
+        for (int i = 0; i < mr; i++) {
+            const v16f b = splat(x[i * xs + k]);
+            for (int j = 0; j < np; j++) acc[i][j] = acc[i][j] + b * wv[j];
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) {
+            const v16f s = load_f32(scale + n0 + j * NR); /* padded to whole panels */
+            store_f32(y + i * ys, n0 + j * NR, n, acc[i][j] * s);
+        }
+}
+
+#if defined(__AVX512BF16__)
+#define HAVE_BF16 1
+static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, const uint16_t* x,
+                                                           int64_t xs, const uint16_t* w,
+                                                           int64_t k_, uint16_t* y, int64_t ys,
+                                                           int64_t n0, int64_t n) {
+    __m512 acc[MR][NPG];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < k_; k += 2) {
+        __m512bh wv[NPG];
+        for (int j = 0; j < np; j++)
+            wv[j] = (__m512bh)_mm512_loadu_si512(w + ((int64_t)j * k_ + k) * NR);
+        for (int i = 0; i < mr; i++) {
+            uint32_t pair;
+            memcpy(&pair, x + i * xs + k, sizeof pair);
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int j = 0; j < np; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], b, wv[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) {
+            const int64_t c0 = n0 + j * NR;
+            const __m256bh h = _mm512_cvtneps_pbh(acc[i][j]);
+            if (c0 + NR <= n) {
+                memcpy(y + i * ys + c0, &h, sizeof h);
+            } else {
+                uint16_t t[NR];
+                memcpy(t, &h, sizeof t);
+                for (int64_t c = 0; c0 + c < n; c++) y[i * ys + c0 + c] = t[c];
+            }
+        }
+}
+#else
+#define HAVE_BF16 0
+#endif
+
+/* Every (rows, panels) shape a tile can have, each with constant bounds. */
+#define BY_SHAPE(TILE)                  \
+    switch (mr * 8 + np) {              \
+        case 6 * 8 + 4: TILE(6, 4); break; \
+        case 5 * 8 + 4: TILE(5, 4); break; \
+        case 4 * 8 + 4: TILE(4, 4); break; \
+        case 3 * 8 + 4: TILE(3, 4); break; \
+        case 2 * 8 + 4: TILE(2, 4); break; \
+        case 1 * 8 + 4: TILE(1, 4); break; \
+        case 6 * 8 + 1: TILE(6, 1); break; \
+        case 5 * 8 + 1: TILE(5, 1); break; \
+        case 4 * 8 + 1: TILE(4, 1); break; \
+        case 3 * 8 + 1: TILE(3, 1); break; \
+        case 2 * 8 + 1: TILE(2, 1); break; \
+        default: TILE(1, 1); break;        \
+    }
+
+/* Whether bf16 (kind 1) is compiled in: the CPU has the bf16 dot-product instruction. */
+int tandem_panel_bf16(void) { return HAVE_BF16; }
+
+/* y [M, N] (row stride ys) = x [M, K] (row stride xs) times the packed W (see above); kind as
+ * above, scale [N rounded up to 16] for int8. Returns 0, or -1 for a kind this build lacks,
+ * -2 for a K the kind cannot take (bf16: odd). */
+int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, const float* scale,
+                        void* y, int64_t ys, int64_t m, int64_t n, int64_t k) {
+    if (kind == 1 && !HAVE_BF16) return -1;
+    if (kind < 0 || kind > 2) return -1;
+    if (kind == 1 && k % 2) return -2;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t groups = (panels + NPG - 1) / NPG;
+    const int64_t wbytes = kind == 0 ? 4 : kind == 1 ? 2 : 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t p0 = g * NPG;
+        const int64_t pc = panels - p0 < NPG ? panels - p0 : NPG;
+        for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
+            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+            for (int64_t p = p0; p < p0 + pc;) {
+                const int np = pc == NPG ? NPG : 1;
+                const char* wp = (const char*)w + p * k * NR * wbytes;
+                const int64_t n0 = p * NR;
+                if (kind == 0) {
+                    const float* xr = (const float*)x + m0 * xs;
+                    float* yr = (float*)y + m0 * ys;
+#define TILE_F32(a, b) tile_f32(a, b, xr, xs, (const float*)wp, k, yr, ys, n0, n)
+                    BY_SHAPE(TILE_F32)
+                } else if (kind == 2) {
+                    const float* xr = (const float*)x + m0 * xs;
+                    float* yr = (float*)y + m0 * ys;
+#define TILE_I8(a, b) tile_i8(a, b, xr, xs, (const int8_t*)wp, scale, k, yr, ys, n0, n)
+                    BY_SHAPE(TILE_I8)
+                }
+#if HAVE_BF16
+                else {
+                    const uint16_t* xr = (const uint16_t*)x + m0 * xs;
+                    uint16_t* yr = (uint16_t*)y + m0 * ys;
+#define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n)
+                    BY_SHAPE(TILE_BF16)
+                }
+#endif
+                p += np;
+            }
+        }
+    }
+    return 0;
+}
