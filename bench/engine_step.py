@@ -13,7 +13,8 @@
 5. Memory: KV pool bytes and the process's peak RSS.
 
     .venv/bin/python -m bench.engine_step [--dtypes float32 bfloat16] [--tokens 64]
-        [--verify-only | --mixed-only] [--plain-baseline] [--out bench/results/engine_step.json]
+        [--verify-only | --mixed-only] [--baselines plain onednn]
+        [--out bench/results/engine_step.json]
 
 Writes ``--out`` (default ``bench/results/engine_step.json``, which the simulator's CPU profile
 reads) and a PNG beside it.
@@ -223,9 +224,12 @@ def main() -> None:
     )
     ap.add_argument("--mixed-only", action="store_true", help="re-measure mixed steps into it")
     ap.add_argument(
-        "--plain-baseline",
-        action="store_true",
-        help="also time batch 1 with plain F.linear weights (no oneDNN reordering), alternating",
+        "--baselines",
+        nargs="*",
+        choices=("plain", "onednn"),
+        default=[],
+        help="also time batch 1, alternating, with plain F.linear weights and/or with the "
+        "oneDNN row-invariant reordering instead of the panel kernel",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "engine_step.json")
     args = ap.parse_args()
@@ -250,16 +254,17 @@ def main() -> None:
         r: dict[str, Any] = {"kv_pool_bytes": engine.pool.nbytes}
         # Alternate the two, three times each, and compare medians: this machine is noisy.
         hf = _hf_model(folder, spec.load().dtype)
-        plain = _plain_engine(spec) if args.plain_baseline else None
+        baselines = {k: _baseline_engine(spec, k) for k in args.baselines}
         nbytes = streamed_bytes(spec)
         wall = torch.ones(nbytes // 4)  # float32: the weights' bytes, to stream
-        ours_runs, theirs_runs, plain_runs, stream_runs = [], [], [], []
+        ours_runs, theirs_runs, stream_runs = [], [], []
+        base_runs: dict[str, list[float]] = {k: [] for k in baselines}
         for _ in range(args.trials):
             ours_runs.append(engine_tokens_per_s(engine, 1, args.tokens))
             theirs_runs.append(hf_tokens_per_s(hf, args.tokens))
             stream_runs.append(stream_ms(wall))
-            if plain is not None:
-                plain_runs.append(engine_tokens_per_s(plain, 1, args.tokens))
+            for k, base in baselines.items():
+                base_runs[k].append(engine_tokens_per_s(base, 1, args.tokens))
         ours, theirs = statistics.median(ours_runs), statistics.median(theirs_runs)
         r["batch1"] = {
             "engine_tok_s": ours,
@@ -274,11 +279,12 @@ def main() -> None:
             "step_over_stream": 1000 / ours / min(stream_runs),
         }
         del wall
-        if plain is not None:
-            r["batch1"]["plain_linear_tok_s"] = statistics.median(plain_runs)
-            r["batch1"]["plain_linear_runs"] = plain_runs
-            r["batch1"]["ratio_to_plain_linear"] = ours / statistics.median(plain_runs)
-            plain.close()
+        for k, base in baselines.items():
+            r["batch1"][f"{k}_tok_s"] = statistics.median(base_runs[k])
+            r["batch1"][f"{k}_runs"] = base_runs[k]
+            r["batch1"][f"ratio_to_{k}"] = ours / statistics.median(base_runs[k])
+            print(f"{dt}: batch-1 with {k} matmuls {statistics.median(base_runs[k]):.1f} tok/s")
+            base.close()
         print(
             f"{dt}: batch-1 engine {ours:.1f} tok/s, transformers {theirs:.1f}, "
             f"ratio {ours / theirs:.2f}; step {1000 / ours:.1f} ms, "
@@ -305,17 +311,21 @@ def main() -> None:
     _plot(report, args.out.with_suffix(".png"))
 
 
-def _plain_engine(spec: ModelSpec) -> DecodeEngine:
-    """The same engine with its weights left for plain ``F.linear`` (the baseline of the
-    oneDNN reordering the runtime applies on a CPU)."""
+def _baseline_engine(spec: ModelSpec, kind: str) -> DecodeEngine:
+    """The same engine with its weights left for plain ``F.linear`` (``plain``), or reordered
+    for oneDNN in row-invariant chunks (``onednn``, ``models.onednn``), instead of packed for
+    the panel kernel the runtime uses on a CPU (``models.cpu_linear``)."""
+    from models.cpu_linear import CpuLinear
     from models.llama import LlamaModel
 
-    pack = LlamaModel.pack_for_cpu
-    LlamaModel.pack_for_cpu = lambda self: False  # type: ignore[method-assign]
+    owner: Any = LlamaModel if kind == "plain" else CpuLinear
+    name = "pack_for_cpu" if kind == "plain" else "ready"
+    original = getattr(owner, name)
+    setattr(owner, name, lambda self: False)
     try:
         return DecodeEngine(DecodeEngineConfig("m", spec, DraftSpec(), num_blocks=1024))
     finally:
-        LlamaModel.pack_for_cpu = pack  # type: ignore[method-assign]
+        setattr(owner, name, original)
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -17,9 +17,9 @@ the gather path would have to run in float64 for that reason (``build_attention_
 ``invariant``: bf16 and quantized models) run here at the model's dtype.
 
 **Build.** The source is compiled on first use for this CPU and cached (``models.native``);
-it links the OpenMP runtime torch has loaded, so its threads are torch's. Where it cannot be built or
-loaded (no compiler), the reason is logged once and kept in ``failed``, and every step takes
-the gather path, counted in ``fallbacks``.
+it links the OpenMP runtime torch has loaded, so its threads are torch's. Where it cannot be
+built or loaded (no compiler), the reason is logged once and kept in ``failed``, and every
+step takes the gather path, counted in ``fallbacks``.
 """
 
 from __future__ import annotations

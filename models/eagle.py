@@ -40,9 +40,9 @@ from torch import nn
 
 from models.attention import StepMetadata
 from models.config import LlamaConfig
+from models.cpu_linear import CpuPacker, CpuWeight
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
-from models.cpu_linear import CpuPacker, CpuWeight
 from models.parallel import ServedLinear, TPContext, linear
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole

@@ -9,11 +9,11 @@ from torch import nn
 
 from models.attention import StepMetadata, paged_attention
 from models.config import LlamaConfig
+from models.cpu_linear import CpuPacker
 from models.cpu_paged import DTYPES as CPU_DTYPES
 from models.cpu_paged import CpuPagedAttention
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
-from models.cpu_linear import CpuPacker
 from models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

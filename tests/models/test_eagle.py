@@ -61,7 +61,7 @@ def test_checkpoint_round_trip_and_paged_consistency(tiny_folder: Path, tmp_path
     assert (run(again, [12])[finite] - whole[finite]).abs().max() <= 1e-5  # layout round-trips
     assert (run(head, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4  # KV consistent
     packed = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu")
-    assert packed.pack_for_cpu()  # as a CPU runtime loads it: weights reordered for oneDNN
+    assert packed.pack_for_cpu()  # as a CPU runtime loads it: weights packed for the CPU
     assert (run(packed, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4
     # int8 weights (models.quant): near the float32 head's logits, and not equal to them
     int8 = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu", Quant.INT8)

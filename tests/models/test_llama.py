@@ -130,12 +130,13 @@ def test_untied_lm_head_loads(embedded_folder: Path, tmp_path: Path) -> None:
     assert (out.logits - _ref_logits(ref, ids)).abs().max().item() <= TOL
 
 
-def test_weights_reordered_for_onednn_give_the_same_logits(tiny_folder: Path) -> None:
-    """On the CPU a runtime reorders every matmul weight for oneDNN: same logits (to float
-    rounding) for a prompt and for a ragged decode step, and the plain weights are dropped."""
+def test_weights_packed_for_the_cpu_give_the_same_logits(tiny_folder: Path) -> None:
+    """On the CPU a runtime packs every matmul weight for the panel kernel
+    (``models.cpu_linear``): same logits (to float rounding) for a prompt and for a ragged
+    decode step, and the plain weights are dropped."""
     plain, packed = ModelSpec(str(tiny_folder)).load(), ModelSpec(str(tiny_folder)).load()
     assert packed.pack_for_cpu()
-    assert packed.layers[0].mlp.down_proj.weight.numel() == 0  # only the reordering is kept
+    assert packed.layers[0].mlp.down_proj.weight.numel() == 0  # only the packing is kept
     c = plain.cfg
     shape = kv_pool_shape(16, c.num_kv_heads, c.num_layers, 16, c.head_dim)
     pools = [torch.zeros(shape), torch.zeros(shape)]

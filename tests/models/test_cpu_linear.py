@@ -1,0 +1,137 @@
+"""The panel matmul kernel (``models.cpu_linear``): every row computed as a one-row call
+computes it, bit for bit, in fp32, bf16 and int8; results match ``F.linear``; and where the
+kernel cannot be built, weights take oneDNN, named and counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.cpu_linear import CpuLinear, CpuPacker, PanelKind, PanelWeight
+from models.onednn import PackedWeight
+from models.quant import Quant, quantize, row_absmax
+from models.spec import ModelSpec
+from tests.helpers import assert_verification_equals_decodes, make_tiny_checkpoint
+
+# (out, in): odd widths (a partial last panel, an odd reduction) and the embedded model's
+SHAPES = [(37, 50), (960, 576), (576, 1536), (100, 64)]
+ROWS = (2, 5, 6, 7, 13, 33, 160)  # tile edges (6 rows a tile) and a verification step's rows
+
+
+def _kinds() -> list[torch.dtype]:
+    bf16 = CpuLinear().kind_for(torch.bfloat16) is PanelKind.BF16
+    return [torch.float32, torch.bfloat16] if bf16 else [torch.float32]
+
+
+def _data(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = shape
+    g = torch.Generator().manual_seed(out * 7 + inp)
+    w = (torch.randn(out, inp, generator=g) * 0.05).to(dtype)  # [out, in]
+    x = torch.randn(max(ROWS), inp, generator=g).to(dtype)  # [M, in]
+    return w, x
+
+
+def _assert_rows_alike(packed: PanelWeight, x: torch.Tensor) -> None:
+    one_row = torch.cat([packed.matmul(x[i : i + 1]) for i in range(40)])  # [40, out]
+    for m in ROWS:
+        got = packed.matmul(x[:m])
+        assert torch.equal(got[:40], one_row[: min(m, 40)]), f"{m} rows"
+
+
+def test_the_kernel_builds_here() -> None:
+    """CI's machine has a C compiler: the kernel must load (else every other test here would
+    test the fallback)."""
+    kernel = CpuLinear()
+    assert kernel.ready(), kernel.failed
+    assert kernel.kind_for(torch.float32) is PanelKind.F32
+
+
+@pytest.mark.parametrize("dtype", _kinds())
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_row_is_computed_as_a_one_row_call(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    if dtype == torch.bfloat16 and shape[1] % 2:
+        shape = (shape[0], shape[1] + 1)  # bf16 reduces in pairs
+    w, x = _data(shape, dtype)
+    packed = CpuPacker().pack(w)
+    assert isinstance(packed, PanelWeight)
+    _assert_rows_alike(packed, x)
+    bias = torch.randn(shape[0]).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    got = packed.matmul(x, bias)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_strided_rows_and_no_rows() -> None:
+    w, x = _data((960, 576), torch.float32)
+    packed = CpuPacker().pack(w)
+    assert packed is not None
+    wide = torch.cat([x, x], dim=1)[:, :576]  # rows 1,152 floats apart
+    assert torch.equal(packed.matmul(wide[:9]), packed.matmul(x[:9]))
+    assert packed.matmul(x[:0]).shape == (0, 960)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_alike_and_near_the_dequantized_weight(dtype: torch.dtype) -> None:
+    w, x = _data((576, 1536), dtype)
+    q = quantize(w, Quant.INT8, row_absmax(w))
+    packed = CpuPacker().pack_quantized(q)
+    assert packed is not None and packed.kind is PanelKind.INT8
+    _assert_rows_alike(packed, x)
+    got = packed.matmul(x[:9])
+    assert got.dtype == dtype
+    want = x[:9].float() @ q.dequantized().T  # [9, 576]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_fp8_keeps_its_own_matmul() -> None:
+    w, _ = _data((64, 64), torch.float32)
+    assert CpuPacker().pack_quantized(quantize(w, Quant.FP8, row_absmax(w))) is None
+
+
+def test_without_a_compiler_weights_take_onednn_named_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    w, x = _data((576, 1536), torch.float32)
+    packer = CpuPacker()
+    packed = packer.pack(w)
+    assert isinstance(packed, PackedWeight)  # the oneDNN reordering (models.onednn)
+    assert packer.fallbacks == 1
+    assert packer.kernel.failed is not None and "no-such-cc" in packer.kernel.failed
+    assert packer.describe().startswith("onednn (cpu_panel unavailable")
+    assert packer.pack_quantized(quantize(w, Quant.INT8, row_absmax(w))) is None
+    want = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(packed.matmul(x), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quant", [Quant.NONE, Quant.INT8])
+def test_verification_rows_equal_one_token_decodes(
+    embedded_folder: Path, tmp_path: Path, dtype: str, quant: Quant
+) -> None:
+    """A model served as on a CPU (weights packed for the kernel): verifying k + 1 tokens gives
+    each row the logits a one-token decode gives it, bit for bit."""
+    folder = make_tiny_checkpoint(
+        tmp_path / "m",
+        embedded_folder,
+        seed=5,
+        num_layers=2,
+        hidden=576,
+        heads=9,
+        kv_heads=3,
+        vocab_size=512,
+        intermediate=1536,
+    )
+    model = ModelSpec(str(folder), dtype, quantization=quant.value).load()
+    assert model.pack_for_cpu()
+    if dtype == "float32" or torch.bfloat16 in _kinds():
+        assert model.matmul_path() == "cpu_panel"
+    assert_verification_equals_decodes(model, n=100, k=15, blocks=8)
