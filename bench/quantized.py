@@ -33,6 +33,7 @@ from bench.engine_step import engine_tokens_per_s
 from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from models.cpu_linear import PanelWeight
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftSpec, ModelSpec
@@ -69,7 +70,10 @@ def weight_bytes(engine: DecodeEngine) -> int:
     for m in runner.model.modules():
         tensors = list(m.parameters(recurse=False))
         packed, quantized = getattr(m, "packed", None), getattr(m, "quantized", None)
-        tensors += list(packed.chunks) if packed is not None else []
+        if isinstance(packed, PanelWeight):
+            tensors += [packed.data] + ([packed.scale] if packed.scale is not None else [])
+        elif packed is not None:
+            tensors += list(packed.chunks)
         tensors += [quantized.data, quantized.scale] if quantized is not None else []
         for t in tensors:
             if id(t) not in seen:
