@@ -22,10 +22,11 @@
  * (the int8 values are converted to fp32 in registers, so the weights stream at one byte a
  * value).
  *
- * Work is split over groups of panels across the OpenMP threads of the runtime torch itself
- * uses (the library links the libgomp torch loaded); every element is computed by one thread,
- * so the split does not change its bits either.
+ * Work is split over the panels, a contiguous run per OpenMP thread of the runtime torch
+ * itself uses (the library links the libgomp torch loaded); every element is computed by one
+ * thread, so the split does not change its bits either.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -181,38 +182,42 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
     if (kind < 0 || kind > 2) return -1;
     if (kind == 1 && k % 2) return -2;
     const int64_t panels = (n + NR - 1) / NR;
-    const int64_t groups = (panels + NPG - 1) / NPG;
     const int64_t wbytes = kind == 0 ? 4 : kind == 1 ? 2 : 1;
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t p0 = g * NPG;
-        const int64_t pc = panels - p0 < NPG ? panels - p0 : NPG;
-        for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
-            const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-            for (int64_t p = p0; p < p0 + pc;) {
-                const int np = pc == NPG ? NPG : 1;
-                const char* wp = (const char*)w + p * k * NR * wbytes;
-                const int64_t n0 = p * NR;
-                if (kind == 0) {
-                    const float* xr = (const float*)x + m0 * xs;
-                    float* yr = (float*)y + m0 * ys;
+#pragma omp parallel
+    {
+        /* each thread a contiguous run of panels, as even as whole panels allow (a layer's
+         * few dozen panels split in groups of NPG would leave one thread a group more) */
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = panels * tid / nth, last = panels * (tid + 1) / nth;
+        for (int64_t p0 = first; p0 < last; p0 += NPG) {
+            const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
+            for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
+                const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+                for (int64_t p = p0; p < p0 + pc;) {
+                    const int np = pc == NPG ? NPG : 1;
+                    const char* wp = (const char*)w + p * k * NR * wbytes;
+                    const int64_t n0 = p * NR;
+                    if (kind == 0) {
+                        const float* xr = (const float*)x + m0 * xs;
+                        float* yr = (float*)y + m0 * ys;
 #define TILE_F32(a, b) tile_f32(a, b, xr, xs, (const float*)wp, k, yr, ys, n0, n)
-                    BY_SHAPE(TILE_F32)
-                } else if (kind == 2) {
-                    const float* xr = (const float*)x + m0 * xs;
-                    float* yr = (float*)y + m0 * ys;
+                        BY_SHAPE(TILE_F32)
+                    } else if (kind == 2) {
+                        const float* xr = (const float*)x + m0 * xs;
+                        float* yr = (float*)y + m0 * ys;
 #define TILE_I8(a, b) tile_i8(a, b, xr, xs, (const int8_t*)wp, scale, k, yr, ys, n0, n)
-                    BY_SHAPE(TILE_I8)
-                }
+                        BY_SHAPE(TILE_I8)
+                    }
 #if HAVE_BF16
-                else {
-                    const uint16_t* xr = (const uint16_t*)x + m0 * xs;
-                    uint16_t* yr = (uint16_t*)y + m0 * ys;
+                    else {
+                        const uint16_t* xr = (const uint16_t*)x + m0 * xs;
+                        uint16_t* yr = (uint16_t*)y + m0 * ys;
 #define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n)
-                    BY_SHAPE(TILE_BF16)
-                }
+                        BY_SHAPE(TILE_BF16)
+                    }
 #endif
-                p += np;
+                    p += np;
+                }
             }
         }
     }
