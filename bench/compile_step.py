@@ -3,7 +3,7 @@
 The embedded model, fp32, decode steps of ``--batches`` sequences after 128 cached tokens each,
 median of ``--repeats`` after warm-up (compilation is reported apart):
 
-- ``eager``: the served path (weights reordered for oneDNN, ``models.onednn``);
+- ``eager``: the served path (weights packed for the CPU, ``models.cpu_linear``);
 - ``eager_plain``: eager on the plain weights, the baseline of what inductor compiles;
 - ``compiled_layers``: every decoder layer's MLP and norms through ``torch.compile``
   (``dynamic=True``; attention stays eager: its metadata is Python);

@@ -110,7 +110,7 @@ def hf_tokens_per_s(hf: Any, tokens: int) -> float:
 
 
 def _runtime_model(spec: ModelSpec) -> Any:
-    """The target as a worker runs it (weights reordered for oneDNN on a CPU)."""
+    """The target as a worker runs it (weights packed for the panel kernel on a CPU)."""
     model = spec.load()
     model.pack_for_cpu()
     return model

@@ -1,8 +1,9 @@
 """Matmul weights reordered for oneDNN's CPU matmul, computing every row alike whatever the batch.
 
-On the CPU a decode step is a handful of rows times every weight, a shape where the plain
-``F.linear`` (MKL) falls well short of the memory bandwidth, and oneDNN's matmul over a weight
-reordered once at load time comes close to it.
+The CPU's fallback matmul (``models.cpu_linear`` packs weights for its own kernel where a C
+compiler is found, and takes this path where none is): at the handful of rows of a decode
+step the plain ``F.linear`` (MKL) falls well short of the memory bandwidth, and oneDNN's matmul
+over a weight reordered once at load time comes closer to it.
 
 **Row invariance.** Greedy speculation is token-identical to plain decoding only if verifying
 k + 1 tokens gives each row what a one-token decode gives it, bit for bit, and a decode row

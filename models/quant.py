@@ -1,10 +1,13 @@
 """Weight quantization of the matmul layers: int8 weight-only and fp8, per output channel.
 
 - ``int8``: symmetric int8 weights with one scale per output channel (``absmax / 127``), the
-  activations unquantized. The matmul is PyTorch's ``_weight_int8pack_mm`` (CPU, CUDA), the
-  kernel gpt-fast and torchao serve int8 weight-only models with. Its fast paths take bf16
-  (or fp16) activations, so a float32 model's activations are rounded to bf16 for that matmul
-  and its output brought back to float32; the accumulation is float32 either way.
+  activations unquantized. On a CPU the weights are packed for tandem's panel kernel
+  (``models.cpu_linear``), which widens them to fp32 in registers and takes fp32 activations.
+  Elsewhere (a GPU, or a CPU without the kernel) the matmul is PyTorch's
+  ``_weight_int8pack_mm``, the kernel gpt-fast and torchao serve int8 weight-only models with;
+  its fast paths take bf16 (or fp16) activations, so a float32 model's activations are rounded
+  to bf16 for that matmul and its output brought back to float32; the accumulation is float32
+  either way.
 - ``fp8``: float8 e4m3 weights with one scale per output channel (``absmax / 448``) and the
   activations quantized per token to e4m3 as they arrive (dynamic scaling), multiplied by
   ``torch._scaled_mm`` with row-wise scales: the tensor cores of GPUs of compute capability

@@ -111,7 +111,7 @@ def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
 
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
     """This rank's shard of the target (``tp`` None: the whole model) over its pool, its
-    weights reordered for oneDNN on a CPU, returning the features its drafter reads."""
+    weights packed for the matmul kernel on a CPU, returning the features its drafter reads."""
     model = spec.target.load(spec.device, tp)
     model.feature_layers = feature_layers(spec)
     _pack(model, "target")
