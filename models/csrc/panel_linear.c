@@ -72,47 +72,33 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
     }
 }
 
-/* One tile: rows x[0 .. mr), panels w[0 .. np) (each K * NR values apart). mr and np are
- * constants at every call site, so the accumulators live in registers. */
-static inline __attribute__((always_inline)) void tile_f32(int mr, int np, const float* x,
-                                                          int64_t xs, const float* w, int64_t k_,
-                                                          float* y, int64_t ys, int64_t n0,
-                                                          int64_t n) {
+/* One tile of fp32 rows x[0 .. mr) times panels w[0 .. np) (each K * NR values apart) of fp32
+ * weights, or of int8 weights times their columns' scale. mr, np and i8 are constants at every
+ * call site, so the accumulators live in registers and the weight type costs no branch. */
+static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, int i8,
+                                                               const float* x, int64_t xs,
+                                                               const void* w, const float* scale,
+                                                               int64_t k_, float* y, int64_t ys,
+                                                               int64_t n0, int64_t n) {
     v16f acc[MR][NPG];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
     for (int64_t k = 0; k < k_; k++) {
         v16f wv[NPG];
-        for (int j = 0; j < np; j++) wv[j] = load_f32(w + ((int64_t)j * k_ + k) * NR);
+        for (int j = 0; j < np; j++) {
+            const int64_t at = ((int64_t)j * k_ + k) * NR;
+            wv[j] = i8 ? load_i8((const int8_t*)w + at) : load_f32((const float*)w + at);
+        }
         for (int i = 0; i < mr; i++) {
             const v16f b = splat(x[i * xs + k]);
             for (int j = 0; j < np; j++) acc[i][j] = acc[i][j] + b * wv[j]; /* one FMA */
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < np; j++) store_f32(y + i * ys, n0 + j * NR, n, acc[i][j]);
-}
-
-static inline __attribute__((always_inline)) void tile_i8(int mr, int np, const float* x,
-                                                         int64_t xs, const int8_t* w,
-                                                         const float* scale, int64_t k_,
-                                                         float* y, int64_t ys, int64_t n0,
-                                                         int64_t n) {
-    v16f acc[MR][NPG];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
-    for (int64_t k = 0; k < k_; k++) {
-        v16f wv[NPG];
-        for (int j = 0; j < np; j++) wv[j] = load_i8(w + ((int64_t)j * k_ + k) * NR);
-        for (int i = 0; i < mr; i++) {
-            const v16f b = splat(x[i * xs + k]);
-            for (int j = 0; j < np; j++) acc[i][j] = acc[i][j] + b * wv[j];
-        }
-    }
-    for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) {
-            const v16f s = load_f32(scale + n0 + j * NR); /* padded to whole panels */
-            store_f32(y + i * ys, n0 + j * NR, n, acc[i][j] * s);
+            v16f r = acc[i][j];
+            if (i8) r = r * load_f32(scale + n0 + j * NR); /* padded to whole panels */
+            store_f32(y + i * ys, n0 + j * NR, n, r);
         }
 }
 
@@ -200,12 +186,12 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
                     if (kind == 0) {
                         const float* xr = (const float*)x + m0 * xs;
                         float* yr = (float*)y + m0 * ys;
-#define TILE_F32(a, b) tile_f32(a, b, xr, xs, (const float*)wp, k, yr, ys, n0, n)
+#define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n)
                         BY_SHAPE(TILE_F32)
                     } else if (kind == 2) {
                         const float* xr = (const float*)x + m0 * xs;
                         float* yr = (float*)y + m0 * ys;
-#define TILE_I8(a, b) tile_i8(a, b, xr, xs, (const int8_t*)wp, scale, k, yr, ys, n0, n)
+#define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n)
                         BY_SHAPE(TILE_I8)
                     }
 #if HAVE_BF16
