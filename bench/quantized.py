@@ -68,7 +68,7 @@ def weight_bytes(engine: DecodeEngine) -> int:
     seen: set[int] = set()
     total = 0
     for m in runner.model.modules():
-        tensors = list(m.parameters(recurse=False))
+        tensors: list[torch.Tensor] = list(m.parameters(recurse=False))
         packed, quantized = getattr(m, "packed", None), getattr(m, "quantized", None)
         if isinstance(packed, PanelWeight):
             tensors += [packed.data] + ([packed.scale] if packed.scale is not None else [])

@@ -41,6 +41,7 @@ from torch import nn
 from models.attention import StepMetadata
 from models.config import LlamaConfig
 from models.cpu_linear import CpuPacker, CpuWeight
+from models.cpu_rowops import CpuRowOps, attach
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
 from models.parallel import ServedLinear, TPContext, linear
@@ -267,6 +268,7 @@ class EagleHead(nn.Module):
         if self.device.type != "cpu":
             return False
         packer = CpuPacker()
+        attach(self, CpuRowOps())  # norms and rotary embedding in one call each
         served = [m for m in self.layer.modules() if isinstance(m, ServedLinear)]
         layer = all([m.pack_for_cpu(packer) for m in served])  # noqa: C419 (pack every one)
         if self._quant_fc is not None and self._quant_head is not None:

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from models.config import RopeScaling
 
+if TYPE_CHECKING:
+    from models.cpu_rowops import CpuRowOps
+
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32 as the reference implementation does."""
+    """``x / rms(x) * weight``, computed in float32 as the reference implementation does; on a
+    CPU model in one call of ``models.cpu_rowops`` (``native``, set when the model is packed
+    for the CPU)."""
+
+    native: CpuRowOps | None = None
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -20,6 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
+        if self.native is not None and x.dim() == 2 and self.native.takes(x):
+            return self.native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -28,7 +39,10 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" convention used by HF Llama checkpoints."""
+    """Rotary position embedding in the "rotate half" convention used by HF Llama checkpoints;
+    on a CPU model in one call of ``models.cpu_rowops`` (``native``), bit-identical."""
+
+    native: CpuRowOps | None = None
 
     def __init__(
         self,
@@ -55,6 +69,9 @@ class RotaryEmbedding(nn.Module):
         halves and their swap: four ops where the textbook form takes nine, and the query and
         key heads of a layer can go through it in one call. Bit-identical to the textbook form
         (``a - b`` is ``a + (-b)`` in IEEE arithmetic)."""
+        native = self.native
+        if native is not None and x.dim() == 3 and x.stride(1) == x.shape[2] and native.takes(x):
+            return native.rope(cos, sin, x)  # [T, heads, head_dim]
         halves = x.float().unflatten(-1, (2, -1))  # [..., T, heads, 2, head_dim / 2]
         out: torch.Tensor = halves * cos + halves.flip(-2) * sin
         return out.flatten(-2).to(x.dtype)

@@ -12,6 +12,7 @@ from models.config import LlamaConfig
 from models.cpu_linear import CpuPacker
 from models.cpu_paged import DTYPES as CPU_DTYPES
 from models.cpu_paged import CpuPagedAttention
+from models.cpu_rowops import CpuRowOps, attach
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (
@@ -248,13 +249,16 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Pack every matmul weight for row-invariant matmuls on the CPU
-        (``models.cpu_linear``): for inference, after ``load_weights`` (and ``quantize``).
-        False where the CPU has no such path; ``matmul_path`` says which it took."""
+        (``models.cpu_linear``), and give the norms and rotary embedding their one-call kernel
+        (``models.cpu_rowops``): for inference, after ``load_weights`` (and ``quantize``).
+        False where the CPU has no such path for the matmuls; ``matmul_path`` says which it
+        took."""
         if self.device.type != "cpu":
             return False
         layers = [m for m in self.modules() if isinstance(m, ServedLinear)]
         done = [m.pack_for_cpu(self.packer) for m in layers]
         head = self.lm_head.pack_for_cpu(self.packer)
+        attach(self, CpuRowOps())  # norms and rotary embedding in one call each
         self.packed_for_cpu = True
         return all(done) and head
 

@@ -1,0 +1,115 @@
+"""A decoder layer's RMSNorm and rotary embedding on a CPU in one call each: a small C kernel,
+built on first use (``models/csrc/row_ops.c``, ``models.native``).
+
+At the few rows of a decode step these are a handful of PyTorch ops of a few microseconds each
+(RMSNorm in a 16-bit model: seven), twice or three times a layer, around arithmetic that takes
+well under a microsecond; one C call does each. The arithmetic is the reference's (fp32, rounded
+to the model's dtype where the reference rounds), each row alike whatever the row count; the
+rotation is bit-identical to ``models.layers.RotaryEmbedding``'s PyTorch ops.
+
+``LlamaModel.pack_for_cpu`` hands the kernel to every ``RMSNorm`` and ``RotaryEmbedding`` of a
+CPU model (``attach``). Where it cannot be built (no compiler), the reason is logged once and
+the modules keep their PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = native.CSRC / "row_ops.c"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",  # products and sums round as PyTorch's separate ops do
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class CpuRowOps:
+    """The kernel (loaded on first use); ``failed``: why it could not be built or loaded."""
+
+    def __init__(self) -> None:
+        self._norm: Callable[..., int] | None = None
+        self._rope: Callable[..., int] | None = None
+        self.failed: str | None = None
+
+    def ready(self) -> bool:
+        """Whether the kernel is loaded, loading it on the first call."""
+        if self._norm is None and self.failed is None:
+            try:
+                lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))
+                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                norm, rope = lib.tandem_rms_norm, lib.tandem_rope
+                norm.restype = rope.restype = i32
+                norm.argtypes = [i32, p, i64, p, p, i64, i64, i64, ctypes.c_float]
+                rope.argtypes = [i32, p, i64, p, p, p, i64, i64, i64]
+                self._norm, self._rope = norm, rope
+            except Exception as e:  # no compiler, a failed compile, a library that won't load
+                self.failed = f"{type(e).__name__}: {e}"[:500]
+                log.error("the CPU row-ops kernel is unavailable, using PyTorch ops: %s", e)
+        return self._norm is not None
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is one the kernel computes: on the CPU, fp32 or bf16, unit stride."""
+        return (
+            self._norm is not None
+            and x.device.type == "cpu"
+            and x.dtype in DTYPES
+            and x.stride(-1) == 1
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, H] (rows strided) -> [T, H], RMSNorm with ``weight`` [H] (x's dtype)."""
+        assert self._norm is not None
+        t, h = x.shape
+        y = x.new_empty(t, h)
+        code = DTYPES[x.dtype]
+        self._norm(code, x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), h, t, h, eps)
+        return y
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (heads D apart, rows strided) rotated by ``cos``, ``sin``
+        [T, 1, 2, D / 2] float32 (``rotary_tables``) -> [T, heads, D] contiguous."""
+        assert self._rope is not None
+        t, heads, d = x.shape
+        cos, sin = cos.contiguous(), sin.contiguous()
+        y = x.new_empty(t, heads, d)
+        self._rope(
+            DTYPES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            y.data_ptr(),
+            t,
+            heads,
+            d,
+        )
+        return y
+
+
+def attach(module: nn.Module, ops: CpuRowOps) -> bool:
+    """Hand ``ops`` to every RMSNorm and rotary embedding under ``module`` (a CPU model); False
+    where the kernel cannot be built (they keep their PyTorch ops)."""
+    from models.layers import RMSNorm, RotaryEmbedding
+
+    if not ops.ready():
+        return False
+    for m in module.modules():
+        if isinstance(m, RMSNorm | RotaryEmbedding):
+            m.native = ops
+    return True

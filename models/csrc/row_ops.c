@@ -1,0 +1,92 @@
+/* A decoder layer's per-token operations on a CPU, one call each: RMSNorm and rotary position
+ * embedding.
+ *
+ * Why by hand: at the few rows of a decode step each is a handful of PyTorch ops of a few
+ * microseconds (RMSNorm in a 16-bit model: seven), about twice a layer, where the arithmetic
+ * itself takes well under a microsecond; this file does each in one call. The arithmetic is
+ * the reference's: RMSNorm and the rotation in fp32, rounded to the model's dtype where the
+ * reference rounds. Compiled without contraction (-ffp-contract=off), so the rotation's
+ * products and sum round as PyTorch's separate ops do, bit for bit.
+ *
+ * dtype: 0 fp32, 1 bf16 (converted exactly to fp32 on load, rounded to nearest even on store).
+ * Rows are independent and computed alike whatever the row count, so a verified token gets the
+ * bits of its one-token decode.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load(int dtype, const void* p, int64_t i) {
+    return dtype ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline void store(int dtype, void* p, int64_t i, float v) {
+    if (dtype)
+        ((uint16_t*)p)[i] = f32_to_bf16(v);
+    else
+        ((float*)p)[i] = v;
+}
+
+/* y[t] = RMSNorm(x[t]) * w over h features, for t rows (strides in elements). fp32:
+ * x * rsqrt(mean(x^2) + eps) * w, as torch's rms_norm; bf16: w * bf16(x * rsqrt(...)), as the
+ * reference implementation (the normalised row rounded to bf16 before the weight). */
+int tandem_rms_norm(int dtype, const void* x, int64_t xs, const void* w, void* y, int64_t ys,
+                    int64_t t, int64_t h, float eps) {
+    if (dtype < 0 || dtype > 1) return -1;
+#pragma omp parallel for schedule(static) if (t > 32)
+    for (int64_t r = 0; r < t; r++) {
+        const int64_t xo = r * xs, yo = r * ys;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < h; i++) {
+            const float v = load(dtype, x, xo + i);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+        for (int64_t i = 0; i < h; i++) {
+            const float n = load(dtype, x, xo + i) * inv;
+            const float wi = load(dtype, w, i);
+            store(dtype, y, yo + i, dtype ? wi * bf16_to_f32(f32_to_bf16(n)) : n * wi);
+        }
+    }
+    return 0;
+}
+
+/* Rotate heads heads of d values per row (x: row stride xs, heads d apart; y: contiguous
+ * [t, heads, d]) by cosines c and signed sines s, each [t, d] fp32 (models/layers.py,
+ * rotary_tables: (cos, cos) and (-sin, sin)): y = x * c + swap(x) * s, swap exchanging the two
+ * halves of a head. */
+int tandem_rope(int dtype, const void* x, int64_t xs, const float* c, const float* s, void* y,
+                int64_t t, int64_t heads, int64_t d) {
+    if (dtype < 0 || dtype > 1 || d % 2) return -1;
+    const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (t > 32)
+    for (int64_t r = 0; r < t; r++) {
+        const float* cr = c + r * d;
+        const float* sr = s + r * d;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            const int64_t xo = r * xs + hd * d, yo = (r * heads + hd) * d;
+            for (int64_t i = 0; i < d; i++) {
+                const int64_t j = i < half ? i + half : i - half;
+                const float a = load(dtype, x, xo + i) * cr[i];
+                const float b = load(dtype, x, xo + j) * sr[i];
+                store(dtype, y, yo + i, a + b);
+            }
+        }
+    }
+    return 0;
+}
