@@ -264,7 +264,8 @@ class EagleHead(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Pack the head's matmul weights for the CPU (``models.cpu_linear``), for drafting on a
-        CPU after loading (and quantizing). False where the CPU has no such path."""
+        CPU after loading (and quantizing; the head can then no longer be saved). False where
+        the CPU has no such path."""
         if self.device.type != "cpu":
             return False
         packer = CpuPacker()
