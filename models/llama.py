@@ -249,8 +249,10 @@ class LlamaModel(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Pack every matmul weight for row-invariant matmuls on the CPU
-        (``models.cpu_linear``), and give the norms and rotary embedding their one-call kernel
-        (``models.cpu_rowops``): for inference, after ``load_weights`` (and ``quantize``).
+        (``models.cpu_linear``), give the norms and rotary embedding their one-call kernel
+        (``models.cpu_rowops``) and load the attention kernel (``models.cpu_paged``), so that
+        ``/health`` names every path from start-up: for inference, after ``load_weights`` (and
+        ``quantize``).
         False where the CPU has no such path for the matmuls; ``matmul_path`` says which it
         took."""
         if self.device.type != "cpu":
@@ -259,6 +261,8 @@ class LlamaModel(nn.Module):
         done = [m.pack_for_cpu(self.packer) for m in layers]
         head = self.lm_head.pack_for_cpu(self.packer)
         attach(self, CpuRowOps())  # norms and rotary embedding in one call each
+        if self.paged_native is not None:  # built now, not on the first request's step
+            self.paged_native.ready()
         self.packed_for_cpu = True
         return all(done) and head
 
