@@ -53,8 +53,10 @@ def test_losing_the_prefill_node_mid_handoff(cluster: tuple[PoolCluster, str]) -
     # them; with the default they would all be pulled within milliseconds of prefill.
     pc.cfg = pc.cfg.with_overrides(**{"decode.max_ongoing_requests": 1})
     serve.run(build_app(pc.cfg), name="tandem", route_prefix="/")
-    # 300-token prompts: 1700 more tokens stay within the tiny model's 2048
-    r = run_fault(pc, base, "tiny", "prefill_node", n=4, max_tokens=1700)
+    # 300-token prompts: 1700 more tokens stay within the tiny model's 2048. Twelve requests,
+    # two at a time: the queue must outlast the kill, and the tiny model drafts most of its
+    # repetitive output (n-gram), so each stream ends within a second or so
+    r = run_fault(pc, base, "tiny", "prefill_node", n=12, max_tokens=1700)
     assert r.unexplained == 0 and r.wrong_outputs == 0
     assert r.finished == r.requests  # nothing had streamed past the first token: all answered
     # the kill found handoffs unpulled (their prompts recomputed on decode) or prompts not yet
