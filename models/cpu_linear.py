@@ -3,9 +3,9 @@ first use, that computes every row alike whatever the number of rows.
 
 A decode step at batch 1 to 32 is a few rows times every weight: the time is the weights'
 stream from memory. oneDNN's matmul, made row-invariant by reordering in column chunks
-(``models.onednn``), reads them at about half the rate a plain sum does and loses most at one
-row. The kernel of ``models/csrc/panel_linear.c`` streams each weight once per call in panels
-of 16 output columns and feeds every output element by multiply-adds over the input features
+(``models.onednn``), falls well short of that stream at one row. The kernel of
+``models/csrc/panel_linear.c`` streams each weight once per call in panels of 16 output
+columns and feeds every output element by multiply-adds over the input features
 in order, so:
 
 - **Row invariance by construction**: a row's bits depend on that row and the weight alone,
