@@ -1,38 +1,62 @@
 """GPU checks and numbers, in one run (the device machine; runs on CPU too, for a dry run).
 
-1. Correctness on the device: the paged forward against transformers (fp32 logits, 1e-4 at a
-   real scale of values; bf16 greedy agreement), and the decode path — prefill worker → NIXL
-   (VRAM registered) → decode engine — greedy-identical to plain decoding, for n-gram and
-   draft-model speculation, and EAGLE draft trees (tree masks, accepted-path KV moves).
-2. Step cost of a 1B-shaped random model in bf16: decode tokens/s at batch 1..64 and the cost
-   of verifying k + 1 tokens relative to one (the curve adaptive speculation uses), up to
-   draft-tree sizes (k = 40: a tree 8 wide and 5 deep).
-3. KV transfer: NIXL READ of 1, 16 and 256 blocks (VRAM → VRAM, loopback) against a device
-   memcpy of the same bytes.
+Sections, in the order they run, each in a process of its own (each is timed, a failure or a
+timeout is recorded and the run goes on, the JSON is rewritten after every section, and
+sections past ``--budget`` seconds are skipped):
 
-    python -m bench.gpu_check --out results.json
+1. ``forward``: the paged forward against transformers (fp32 logits, 1e-3 at a real scale of
+   values; bf16 greedy agreement).
+2. ``graph_steps_1b_bf16``: the decode step of a 1B-shaped random model in bf16 as the engine
+   runs it on a GPU (``runtime.bucketed``: persistent inputs, one CUDA graph per bucket) against
+   the ragged eager step, at batch 1..64 over 1,024 tokens of context, and k = 4 verifications;
+   then the same bucketed step with int8 and fp8 weights (``graph_steps_1b_int8/fp8``).
+3. ``engine_1b_bf16``: generated tokens/s of the decode engine, ragged and bucketed, against
+   transformers' ``generate`` at batch 1 (greedy tokens of the two shapes must agree).
+4. ``decode_path``: prefill worker -> NIXL (VRAM registered) -> decode engine, greedy-identical
+   to plain decoding for n-gram, draft-model and EAGLE speculation and EAGLE draft trees.
+5. ``kv_transfer``: ``bench.gpu_kv`` in a subprocess per UCX setting (one process, two
+   processes, two processes with ``UCX_TLS`` naming ``cuda_ipc``), each with
+   ``UCX_PROTO_INFO=y``; UCX's report goes to ``--log-dir``.
+6. ``step_costs_1b_bf16``: the ragged step's cost of verifying k + 1 tokens relative to one (the
+   curve adaptive speculation uses), up to draft-tree sizes.
+
+    python -m bench.gpu_check --out results.json --log-dir logs/
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import traceback
 import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.gpu_kv import kv_transfer
 from runtime.runner import synchronize
 
 
 def _tiny(
-    folder: Path, seed: int, layers: int, hidden: int, heads: int, kv: int, vocab: int
+    folder: Path,
+    seed: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    vocab: int,
+    dev: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
+    """A random Llama checkpoint, initialised on ``dev`` and saved in ``dtype``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -49,12 +73,13 @@ def _tiny(
         eos_token_id=2,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    with torch.device(dev):
+        model: Any = LlamaForCausalLM(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     return folder
 
 
@@ -163,6 +188,7 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
 
 
 def step_costs(folder: Path, dev: str) -> dict[str, Any]:
+    """The ragged step's cost of verifying k + 1 tokens over one token, after 1,000 cached."""
     from models.attention import kv_pool_shape
     from models.spec import ModelSpec
     from runtime.runner import SeqInput, run_step
@@ -170,8 +196,8 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     model = ModelSpec(str(folder), "bfloat16").load(dev)
     c = model.cfg
     out: dict[str, Any] = {"decode_ms": {}, "verify_ratio": {}}
-    for batch in (1, 8, 16, 32, 64):
-        nb = 64  # 1024 tokens of context each
+    for batch in (1, 8, 32):
+        nb = 66  # 1,056 tokens a sequence: 1,000 cached and up to 41 verified
         pool = torch.zeros(
             kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
             dtype=model.dtype,
@@ -194,9 +220,8 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
 
         base = timed(0)
         out["decode_ms"][batch] = base
-        if batch in (1, 8, 32):  # chains up to k = 8, then draft-tree sizes (width x k)
-            ks = (*range(0, 9), 16, 20, 30, 40)
-            out["verify_ratio"][batch] = {k: timed(k) / base for k in ks}
+        ks = (*range(0, 9), 16, 20, 30, 40)  # chains up to k = 8, then draft-tree sizes
+        out["verify_ratio"][batch] = {k: timed(k) / base for k in ks}
     return out
 
 
@@ -268,37 +293,231 @@ def engine_throughput(folder: Path, dev: str) -> dict[str, Any]:
     return out
 
 
+def graph_steps(
+    folder: Path,
+    dev: str,
+    quantization: str = "none",
+    batches: tuple[int, ...] = (1, 8, 16, 32, 64),
+) -> dict[str, Any]:
+    """One decode step (and one k = 4 verification) per sequence after 1,000 cached tokens, as
+    ``runtime.bucketed`` runs it (a CUDA graph per bucket on a GPU; the step's host work, input
+    copy and logits included), against the ragged eager step (``run_step``) on the same pool;
+    median of 20 after warm-up. The two must give the same greedy tokens."""
+    from models.attention import kv_pool_shape
+    from models.spec import ModelSpec
+    from runtime.bucketed import BucketedRunner
+    from runtime.runner import SeqInput, run_step
+
+    model = ModelSpec(str(folder), "bfloat16", quantization).load(dev)
+    c = model.cfg
+    nb = 64  # blocks of 16: 1,024 tokens of context per sequence
+    out: dict[str, Any] = {"context": 1000, "quantization": quantization, "batches": {}}
+    for batch in batches:
+        pool = torch.zeros(
+            kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
+            dtype=model.dtype,
+            device=dev,
+        )
+        tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
+        for i in range(0, 1000, 500):
+            run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
+        runner = BucketedRunner(model, pool, 16, 64, 8, nb, graphs=dev == "cuda")
+        row: dict[str, Any] = {}
+        for k in (0, 4):
+            batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
+
+            def timed(step: Callable[[], Any]) -> tuple[float, torch.Tensor]:
+                for _ in range(3):  # the first bucketed call captures
+                    got = step()
+                times = []
+                for _ in range(20):
+                    synchronize(dev)
+                    t0 = time.perf_counter()
+                    got = step()
+                    synchronize(dev)
+                    times.append(time.perf_counter() - t0)
+                return 1000 * statistics.median(times), got.logits.argmax(-1)
+
+            t_bucketed, a = timed(partial(runner.run, batch_in))
+            t_ragged, r = timed(partial(run_step, model, pool, 16, batch_in))
+            row[f"k{k}"] = {
+                "bucketed_ms": t_bucketed,
+                "ragged_ms": t_ragged,
+                "speedup": t_ragged / t_bucketed,
+                "argmax_agreement": (a == r).float().mean().item(),
+            }
+        out["batches"][batch] = row
+    b = out["batches"]
+    if 1 in b and 64 in b:
+        out["batch64_over_batch1"] = b[64]["k0"]["bucketed_ms"] / b[1]["k0"]["bucketed_ms"]
+    return out
+
+
+KV_SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
+    "loopback": ("loopback", {}),
+    "two_process": ("two_process", {}),
+    "two_process_cuda_ipc": ("two_process", {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}),
+}
+
+
+def _ucx_reads(text: str) -> list[str]:
+    """The protocol tables ``UCX_PROTO_INFO=y`` printed for remote reads (``ucp_get*``: what a
+    NIXL READ becomes), and UCX's warnings and errors, without the timestamp prefixes."""
+    lines = [ln.split("]", 2)[-1].strip() for ln in text.splitlines()]
+    keep: list[str] = []
+    for i, ln in enumerate(lines):
+        if "ucp_get" in ln:
+            keep.extend(lines[i : i + 8])
+        elif " WARN " in ln or " ERROR " in ln:
+            keep.append(ln)
+    return keep[:80]
+
+
+def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
+    """``bench.gpu_kv`` under each of ``KV_SETTINGS``, in a subprocess each (a transport that
+    crashes or hangs costs its own setting only), with UCX's protocol report in a log each."""
+    out: dict[str, Any] = {}
+    for name, (mode, env) in KV_SETTINGS.items():
+        res = log_dir / f"kv_{name}.json"
+        log = log_dir / f"ucx_{name}.log"
+        full = {**os.environ, "UCX_PROTO_INFO": "y", **env}
+        cmd = [sys.executable, "-m", "bench.gpu_kv", "--mode", mode, "--out", str(res)]
+        cmd += ["--blocks", str(blocks)]
+        t0 = time.perf_counter()
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run(
+                    cmd, env=full, stdout=f, stderr=subprocess.STDOUT, timeout=150, check=False
+                )
+                code: int | str = rc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout after 150 s"
+        text = log.read_text(errors="replace")
+        out[name] = {
+            "ucx_env": env,
+            "exit": code,
+            "seconds": time.perf_counter() - t0,
+            "result": json.loads(res.read_text()) if res.exists() else None,
+            "ucx_reads": _ucx_reads(text),
+            "log_tail": text.splitlines()[-8:] if code != 0 else [],
+        }
+        res.unlink(missing_ok=True)
+        print("kv", name, json.dumps(out[name]["result"]), code, flush=True)
+    return out
+
+
+SECTIONS = (
+    "forward",
+    "graph_steps_1b_bf16",
+    "engine_1b_bf16",
+    "decode_path",
+    "kv_transfer",
+    "graph_steps_1b_int8",
+    "graph_steps_1b_fp8",
+    "step_costs_1b_bf16",
+)
+SECTION_TIMEOUT_S = 150.0
+
+
+def make_models(folder: Path, dev: str, small: bool) -> None:
+    """The random checkpoints every section reads: a tiny target, draft model and EAGLE head,
+    and the 1B-shaped bf16 model (2 layers of the tiny shape with ``small``)."""
+    from models.eagle import save_random_eagle
+
+    target = _tiny(folder / "t", 1, 2, 128, 4, 2, 4096)
+    _tiny(folder / "d", 2, 1, 64, 2, 1, 4096)
+    save_random_eagle(target, folder / "e")
+    shape = (2, 128, 4, 2, 4096) if small else (16, 2048, 32, 8, 32000)
+    _tiny(folder / "big", 3, *shape, dev=dev, dtype=torch.bfloat16)
+
+
+def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -> Any:
+    big = models / "big"
+    batches = (1, 8) if small else (1, 8, 16, 32, 64)
+    if name == "forward":
+        return check_forward(models / "t", dev)
+    if name == "graph_steps_1b_bf16":
+        return graph_steps(big, dev, "none", batches)
+    if name == "engine_1b_bf16":
+        return engine_throughput(big, dev)
+    if name == "decode_path":
+        return check_decode_path(models / "t", models / "d", models / "e", dev)
+    if name == "kv_transfer":
+        return kv_settings(log_dir, 300 if small else 512)
+    if name in ("graph_steps_1b_int8", "graph_steps_1b_fp8"):
+        return graph_steps(big, dev, name.rsplit("_", 1)[1], batches[:1] + batches[-1:])
+    if name == "step_costs_1b_bf16":
+        return step_costs(big, dev)
+    raise ValueError(f"no section {name!r}; sections: {', '.join(SECTIONS)}")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_check.json"))
-    ap.add_argument("--skip-costs", action="store_true")
+    ap.add_argument("--log-dir", type=Path, default=None, help="UCX logs (default: beside --out)")
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds; later sections skip")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these sections")
+    ap.add_argument("--small", action="store_true", help="tiny 1B-section shapes (CPU dry run)")
+    ap.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child's one section
+    ap.add_argument("--models", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    log_dir = args.log_dir or args.out.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.section is not None:  # a child: one section, its result or its error
+        try:
+            part: dict[str, Any] = {
+                "result": run_section(args.section, args.models, dev, args.small, log_dir)
+            }
+        except Exception:  # the parent records it; the next section still runs
+            part = {"error": traceback.format_exc()[-3000:]}
+        args.out.write_text(json.dumps(part, indent=2))
+        return
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,
+        "seconds": {},
+        "errors": {},
+        "skipped": [],
     }
-    tmp = Path(tempfile.mkdtemp())
-    target = _tiny(tmp / "t", 1, 2, 128, 4, 2, 4096)
-    draft = _tiny(tmp / "d", 2, 1, 64, 2, 1, 4096)
-    from models.eagle import save_random_eagle
-
-    eagle = save_random_eagle(target, tmp / "e")
-    for name, fn in (
-        ("forward", lambda: check_forward(target, dev)),
-        ("decode_path", lambda: check_decode_path(target, draft, eagle, dev)),
-        ("kv_transfer", lambda: kv_transfer(dev)),
-    ):
+    start = time.perf_counter()
+    models = Path(tempfile.mkdtemp())
+    make_models(models, dev, args.small)
+    report["seconds"]["models"] = time.perf_counter() - start
+    # Each section runs in a process of its own: a failed CUDA graph capture or a transport
+    # that crashes costs that section alone, and a hang only its timeout.
+    for name in SECTIONS:
+        if args.only is not None and name not in args.only:
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if left < 20:
+            report["skipped"].append(name)
+            continue
+        part_file = log_dir / f"part_{name}.json"
+        cmd = [sys.executable, "-m", "bench.gpu_check", "--section", name]
+        cmd += ["--models", str(models), "--out", str(part_file), "--log-dir", str(log_dir)]
+        cmd += ["--small"] if args.small else []
         t0 = time.perf_counter()
-        report[name] = fn()
-        print(name, json.dumps(report[name]), f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    if not args.skip_costs:
-        big = _tiny(tmp / "big", 3, 16, 2048, 32, 8, 32000)
-        report["engine_1b_bf16"] = engine_throughput(big, dev)
-        print("engine", json.dumps(report["engine_1b_bf16"]), flush=True)
-        report["step_costs_1b_bf16"] = step_costs(big, dev)
-        print("step_costs", json.dumps(report["step_costs_1b_bf16"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run(cmd, timeout=min(SECTION_TIMEOUT_S, left), check=False)
+        except subprocess.TimeoutExpired:
+            report["errors"][name] = f"timed out after {min(SECTION_TIMEOUT_S, left):.0f} s"
+        report["seconds"][name] = time.perf_counter() - t0
+        if part_file.exists():
+            got = json.loads(part_file.read_text())
+            part_file.unlink()
+            if "error" in got:
+                report["errors"][name] = got["error"]
+            else:
+                report[name] = got["result"]
+        elif name not in report["errors"]:
+            report["errors"][name] = "the section's process wrote nothing (crashed)"
+        shown = json.dumps(report.get(name, report["errors"].get(name)))
+        print(name, f"({report['seconds'][name]:.1f} s)", shown[:4000], flush=True)
+        args.out.write_text(json.dumps(report, indent=2))
     args.out.write_text(json.dumps(report, indent=2))
 
 
