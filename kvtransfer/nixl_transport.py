@@ -13,11 +13,19 @@ for) that call is what lets UCX serve the peer's reads. Agent metadata travels i
 (a few hundred bytes) through Ray, so no extra port is opened; a peer whose ``(agent name,
 version)`` changed is re-added before any read, so a restarted prefill replica is never read
 through stale descriptors.
+
+**VRAM pools.** UCX turns a READ of another process's GPU memory into ``cuda_ipc`` zero-copy
+gets only where it detects NVLink between the GPUs (its ``CUDA_IPC_ENABLE_GET_ZCOPY=auto``);
+elsewhere, e.g. two processes on one GPU, or PCIe-only GPUs, it falls back to "software
+emulation" through the host over TCP, three orders of magnitude slower (``BENCHMARKS.md``, GPU
+section). A worker with a VRAM pool therefore sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` before
+its agent starts, unless the operator set it, and logs it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -114,6 +122,9 @@ class NixlTransport(KVTransport):
         self.agent_name = f"tandem-{role}{rank}-{uuid.uuid4().hex[:12]}"
         self.version = time.time_ns()
         self.mem_type = pool.mem_type
+        if pool.mem_type == "VRAM" and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ:
+            os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"  # read before the agent's UCX
+            log.info("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: VRAM reads may take cuda_ipc without NVLink")
         self.agent = nixl_agent(
             self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         )

@@ -147,6 +147,7 @@ class BucketMetadata:
     max_query: int  # q
     invariant: bool = False  # attention in float64 (``build_attention_metadata``)
     native: NativeGroup | None = None  # set: the CPU kernel reads the pool in place
+    flex: FlexGroup | None = None  # set: flex_attention reads the pool in place (GPU)
 
 
 def bucket_metadata(
@@ -163,6 +164,7 @@ def bucket_metadata(
     window: int | None = None,
     invariant: bool = False,
     native: CpuPagedAttention | None = None,
+    flex: FlexPool | None = None,
 ) -> BucketMetadata:
     """The metadata of a bucket from its buffers, with device ops only (so a CUDA graph can
     hold it): positions, slot_blocks, slot_offsets, write_rows [b * q]; tables [b, nb];
@@ -170,7 +172,9 @@ def bucket_metadata(
     or before its position (and within the ``window``, when the model has one); a padding row
     sees key 0 alone, so no softmax row is empty. With ``native`` on a CPU, the kernel of
     ``models.cpu_paged`` attends instead (no graphs there; padding rows come out 0): each row
-    then gets the bits of the same step unpadded."""
+    then gets the bits of the same step unpadded. With ``flex`` (given on a GPU) and no
+    window, ``flex_attention`` reads the pool in place (``FlexPagedAttention.plan_bucket``)
+    and the mask above serves only a fallback to the gather path."""
     b, nb = tables.shape
     q = positions.shape[0] // b
     c = nb * block_size
@@ -190,6 +194,9 @@ def bucket_metadata(
             in_place = native.plan_bucket(tables, cached, num_new, q, window)
         else:
             native.fallbacks += 1  # the kernel could not be built here (logged once): gather
+    in_flex = None
+    if flex is not None and window is None and not invariant and in_place is None:
+        in_flex = flex.kernel.plan_bucket(tables, cached, num_new, q, flex, block_size)
     return BucketMetadata(
         slot_blocks=slot_blocks,
         slot_offsets=slot_offsets,
@@ -202,6 +209,7 @@ def bucket_metadata(
         max_query=q,
         invariant=invariant,
         native=in_place,
+        flex=in_flex,
     )
 
 
@@ -432,6 +440,10 @@ def _bucket_attention(
     if meta.native is not None:
         out = q.new_zeros(b * qn, hq * d)  # [b * q, Hq * D]: padding rows stay 0
         return meta.native.kernel.attend(q, layer_kv, meta.native, scale, out)
+    if meta.flex is not None:
+        found = meta.flex.kernel.attend(q.view(b, qn, hq, d), layer_kv, meta.flex, scale)
+        if found is not None:  # [b, q, Hq, D]
+            return found.reshape(b * qn, hq * d)
     keys, values = _gather(layer_kv, meta.tables)  # [b, Hkv, C, D] each
     queries = q.view(b, qn, hq, d).transpose(1, 2)  # [b, Hq, q, D]
     if meta.invariant:

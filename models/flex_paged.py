@@ -54,6 +54,7 @@ class FlexGroup:
     block_mask: BlockMask
     num_query_blocks: int  # b * Hkv, before padding
     group_size: int  # G
+    query_block: int = QUERY_BLOCK  # rows per query block (a bucket's may be wider)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,103 @@ class FlexPagedAttention:
         )
         return FlexGroup(self, mask, nq, g)
 
+    def plan_bucket(
+        self,
+        tables: torch.Tensor,
+        cached: torch.Tensor,
+        num_new: torch.Tensor,
+        query: int,
+        pool: FlexPool,
+        block_size: int,
+    ) -> FlexGroup | None:
+        """The block mask of a bucketed step (``runtime.bucketed``), from device tensors with
+        device ops only, so that a CUDA graph can hold it: tables [b, nb] (padding: block 0),
+        cached and num_new [b] (a padding sequence brings 0 new tokens: its rows see nothing
+        and come out 0). ``query`` is the bucket's rows per sequence; a query block holds
+        ``G * query`` rows, at least ``QUERY_BLOCK``. None when the kernel failed here before or
+        the bucket has more (sequence, head) pairs than it serves.
+
+        The blocks a sequence attends over are a prefix of its table: the ones wholly before
+        its first new token need no mask (``full``), the rest (``part``) follow them, so each
+        query block's KV lists are its table's chunks from 0 and from the first partial one."""
+        if self.failed is not None:
+            self.fallbacks += 1
+            return None
+        if tables.shape[0] * pool.num_kv_heads > MAX_QUERY_BLOCKS:
+            return None
+        try:
+            return self._plan_bucket(tables, cached, num_new, query, pool, block_size)
+        except Exception as e:  # an API this torch lacks, say: the bucket gathers
+            self.failed = f"{type(e).__name__}: {e}"[:500]
+            self.fallbacks += 1
+            log.error("paged flex attention cannot plan a bucket, using the gather path: %s", e)
+            return None
+
+    def _plan_bucket(
+        self,
+        tables: torch.Tensor,
+        cached: torch.Tensor,
+        num_new: torch.Tensor,
+        query: int,
+        pool: FlexPool,
+        block_size: int,
+    ) -> FlexGroup:
+        b, nb = tables.shape
+        h, g = pool.num_kv_heads, pool.group_size
+        nq = b * h
+        qb = max(QUERY_BLOCK, 1 << (g * query - 1).bit_length())  # rows per query block
+        padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks
+        span = pool.num_blocks * 2 * h  # chunks in one layer
+        width = span - h  # chunks in the key (and the value) view
+        dev = tables.device
+        heads = torch.arange(h, device=dev)
+        chunks = tables.unsqueeze(1) * (2 * h) + heads.view(1, h, 1)  # [b, H, nb]
+        need = (cached + num_new + block_size - 1) // block_size  # [b] blocks attended
+        n_full = torch.minimum(cached // block_size, need)  # [b] blocks wholly before q
+        j = torch.arange(nb, device=dev)
+        first_part = (n_full.view(b, 1) + j.view(1, nb)).clamp(max=nb - 1)  # [b, nb]
+        masked = chunks.gather(2, first_part.unsqueeze(1).expand(b, h, nb))  # [b, H, nb]
+
+        def per_block(x: torch.Tensor) -> torch.Tensor:  # [b] -> [P], padding blocks 0
+            out = torch.zeros(padded, dtype=torch.int32, device=dev)
+            out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
+            return out
+
+        def indices(x: torch.Tensor) -> torch.Tensor:  # [b, H, nb] -> [1, 1, P, width]
+            # The mask's KV extent must cover the whole key view (``width`` chunks), but a
+            # query block lists at most ``nb``: rows of ``width`` entries at a stride of ``nb``
+            # over one small buffer (entries past a row's count are never read).
+            store = torch.zeros(padded * nb + width, dtype=torch.int32, device=dev)
+            store[: nq * nb] = x.reshape(nq * nb).to(torch.int32)
+            return store.as_strided((1, 1, padded, width), (0, 0, nb, 1))
+
+        # The logical block of every chunk the bucket attends over (its keys' positions for
+        # the mask); chunks past a sequence's need write to a spare entry, not a used one.
+        used = j.view(1, nb) < need.view(b, 1)  # [b, nb]
+        target = torch.where(used.unsqueeze(1), chunks, span).reshape(-1)  # [b * H * nb]
+        logical = torch.zeros(span + 1, dtype=torch.long, device=dev)
+        logical.scatter_(0, target, j.view(1, 1, nb).expand(b, h, nb).reshape(-1))
+        first = torch.zeros(padded, dtype=torch.long, device=dev)
+        first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
+
+        def causal(
+            _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+        ) -> torch.Tensor:
+            pos = first[q // qb] + (q % qb) // g
+            return logical[kv // block_size] * block_size + kv % block_size <= pos
+
+        mask = BlockMask.from_kv_blocks(
+            per_block(need - n_full).view(1, 1, padded),
+            indices(masked),
+            per_block(n_full).view(1, 1, padded),
+            indices(chunks),
+            BLOCK_SIZE=(qb, block_size),
+            mask_mod=causal,
+            seq_lengths=(padded * qb, width * block_size),
+            compute_q_blocks=False,
+        )
+        return FlexGroup(self, mask, nq, g, qb)
+
     def attend(
         self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexGroup, scale: float
     ) -> torch.Tensor | None:
@@ -171,7 +269,8 @@ class FlexPagedAttention:
         nb, _two, h, bs, _d = layer_kv.shape
         g = fg.group_size
         padded = fg.block_mask.kv_num_blocks.shape[-1]
-        rows = q.new_zeros(padded, QUERY_BLOCK, d)  # [P, QB, D]
+        qb = fg.query_block
+        rows = q.new_zeros(padded, qb, d)  # [P, QB, D]
         # [b, q, H, G, D] -> [b, H, q, G, D] -> [b * H, q * G, D]
         rows[: fg.num_query_blocks, : qn * g] = (
             q.view(b, qn, h, g, d).permute(0, 2, 1, 3, 4).reshape(b * h, qn * g, d)
@@ -181,13 +280,13 @@ class FlexPagedAttention:
         keys = flat[:n].view(1, 1, n, d)
         values = flat[h * bs :].view(1, 1, n, d)
         try:
-            out = self._run(rows.view(1, 1, padded * QUERY_BLOCK, d), keys, values, fg, scale)
+            out = self._run(rows.view(1, 1, padded * qb, d), keys, values, fg, scale)
         except Exception as e:  # e.g. no C++ compiler on the host, or an inductor bug
             self.failed = f"{type(e).__name__}: {e}"[:500]
             self.fallbacks += 1
             log.error("paged flex attention cannot run here, using the gather path: %s", e)
             return None
-        out = out.view(padded, QUERY_BLOCK, d)[: fg.num_query_blocks, : qn * g]
+        out = out.view(padded, qb, d)[: fg.num_query_blocks, : qn * g]
         return out.view(b, h, qn, g, d).permute(0, 2, 1, 3, 4).reshape(b, qn, hq, d)
 
     def _run(
@@ -199,5 +298,10 @@ class FlexPagedAttention:
         if shape not in self._shapes:  # a new bucket: inductor compiles (seconds, once)
             log.info("compiling paged flex attention for %d query rows, %d KV rows", *shape)
             self._shapes.add(shape)
-        out: torch.Tensor = self._kernel(q, k, v, block_mask=fg.block_mask, scale=scale)
+        # On a GPU the Triton template's tiles must divide the mask's blocks (a KV block is
+        # one chunk of ``block_size`` rows; its default tiles are 64 to 128 rows).
+        options = {"BLOCK_M": 16, "BLOCK_N": 16} if q.is_cuda else None
+        out: torch.Tensor = self._kernel(
+            q, k, v, block_mask=fg.block_mask, scale=scale, kernel_options=options
+        )
         return out

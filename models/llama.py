@@ -229,7 +229,10 @@ class LlamaModel(nn.Module):
         if native is not None:
             return native.describe(), native.fallbacks
         if self.device.type == "cuda":
-            return "flex_paged at long contexts, else gather", self.paged_flex.fallbacks
+            return (
+                "flex_paged in bucketed steps and long ragged ones, else gather",
+                self.paged_flex.fallbacks,
+            )
         return f"gather (no cpu_paged kernel for {self.dtype})", 0
 
     def flex_pool(self, kv_pool: torch.Tensor) -> FlexPool:

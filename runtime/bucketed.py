@@ -52,12 +52,19 @@ class BucketedRunner(LocalRunner):
         max_query: int,
         max_blocks: int,
         graphs: bool = False,
+        in_place_attention: bool | None = None,
     ) -> None:
         super().__init__(model, kv_pool, block_size)
         self.buffers = StepBuffers(max_seqs, max_query, max_blocks, block_size, model.device)
         self.graphs = graphs and model.device.type == "cuda"
         self._captured: dict[Bucket, _Captured] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # ``in_place_attention`` None: on a GPU a bucket's attention reads the pool in place
+        # through flex_attention, while a CPU bucket takes the CPU kernel (``models.cpu_paged``);
+        # False: the gather path everywhere (to compare against); True: flex on any device.
+        if in_place_attention is None:
+            in_place_attention = model.device.type == "cuda"
+        self._flex = model.flex_pool(kv_pool) if in_place_attention else None
         self.bucketed_steps = 0
         self.ragged_steps = 0
 
@@ -104,10 +111,29 @@ class BucketedRunner(LocalRunner):
             m.cfg.sliding_window,
             m.invariant_attention,
             m.paged_native,
+            self._flex,
         )
         return m.forward_with_features(v.ids, self.kv_pool, meta)
 
     def _capture(self, bucket: Bucket) -> _Captured:
+        """``_capture_once``; where in-place attention breaks the capture (an op that waits
+        for the device, in a torch where ``flex_attention`` does), this runner's buckets
+        gather from then on, logged and counted in the kernel's fallbacks, and the bucket is
+        captured again."""
+        try:
+            return self._capture_once(bucket)
+        except RuntimeError as e:
+            if self._flex is None:
+                raise
+            log.error("graph capture with in-place attention failed, buckets gather: %s", e)
+            kernel = self._flex.kernel
+            kernel.failed = kernel.failed or f"graph capture: {e}"[:500]
+            kernel.fallbacks += 1
+            self._flex = None
+            torch.cuda.synchronize(self.model.device)
+            return self._capture_once(bucket)
+
+    def _capture_once(self, bucket: Bucket) -> _Captured:
         """Warm the bucket up on a side stream, then capture its forward. The buffers hold the
         current step's inputs, so the warm-up and the capture compute this very step (their
         writes are the step's own K/V, written again when the graph replays)."""

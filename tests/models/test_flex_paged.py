@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.attention import SeqSlice, build_attention_metadata, paged_attention
+from models.attention import SeqSlice, bucket_metadata, build_attention_metadata, paged_attention
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RotaryEmbedding
 
@@ -54,3 +54,63 @@ def test_short_contexts_keep_the_gather_path() -> None:
     q = torch.zeros(1, HKV * G, D)
     _out, in_place = _step([SeqSlice([0, 1], 20, 1)], flex, pool, q)
     assert in_place == 0
+
+
+def _bucket(
+    flex: FlexPool | None,
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    tables: torch.Tensor,
+    cached: torch.Tensor,
+    num_new: torch.Tensor,
+) -> torch.Tensor:
+    """One layer of a bucketed step's attention (``bucket_metadata``): its rows' outputs."""
+    b, nb = tables.shape
+    qn = q.shape[0] // b
+    rope = RotaryEmbedding(D, 4096, 10000.0, torch.device("cpu"))
+    j = torch.arange(qn)
+    pos = (cached.view(b, 1) + j.view(1, qn)).reshape(-1)  # [b * q]
+    valid = (j.view(1, qn) < num_new.view(b, 1)).reshape(-1)
+    rows = torch.arange(b * qn)
+    write_rows = torch.where(valid, rows, 0)
+    blocks = tables.repeat_interleave(qn, 0).gather(1, (pos // BS).clamp(max=nb - 1).view(-1, 1))
+    slot_blocks = torch.where(valid, blocks.view(-1), blocks.view(-1)[0])
+    slot_offsets = torch.where(valid, pos % BS, pos[0] % BS)
+    meta = bucket_metadata(
+        pos, slot_blocks, slot_offsets, write_rows, tables, cached, num_new, BS,
+        rope.cos, rope.sin, flex=flex,
+    )  # fmt: skip
+    assert (meta.flex is not None) == (flex is not None)
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(b * qn, HKV, D, generator=gen)
+    v = torch.randn(b * qn, HKV, D, generator=gen)
+    out = paged_attention(q, k, v, pool, meta, D**-0.5)  # [b * q, Hq * D]
+    return out[valid]
+
+
+def test_bucketed_in_place_attention_equals_the_gather_path() -> None:
+    """A bucket's block mask, built from device tensors alone (what a CUDA graph holds), gives
+    what the gather path gives: decodes and verifications, contexts that end inside a block
+    or on its edge, and a padding sequence."""
+    gen = torch.Generator().manual_seed(3)
+    perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
+    for qn, cached_list, new_list in (
+        (1, [300, 16, 47, 0], [1, 1, 1, 0]),  # decodes, one padding sequence
+        (8, [517, 250, 31, 100], [5, 3, 8, 1]),  # verifications: G * 8 = 24 rows a block
+    ):
+        nb = 40
+        tables = torch.zeros(len(cached_list), nb, dtype=torch.long)
+        start = 0
+        for i, (c, n) in enumerate(zip(cached_list, new_list, strict=True)):
+            used = -(-(c + n) // BS)
+            tables[i, :used] = torch.tensor(perm[start : start + used])
+            start += used
+        cached, num_new = torch.tensor(cached_list), torch.tensor(new_list)
+        pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
+        q = torch.randn(len(cached_list) * qn, HKV * G, D, generator=gen)
+        kernel = FlexPagedAttention()
+        flex = FlexPool(kernel, HKV, NB, G)
+        got = _bucket(flex, pool.clone(), q, tables, cached, num_new)
+        want = _bucket(None, pool.clone(), q, tables, cached, num_new)
+        assert kernel.failed is None and kernel.fallbacks == 0
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

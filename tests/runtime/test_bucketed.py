@@ -71,6 +71,34 @@ def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel) -> None:
     assert bucketed.bucketed_steps == 4 and bucketed.ragged_steps == 0
 
 
+def test_buckets_reading_the_pool_through_flex_attention_equal_the_ragged_path(
+    tiny_folder: Path,
+) -> None:
+    """The GPU's bucketed attention (``flex_attention`` over the pool, its block mask built
+    from the buffers by device ops), run here on the CPU: the logits and K/V of the ragged
+    path, decodes and verifications, over several steps."""
+    model = ModelSpec(str(tiny_folder)).load("cpu")
+    model.paged_native = None  # as on a GPU: no CPU kernel to take the bucket
+    ragged_pool, bucket_pool = _pools(model)
+    ragged = LocalRunner(model, ragged_pool, BS)
+    bucketed = BucketedRunner(model, bucket_pool, BS, 4, 4, 8, in_place_attention=True)
+    g = torch.Generator().manual_seed(5)
+    tables = [[3, 9, 4, 20], [7, 1], [12, 30, 31]]
+    cached = [40, 17, 33]
+    for widths in ([1, 1, 1], [3, 1, 4], [1, 2, 1]):
+        batch = []
+        for i, w in enumerate(widths):
+            ids = torch.randint(3, 40000, (w,), generator=g).tolist()
+            batch.append(SeqInput(tables[i], cached[i], ids, list(range(w))))
+            cached[i] += w
+        want, got = ragged.run(batch), bucketed.run(batch)
+        assert (got.logits - want.logits).abs().max() <= 1e-4
+        assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
+        assert (bucket_pool - ragged_pool).abs().max() <= 1e-4
+    assert model.paged_flex.failed is None and model.paged_flex.fallbacks == 0
+    assert bucketed.bucketed_steps == 3
+
+
 def test_prompts_trees_and_oversized_steps_take_the_ragged_path(model: LlamaModel) -> None:
     _, pool = _pools(model)
     runner = BucketedRunner(model, pool, BS, max_seqs=2, max_query=4, max_blocks=4)
