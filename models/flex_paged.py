@@ -22,6 +22,11 @@ Decodes and verifications only (``G * q <= QB``), without token trees: prompt ch
 keep the gather path. Every sequence of a step that fits goes into one group, whatever its
 number of new tokens or its context length: nothing is padded but the query block itself.
 
+**Bucketed steps** (``runtime.bucketed``, on a GPU): ``plan_bucket`` builds the same kind of
+mask from the bucket's device buffers with device ops only, so the CUDA graph of the bucket
+holds it; a query block is ``G * q`` rows of the bucket's width (at least ``QUERY_BLOCK``).
+Buckets over fewer than ``min_context_tokens`` gather, as small ragged groups do.
+
 The kernel is compiled for static shapes (inductor's CPU template does not compile with dynamic
 ones), so the number of query blocks is padded to a power of two and every other shape is fixed
 by the pool: a model compiles at most one kernel per bucket.
@@ -44,6 +49,21 @@ log = logging.getLogger(__name__)
 
 QUERY_BLOCK = 16  # query rows per (sequence, KV head): G query heads times the new tokens
 MAX_QUERY_BLOCKS = 512  # beyond this many (sequence, head) pairs a step takes the gather path
+RECOMPILE_LIMIT = 64  # compiled shapes of the kernel (buckets and ragged groups, every model)
+
+
+def kv_lists(lists: torch.Tensor, padded: int, width: int) -> torch.Tensor:
+    """Per query block, the chunks it reads: lists [n, m] (n <= padded) -> [1, 1, padded, width].
+
+    A block mask's KV extent must cover the whole key view (``width`` chunks), while a query
+    block lists at most ``m``: the result is rows of ``width`` entries at a stride of ``m`` over
+    one buffer of ``padded * m + width`` entries (a row's entries past its count are never
+    read), where a dense [padded, width] tensor would be ``width / m`` times larger (hundreds
+    of MB for a large pool)."""
+    n, m = lists.shape
+    store = torch.zeros(padded * m + width, dtype=torch.int32, device=lists.device)
+    store[: n * m] = lists.reshape(n * m).to(torch.int32)
+    return store.as_strided((1, 1, padded, width), (0, 0, m, 1))
 
 
 @dataclass(frozen=True)
@@ -127,10 +147,6 @@ class FlexPagedAttention:
         kv_num = torch.zeros(padded, dtype=torch.int32)
         full_num = torch.zeros(padded, dtype=torch.int32)
         kv_num[:nq], full_num[:nq] = n_part, n_full
-        part_idx = torch.zeros(padded, width, dtype=torch.int32)
-        part_idx[:nq, :nbmax] = masked.int()
-        full_idx = torch.zeros(padded, width, dtype=torch.int32)
-        full_idx[:nq, :nbmax] = chunks.view(nq, nbmax).int()
         # The logical block of every chunk (a KV row's position for the mask) and each query
         # block's first position.
         logical = torch.zeros(span, dtype=torch.long)
@@ -149,9 +165,9 @@ class FlexPagedAttention:
 
         mask = BlockMask.from_kv_blocks(
             kv_num.view(1, 1, padded).to(device),
-            part_idx.view(1, 1, padded, width).to(device),
+            kv_lists(masked.to(device), padded, width),
             full_num.view(1, 1, padded).to(device),
-            full_idx.view(1, 1, padded, width).to(device),
+            kv_lists(chunks.view(nq, nbmax).to(device), padded, width),
             BLOCK_SIZE=(QUERY_BLOCK, block_size),
             mask_mod=causal,
             seq_lengths=(padded * QUERY_BLOCK, width * block_size),
@@ -172,8 +188,10 @@ class FlexPagedAttention:
         device ops only, so that a CUDA graph can hold it: tables [b, nb] (padding: block 0),
         cached and num_new [b] (a padding sequence brings 0 new tokens: its rows see nothing
         and come out 0). ``query`` is the bucket's rows per sequence; a query block holds
-        ``G * query`` rows, at least ``QUERY_BLOCK``. None when the kernel failed here before or
-        the bucket has more (sequence, head) pairs than it serves.
+        ``G * query`` rows, at least ``QUERY_BLOCK``. None (the bucket gathers) when the kernel
+        failed here before, when the bucket spans fewer than ``min_context_tokens`` (its
+        ``b * nb`` blocks: a bucket's choice is fixed, so a CUDA graph holds one path), or
+        when it has more (sequence, head) pairs than the kernel serves.
 
         The blocks a sequence attends over are a prefix of its table: the ones wholly before
         its first new token need no mask (``full``), the rest (``part``) follow them, so each
@@ -181,7 +199,8 @@ class FlexPagedAttention:
         if self.failed is not None:
             self.fallbacks += 1
             return None
-        if tables.shape[0] * pool.num_kv_heads > MAX_QUERY_BLOCKS:
+        b, nb = tables.shape
+        if b * pool.num_kv_heads > MAX_QUERY_BLOCKS or not self.applies(b * nb * block_size):
             return None
         try:
             return self._plan_bucket(tables, cached, num_new, query, pool, block_size)
@@ -221,14 +240,6 @@ class FlexPagedAttention:
             out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
             return out
 
-        def indices(x: torch.Tensor) -> torch.Tensor:  # [b, H, nb] -> [1, 1, P, width]
-            # The mask's KV extent must cover the whole key view (``width`` chunks), but a
-            # query block lists at most ``nb``: rows of ``width`` entries at a stride of ``nb``
-            # over one small buffer (entries past a row's count are never read).
-            store = torch.zeros(padded * nb + width, dtype=torch.int32, device=dev)
-            store[: nq * nb] = x.reshape(nq * nb).to(torch.int32)
-            return store.as_strided((1, 1, padded, width), (0, 0, nb, 1))
-
         # The logical block of every chunk the bucket attends over (its keys' positions for
         # the mask); chunks past a sequence's need write to a spare entry, not a used one.
         used = j.view(1, nb) < need.view(b, 1)  # [b, nb]
@@ -246,9 +257,9 @@ class FlexPagedAttention:
 
         mask = BlockMask.from_kv_blocks(
             per_block(need - n_full).view(1, 1, padded),
-            indices(masked),
+            kv_lists(masked.view(nq, nb), padded, width),
             per_block(n_full).view(1, 1, padded),
-            indices(chunks),
+            kv_lists(chunks.view(nq, nb), padded, width),
             BLOCK_SIZE=(qb, block_size),
             mask_mod=causal,
             seq_lengths=(padded * qb, width * block_size),
@@ -301,7 +312,11 @@ class FlexPagedAttention:
         # On a GPU the Triton template's tiles must divide the mask's blocks (a KV block is
         # one chunk of ``block_size`` rows; its default tiles are 64 to 128 rows).
         options = {"BLOCK_M": 16, "BLOCK_N": 16} if q.is_cuda else None
-        out: torch.Tensor = self._kernel(
-            q, k, v, block_mask=fg.block_mask, scale=scale, kernel_options=options
-        )
+        # One compiled kernel per shape (static shapes: the CPU template needs them, and the
+        # GPU's were checked so): more shapes than dynamo's default of 8 recompiles, past
+        # which it would run an unfused flex_attention that cannot be captured in a graph.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            out: torch.Tensor = self._kernel(
+                q, k, v, block_mask=fg.block_mask, scale=scale, kernel_options=options
+            )
         return out

@@ -80,7 +80,7 @@ def _bucket(
         pos, slot_blocks, slot_offsets, write_rows, tables, cached, num_new, BS,
         rope.cos, rope.sin, flex=flex,
     )  # fmt: skip
-    assert (meta.flex is not None) == (flex is not None)
+    assert (meta.flex is not None) == (flex is not None and flex.kernel.min_context_tokens == 0)
     gen = torch.Generator().manual_seed(2)
     k = torch.randn(b * qn, HKV, D, generator=gen)
     v = torch.randn(b * qn, HKV, D, generator=gen)
@@ -108,9 +108,22 @@ def test_bucketed_in_place_attention_equals_the_gather_path() -> None:
         cached, num_new = torch.tensor(cached_list), torch.tensor(new_list)
         pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
         q = torch.randn(len(cached_list) * qn, HKV * G, D, generator=gen)
-        kernel = FlexPagedAttention()
+        kernel = FlexPagedAttention(min_context_tokens=0)
         flex = FlexPool(kernel, HKV, NB, G)
         got = _bucket(flex, pool.clone(), q, tables, cached, num_new)
         want = _bucket(None, pool.clone(), q, tables, cached, num_new)
         assert kernel.failed is None and kernel.fallbacks == 0
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_bucket_over_a_short_context_gathers() -> None:
+    """A bucket spanning fewer context tokens than the kernel's threshold keeps the gather path
+    (on a GPU it is the faster one there), and says so by planning nothing."""
+    kernel = FlexPagedAttention(min_context_tokens=4 * 40 * BS + 1)
+    flex = FlexPool(kernel, HKV, NB, G)
+    tables = torch.zeros(4, 40, dtype=torch.long)
+    cached, num_new = torch.tensor([30, 20, 10, 0]), torch.tensor([1, 1, 1, 0])
+    assert kernel.plan_bucket(tables, cached, num_new, 1, flex, BS) is None
+    kernel.min_context_tokens = 4 * 40 * BS
+    assert kernel.plan_bucket(tables, cached, num_new, 1, flex, BS) is not None
+    assert kernel.failed is None and kernel.fallbacks == 0
