@@ -7,7 +7,9 @@ steps that ``runtime.step_buffers`` can lay out in a bucket (decodes and chain v
 through persistent buffers filled in place, with metadata computed on the device
 (``models.attention.bucket_metadata``). On a GPU it captures the whole forward once per bucket
 as a CUDA graph and replays it (``graphs=True``); elsewhere the same bucketed forward runs
-eagerly. Prompt chunks, draft trees and steps beyond the buffers run the ragged path
+eagerly. On a GPU a bucket over a long context reads the KV pool in place through
+``flex_attention`` inside its graph (``models.flex_paged``), a short one gathers its blocks.
+Prompt chunks, draft trees and steps beyond the buffers run the ragged path
 (``runtime.runner.run_step``), counted in ``ragged_steps``.
 
 Every rank of a TP group wraps its own shard the same way: the ranks see the same batch
