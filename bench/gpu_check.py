@@ -14,9 +14,10 @@ sections past ``--budget`` seconds are skipped):
    transformers' ``generate`` at batch 1 (greedy tokens of the two shapes must agree).
 4. ``decode_path``: prefill worker -> NIXL (VRAM registered) -> decode engine, greedy-identical
    to plain decoding for n-gram, draft-model and EAGLE speculation and EAGLE draft trees.
-5. ``kv_transfer``: ``bench.gpu_kv`` in a subprocess per UCX setting (one process, two
-   processes, two processes with ``UCX_TLS`` naming ``cuda_ipc``), each with
-   ``UCX_PROTO_INFO=y``; UCX's report goes to ``--log-dir``.
+5. ``kv_transfer``: ``bench.gpu_kv`` in a subprocess per setting of ``KV_SETTINGS`` (two
+   processes as served, with the source polling, busy or on NIXL's progress thread; one
+   process; UCX's own ``cuda_ipc`` default), each with ``UCX_PROTO_INFO=y``; UCX's report
+   goes to ``--log-dir``.
 6. ``step_costs_1b_bf16``: the ragged step's cost of verifying k + 1 tokens relative to one (the
    curve adaptive speculation uses), up to draft-tree sizes.
 
@@ -364,13 +365,18 @@ def graph_steps(
     return out
 
 
-KV_SETTINGS: dict[str, tuple[str, dict[str, str]]] = {
+KV_SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
     # as served: NixlTransport sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y on a VRAM pool
-    "two_process": ("two_process", {}),
-    "two_process_cuda_ipc_tls": ("two_process", {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}),
-    "loopback": ("loopback", {}),
+    "two_process": (["--mode", "two_process"], {}),
+    # the ~1 ms floor per pull the second GPU run showed: the source's progress cadence?
+    "two_process_busy_source": (["--mode", "two_process", "--source-progress", "busy"], {}),
+    "two_process_progress_thread": (["--mode", "two_process", "--source-progress", "thread"], {}),
+    "loopback": (["--mode", "loopback"], {}),
     # UCX's own default, which turned cuda_ipc gets off here (no NVLink)
-    "two_process_get_zcopy_auto": ("two_process", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}),
+    "two_process_get_zcopy_auto": (
+        ["--mode", "two_process"],
+        {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"},
+    ),
 }
 
 
@@ -391,11 +397,11 @@ def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
     """``bench.gpu_kv`` under each of ``KV_SETTINGS``, in a subprocess each (a transport that
     crashes or hangs costs its own setting only), with UCX's protocol report in a log each."""
     out: dict[str, Any] = {}
-    for name, (mode, env) in KV_SETTINGS.items():
+    for name, (flags, env) in KV_SETTINGS.items():
         res = log_dir / f"kv_{name}.json"
         log = log_dir / f"ucx_{name}.log"
         full = {**os.environ, "UCX_PROTO_INFO": "y", **env}
-        cmd = [sys.executable, "-m", "bench.gpu_kv", "--mode", mode, "--out", str(res)]
+        cmd = [sys.executable, "-m", "bench.gpu_kv", *flags, "--out", str(res)]
         cmd += ["--blocks", str(blocks)]
         t0 = time.perf_counter()
         with log.open("w") as f:

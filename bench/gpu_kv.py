@@ -60,22 +60,30 @@ def _fill(pool: KVPool) -> None:
         t[layer].copy_(_pattern(t, layer))
 
 
-def _source_main(conn: Connection, dev: str, num_blocks: int) -> None:
+SOURCE_PROGRESS = ("poll", "busy", "thread")
+
+
+def _source_main(conn: Connection, dev: str, num_blocks: int, progress: str) -> None:
     """The child of ``two_process``: a filled pool behind a NIXL agent, served until told to
-    stop."""
+    stop. ``progress``: how the source lets UCX progress: ``poll`` calls ``completed()``
+    between waits of 0.5 ms (as a prefill replica's loop does between steps), ``busy`` without
+    waiting, ``thread`` leaves it to NIXL's progress thread."""
     from kvtransfer.nixl_transport import NixlTransport
 
     pool = KVPool(pool_spec(num_blocks), dev)
     _fill(pool)
     synchronize(dev)
-    src = NixlTransport(pool, "prefill")
+    src = NixlTransport(pool, "prefill", progress_thread=progress == "thread")
     conn.send(src.sources())
-    while not conn.poll(0.0005):
+    wait = {"poll": 0.0005, "busy": 0.0, "thread": 0.01}[progress]
+    while not conn.poll(wait):
         src.completed()
     src.close()
 
 
-def kv_transfer(dev: str, mode: str = "loopback", num_blocks: int = 512) -> dict[str, Any]:
+def kv_transfer(
+    dev: str, mode: str = "loopback", num_blocks: int = 512, source_progress: str = "poll"
+) -> dict[str, Any]:
     """Median NIXL pull time of each size in ``SIZES`` under ``mode`` (module docstring), with a
     strided device copy of the same blocks (the pool's layout) and a flat copy of as many
     bytes (the device's ceiling) measured in the same run."""
@@ -97,7 +105,11 @@ def kv_transfer(dev: str, mode: str = "loopback", num_blocks: int = 512) -> dict
     elif mode == "two_process":
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe()
-        child = ctx.Process(target=_source_main, args=(child_conn, dev, num_blocks), daemon=True)
+        child = ctx.Process(
+            target=_source_main,
+            args=(child_conn, dev, num_blocks, source_progress),
+            daemon=True,
+        )
         child.start()
         if not conn.poll(120):
             raise RuntimeError("the source process sent no NIXL metadata in 120 s")
@@ -113,7 +125,12 @@ def kv_transfer(dev: str, mode: str = "loopback", num_blocks: int = 512) -> dict
     compat = KVCompat("m", "bfloat16", 16, "x", 1, "none", "nixl")
     x, y = src_pool.tensor("target"), dst_pool.tensor("target")
     flat_x, flat_y = x.view(-1), y.view(-1)
-    out: dict[str, Any] = {"mode": mode, "mem_type": dst_pool.mem_type, "sizes": {}}
+    out: dict[str, Any] = {
+        "mode": mode,
+        "source_progress": source_progress if mode == "two_process" else "loopback",
+        "mem_type": dst_pool.mem_type,
+        "sizes": {},
+    }
     for n in SIZES:
         blocks = tuple(range(n))
         nbytes = n * spec.groups[0].block_bytes(16)
@@ -164,10 +181,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mode", choices=("loopback", "two_process"), default="loopback")
     ap.add_argument("--blocks", type=int, default=512, help="blocks per pool (>= 256)")
+    ap.add_argument("--source-progress", choices=SOURCE_PROGRESS, default="poll")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    res = kv_transfer(dev, args.mode, args.blocks)
+    res = kv_transfer(dev, args.mode, args.blocks, args.source_progress)
     print(json.dumps(res), flush=True)
     args.out.write_text(json.dumps(res, indent=2))
 
