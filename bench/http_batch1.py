@@ -15,7 +15,7 @@ no match: ``draft.lookup_first``), k = 4 adaptive, as served; a ``+treeW`` suffi
 
     .venv/bin/python -m bench.http_batch1 [--max-tokens 128] [--sharegpt 8]
         [--drafts ngram eagle eagle+lookup] [--quantization int8] [--dtype bfloat16]
-        [--in-process]
+        [--threads 2] [--stream-interval 0.05] [--in-process]
         [--out bench/results/http_batch1.json]
 """
 
@@ -50,10 +50,18 @@ EAGLE_HEAD = "models/drafts/smollm2-135m-eagle"
 
 
 def _config(
-    draft: str, port: int, quantization: str = "none", dtype: str = "float32"
+    draft: str,
+    port: int,
+    quantization: str = "none",
+    dtype: str = "float32",
+    stream_interval_s: float = 0.0,
+    threads: int = 2,
 ) -> TandemConfig:
     """``draft``: a kind, then ``+lookup`` (lookup first) and ``+treeW`` (trees W wide);
-    ``quantization`` and ``dtype`` apply to the target and to an EAGLE head."""
+    ``quantization`` and ``dtype`` apply to the target and to an EAGLE head;
+    ``stream_interval_s`` is ``decode.stream_interval_s`` (tokens coalesce on the hop to the
+    ingress); ``threads`` each pool's ``num_threads`` (``deploy/local.yaml`` serves with 1,
+    leaving the other core to the serving path)."""
     kind, *extras = draft.split("+")
     trees = [int(e.removeprefix("tree")) for e in extras if e.startswith("tree")]
     return TandemConfig.model_validate(
@@ -68,8 +76,12 @@ def _config(
             )
             | ({"lookup_first": True} if "lookup" in extras else {})
             | ({"tree_width": trees[0]} if trees else {}),
-            "prefill": {"num_blocks": 256, "num_threads": 2},
-            "decode": {"num_blocks": 512, "num_threads": 2},
+            "prefill": {"num_blocks": 256, "num_threads": threads},
+            "decode": {
+                "num_blocks": 512,
+                "num_threads": threads,
+                "stream_interval_s": stream_interval_s,
+            },
             "http": {"port": port},
         }
     )
@@ -94,9 +106,11 @@ def run_config(
     port: int,
     quantization: str = "none",
     dtype: str = "float32",
+    stream_interval_s: float = 0.0,
+    threads: int = 2,
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """Per prompt set: the summary, and the texts (greedy: to compare across drafters)."""
-    cfg = _config(draft, port, quantization, dtype)
+    cfg = _config(draft, port, quantization, dtype, stream_interval_s, threads)
     with local_app(cfg, num_cpus=2) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="x", timeout=600)
         model = resolve_models(cfg).name
@@ -117,11 +131,12 @@ def run_in_process(
     max_tokens: int,
     quantization: str = "none",
     dtype: str = "float32",
+    threads: int = 2,
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """``run_config`` without the serving path: the same worker and engine, in this process,
     each prompt alone; time to first token is the prefill, decode time runs from there to the
     last token (as the HTTP client measures it, without the hops)."""
-    cfg = _config(draft, 8000, quantization, dtype)  # the port is not used in-process
+    cfg = _config(draft, 8000, quantization, dtype, threads=threads)  # port unused here
     m = resolve_models(cfg)
     engine_cfg, worker_cfg = engine_configs(cfg, m)
     assert worker_cfg is not None
@@ -197,6 +212,13 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="model.dtype (and an EAGLE head's)",
     )
+    ap.add_argument("--threads", type=int, default=2, help="each pool's num_threads")
+    ap.add_argument(
+        "--stream-interval",
+        type=float,
+        default=0.0,
+        help="decode.stream_interval_s: seconds a stream's tokens may wait to travel together",
+    )
     ap.add_argument(
         "--in-process",
         action="store_true",
@@ -207,7 +229,16 @@ def main() -> None:
     sets = {"sharegpt": first_prompts(args.sharegpt, max_chars=600), "copy": list(COPY_PROMPTS)}
     t0 = time.time()
     runs = {
-        d: run_config(d, sets, args.max_tokens, args.port, args.quantization, args.dtype)
+        d: run_config(
+            d,
+            sets,
+            args.max_tokens,
+            args.port,
+            args.quantization,
+            args.dtype,
+            args.stream_interval,
+            args.threads,
+        )
         for d in ["none", *args.drafts]
     }
     results = {d: r[0] for d, r in runs.items()}
@@ -215,7 +246,7 @@ def main() -> None:
     serving: dict[str, Any] = {}
     if args.in_process:
         local = {
-            d: run_in_process(d, sets, args.max_tokens, args.quantization, args.dtype)
+            d: run_in_process(d, sets, args.max_tokens, args.quantization, args.dtype, args.threads)
             for d in ["none", *args.drafts]
         }
         serving = {
@@ -249,6 +280,8 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "quantization": args.quantization,
         "dtype": args.dtype,
+        "stream_interval_s": args.stream_interval,
+        "threads": args.threads,
         "prompts": {k: len(v) for k, v in sets.items()},
         "results": results,
         **ratios,
