@@ -5,6 +5,10 @@ described by block indices into *prepared descriptor lists* (``make_prepped_xfer
 descriptor per (layer, block) when a rank reads every head of a group from a source of the same
 TP size, and one per (layer, block, K/V) over the run of heads it owns otherwise
 (``kvtransfer.pool``); each list is prepared once per peer and per head run, on first use.
+Where a read of every head has blocks consecutive on both sides (a prompt's blocks, taken
+from a pool that is not fragmented, usually are), each run of them is one descriptor per
+layer instead, built for that read (``initialize_xfer``): a long prompt's handoff is then a few
+large descriptors, not thousands of one-slab ones, which UCX moves faster.
 Decode issues one READ per source rank it reads from (``make_prepped_xfer``)
 carrying the request id as a NIXL notification; when the read completes the source receives that
 notification and ends the lease. The source must call :meth:`completed` often: without NIXL's own
@@ -90,6 +94,28 @@ def _rows(r: KVRegion, sl: _Slice, blocks: np.ndarray, offset: int) -> np.ndarra
     part = np.arange(sl.parts, dtype=np.int64)
     rows: np.ndarray = (offset + lb[:, :, None] * sl.parts + part).reshape(-1)
     return rows
+
+
+def block_runs(theirs: np.ndarray, ours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of a read's blocks that are consecutive on both sides: each run's index into
+    the blocks and its length (a run of one where either side jumps)."""
+    n = len(theirs)
+    jumps = (np.diff(theirs) != 1) | (np.diff(ours) != 1)
+    starts = np.concatenate([[0], np.flatnonzero(jumps) + 1]).astype(np.int64)
+    return starts, np.diff(np.append(starts, n))
+
+
+def run_descs(
+    r: KVRegion, blocks: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
+    """One (address, length, device) row per (layer, run) of whole blocks over region ``r``:
+    a layer's blocks ``b .. b + n - 1`` are one contiguous range of ``n`` slabs."""
+    layers = np.arange(r.num_layers, dtype=np.int64)[:, None]
+    addrs = r.base_address + (layers * r.num_blocks + blocks[starts][None, :]) * r.slab_bytes
+    sizes = np.broadcast_to(lengths[None, :] * r.slab_bytes, addrs.shape)
+    return np.stack(
+        [addrs.reshape(-1), sizes.reshape(-1), np.full(addrs.size, r.device_id, np.int64)], 1
+    )
 
 
 _Prepared = tuple[Any, dict[str, int]]  # a prepared descriptor list and each group's first row
@@ -273,24 +299,47 @@ class NixlTransport(KVTransport):
             )
             n = readers(src_rank, src_tp, self.tp_size, total_heads)
             handle = None
+            notice = f"{handoff.request_id}|{n}".encode()
+            starts, lengths = block_runs(remote_blocks, ours_blocks)
             try:
-                (rlist, roff), (llist, loff) = self._lists(src, tuple(rem_sl), tuple(loc_sl))
-                remote = [
-                    _rows(peer.regions[sl.group], sl, remote_blocks, roff[sl.group])
-                    for sl in rem_sl
-                ]
-                local = [
-                    _rows(self._by_group[sl.group], sl, ours_blocks, loff[sl.group])
-                    for sl in loc_sl
-                ]
-                handle = self.agent.make_prepped_xfer(
-                    "READ",
-                    llist,
-                    np.concatenate(local),
-                    rlist,
-                    np.concatenate(remote),
-                    notif_msg=f"{handoff.request_id}|{n}".encode(),
-                )
+                if all(sl.whole for sl in rem_sl) and len(starts) < len(ours_blocks):
+                    # blocks consecutive on both sides: a descriptor per (layer, run), built
+                    # for this read, where the prepared lists would give one per block
+                    remote_rows = [
+                        run_descs(peer.regions[sl.group], remote_blocks, starts, lengths)
+                        for sl in rem_sl
+                    ]
+                    local_rows = [
+                        run_descs(self._by_group[sl.group], ours_blocks, starts, lengths)
+                        for sl in loc_sl
+                    ]
+                    handle = self.agent.initialize_xfer(
+                        "READ",
+                        self.agent.get_xfer_descs(np.concatenate(local_rows), self.mem_type),
+                        self.agent.get_xfer_descs(
+                            np.concatenate(remote_rows), src.regions[0].mem_type
+                        ),
+                        src.agent_name,
+                        notice,
+                    )
+                else:
+                    (rlist, roff), (llist, loff) = self._lists(src, tuple(rem_sl), tuple(loc_sl))
+                    remote = [
+                        _rows(peer.regions[sl.group], sl, remote_blocks, roff[sl.group])
+                        for sl in rem_sl
+                    ]
+                    local = [
+                        _rows(self._by_group[sl.group], sl, ours_blocks, loff[sl.group])
+                        for sl in loc_sl
+                    ]
+                    handle = self.agent.make_prepped_xfer(
+                        "READ",
+                        llist,
+                        np.concatenate(local),
+                        rlist,
+                        np.concatenate(remote),
+                        notif_msg=notice,
+                    )
                 posted = self.agent.transfer(handle)
                 why = "NIXL refused the read" if posted == "ERR" else None
             except Exception as e:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the source just died

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kvtransfer.handoff import KVCompat, KVCompatError, KVHandoff, check_compat
-from kvtransfer.nixl_transport import NixlTransport, _descs, _rows, _Slice
+from kvtransfer.nixl_transport import (
+    NixlTransport,
+    _descs,
+    _rows,
+    _Slice,
+    block_runs,
+    run_descs,
+)
 from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
 from kvtransfer.transport import KVTransferError, PullState
 
@@ -129,3 +136,27 @@ def test_a_running_read_is_not_released_until_it_has_ended() -> None:
         src.completed()  # the source resumes
     assert not pull.token
     assert torch.equal(b.tensor("target")[:, [5, 6]], a.tensor("target")[:, [1, 2]])
+
+
+def test_blocks_consecutive_on_both_sides_move_as_one_descriptor_per_layer_and_run() -> None:
+    """A read whose blocks run consecutively on both sides takes a descriptor per (layer, run)
+    of the whole run's bytes: the same bytes land as through the per-block lists, and nothing
+    else is written."""
+    theirs, ours = np.array([3, 4, 5, 9, 10, 20]), np.array([20, 21, 22, 0, 1, 7])
+    starts, lengths = block_runs(theirs, ours)
+    assert starts.tolist() == [0, 3, 5] and lengths.tolist() == [3, 2, 1]
+    a, b = KVPool(SPEC), KVPool(SPEC)
+    for t in a.tensors.values():
+        t.normal_()
+    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
+    region = src.regions[0]
+    rows = run_descs(region, theirs, starts, lengths)
+    assert len(rows) == region.num_layers * 3  # 4 layers x 3 runs, not 4 x 6 blocks
+    t = a.tensor("target")
+    assert rows[0].tolist() == [t[0, 3].data_ptr(), 3 * region.slab_bytes, 0]
+    notices = _pull(src, dst, _handoff(src, "runs", tuple(theirs.tolist())), ours.tolist())
+    for g in ("target", "draft"):
+        assert torch.equal(b.tensor(g)[:, ours.tolist()], a.tensor(g)[:, theirs.tolist()])
+        untouched = [i for i in range(SPEC.num_blocks) if i not in set(ours.tolist())]
+        assert b.tensor(g)[:, untouched].abs().sum() == 0
+    assert notices == ["runs"]
