@@ -188,25 +188,34 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
     return res
 
 
+def _cached_pool(model: Any, batch: int, nb: int, dev: str) -> tuple[torch.Tensor, list[list[int]]]:
+    """A pool of ``batch`` sequences of ``nb`` blocks each, 1,000 tokens of each already cached
+    (two 500-token prompt chunks), and their block tables."""
+    from models.attention import kv_pool_shape
+    from runtime.runner import SeqInput, run_step
+
+    c = model.cfg
+    pool = torch.zeros(
+        kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
+        dtype=model.dtype,
+        device=dev,
+    )
+    tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
+    for i in range(0, 1000, 500):
+        run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
+    return pool, tables
+
+
 def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     """The ragged step's cost of verifying k + 1 tokens over one token, after 1,000 cached."""
-    from models.attention import kv_pool_shape
     from models.spec import ModelSpec
     from runtime.runner import SeqInput, run_step
 
     model = ModelSpec(str(folder), "bfloat16").load(dev)
-    c = model.cfg
     out: dict[str, Any] = {"decode_ms": {}, "verify_ratio": {}}
     for batch in (1, 8, 32):
         nb = 66  # 1,056 tokens a sequence: 1,000 cached and up to 41 verified
-        pool = torch.zeros(
-            kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
-            dtype=model.dtype,
-            device=dev,
-        )
-        tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
-        for i in range(0, 1000, 500):
-            run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
+        pool, tables = _cached_pool(model, batch, nb, dev)
 
         def timed(k: int, pool: torch.Tensor = pool, tables: list[list[int]] = tables) -> float:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
@@ -318,25 +327,16 @@ def graph_steps(
     with ``compare``, against the same buckets gathering the context and the ragged eager step
     (``run_step``) on the same pool. Median of 15 after warm-up; greedy agreement with the
     ragged step reported."""
-    from models.attention import kv_pool_shape
     from models.spec import ModelSpec
     from runtime.bucketed import BucketedRunner
     from runtime.runner import SeqInput, run_step
 
     model = ModelSpec(str(folder), "bfloat16", quantization).load(dev)
-    c = model.cfg
     nb = 64  # blocks of 16: 1,024 tokens of context per sequence
     out: dict[str, Any] = {"context": 1000, "quantization": quantization, "batches": {}}
     graphs = dev == "cuda"
     for batch in batches:
-        pool = torch.zeros(
-            kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
-            dtype=model.dtype,
-            device=dev,
-        )
-        tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
-        for i in range(0, 1000, 500):
-            run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
+        pool, tables = _cached_pool(model, batch, nb, dev)
         steps: dict[str, Callable[[list[SeqInput]], Any]] = {
             "bucketed": BucketedRunner(model, pool, 16, 64, 8, nb, graphs).run
         }
@@ -378,7 +378,7 @@ def graph_steps(
 KV_SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
     # as served: NixlTransport sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y on a VRAM pool
     "two_process": (["--mode", "two_process"], {}),
-    # the ~1 ms floor per pull the second GPU run showed: the source's progress cadence?
+    # whether a pull's fixed cost comes from how often the source lets UCX progress
     "two_process_busy_source": (["--mode", "two_process", "--source-progress", "busy"], {}),
     "two_process_progress_thread": (["--mode", "two_process", "--source-progress", "thread"], {}),
     "loopback": (["--mode", "loopback"], {}),

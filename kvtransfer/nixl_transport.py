@@ -21,7 +21,7 @@ through stale descriptors.
 **VRAM pools.** UCX turns a READ of another process's GPU memory into ``cuda_ipc`` zero-copy
 gets only where it detects NVLink between the GPUs (its ``CUDA_IPC_ENABLE_GET_ZCOPY=auto``);
 elsewhere, e.g. two processes on one GPU, or PCIe-only GPUs, it falls back to "software
-emulation" through the host over TCP, three orders of magnitude slower (``BENCHMARKS.md``, GPU
+emulation" through the host over TCP, far slower than a copy (``BENCHMARKS.md``, GPU
 section). A worker with a VRAM pool therefore sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` before
 its agent starts, unless the operator set it, and logs it.
 """

@@ -203,69 +203,57 @@ class FlexPagedAttention:
         if b * pool.num_kv_heads > MAX_QUERY_BLOCKS or not self.applies(b * nb * block_size):
             return None
         try:
-            return self._plan_bucket(tables, cached, num_new, query, pool, block_size)
+            h, g = pool.num_kv_heads, pool.group_size
+            nq = b * h
+            qb = max(QUERY_BLOCK, 1 << (g * query - 1).bit_length())  # rows per query block
+            padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks
+            span = pool.num_blocks * 2 * h  # chunks in one layer
+            width = span - h  # chunks in the key (and the value) view
+            dev = tables.device
+            heads = torch.arange(h, device=dev)
+            chunks = tables.unsqueeze(1) * (2 * h) + heads.view(1, h, 1)  # [b, H, nb]
+            need = (cached + num_new + block_size - 1) // block_size  # [b] blocks attended
+            n_full = torch.minimum(cached // block_size, need)  # [b] blocks wholly before q
+            j = torch.arange(nb, device=dev)
+            first_part = (n_full.view(b, 1) + j.view(1, nb)).clamp(max=nb - 1)  # [b, nb]
+            masked = chunks.gather(2, first_part.unsqueeze(1).expand(b, h, nb))  # [b, H, nb]
+
+            def per_block(x: torch.Tensor) -> torch.Tensor:  # [b] -> [P], padding blocks 0
+                out = torch.zeros(padded, dtype=torch.int32, device=dev)
+                out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
+                return out
+
+            # The logical block of every chunk the bucket attends over (its keys' positions for
+            # the mask); chunks past a sequence's need write to a spare entry, not a used one.
+            used = j.view(1, nb) < need.view(b, 1)  # [b, nb]
+            target = torch.where(used.unsqueeze(1), chunks, span).reshape(-1)  # [b * H * nb]
+            logical = torch.zeros(span + 1, dtype=torch.long, device=dev)
+            logical.scatter_(0, target, j.view(1, 1, nb).expand(b, h, nb).reshape(-1))
+            first = torch.zeros(padded, dtype=torch.long, device=dev)
+            first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
+
+            def causal(
+                _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+            ) -> torch.Tensor:
+                pos = first[q // qb] + (q % qb) // g
+                return logical[kv // block_size] * block_size + kv % block_size <= pos
+
+            mask = BlockMask.from_kv_blocks(
+                per_block(need - n_full).view(1, 1, padded),
+                kv_lists(masked.view(nq, nb), padded, width),
+                per_block(n_full).view(1, 1, padded),
+                kv_lists(chunks.view(nq, nb), padded, width),
+                BLOCK_SIZE=(qb, block_size),
+                mask_mod=causal,
+                seq_lengths=(padded * qb, width * block_size),
+                compute_q_blocks=False,
+            )
+            return FlexGroup(self, mask, nq, g, qb)
         except Exception as e:  # an API this torch lacks, say: the bucket gathers
             self.failed = f"{type(e).__name__}: {e}"[:500]
             self.fallbacks += 1
             log.error("paged flex attention cannot plan a bucket, using the gather path: %s", e)
             return None
-
-    def _plan_bucket(
-        self,
-        tables: torch.Tensor,
-        cached: torch.Tensor,
-        num_new: torch.Tensor,
-        query: int,
-        pool: FlexPool,
-        block_size: int,
-    ) -> FlexGroup:
-        b, nb = tables.shape
-        h, g = pool.num_kv_heads, pool.group_size
-        nq = b * h
-        qb = max(QUERY_BLOCK, 1 << (g * query - 1).bit_length())  # rows per query block
-        padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks
-        span = pool.num_blocks * 2 * h  # chunks in one layer
-        width = span - h  # chunks in the key (and the value) view
-        dev = tables.device
-        heads = torch.arange(h, device=dev)
-        chunks = tables.unsqueeze(1) * (2 * h) + heads.view(1, h, 1)  # [b, H, nb]
-        need = (cached + num_new + block_size - 1) // block_size  # [b] blocks attended
-        n_full = torch.minimum(cached // block_size, need)  # [b] blocks wholly before q
-        j = torch.arange(nb, device=dev)
-        first_part = (n_full.view(b, 1) + j.view(1, nb)).clamp(max=nb - 1)  # [b, nb]
-        masked = chunks.gather(2, first_part.unsqueeze(1).expand(b, h, nb))  # [b, H, nb]
-
-        def per_block(x: torch.Tensor) -> torch.Tensor:  # [b] -> [P], padding blocks 0
-            out = torch.zeros(padded, dtype=torch.int32, device=dev)
-            out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
-            return out
-
-        # The logical block of every chunk the bucket attends over (its keys' positions for
-        # the mask); chunks past a sequence's need write to a spare entry, not a used one.
-        used = j.view(1, nb) < need.view(b, 1)  # [b, nb]
-        target = torch.where(used.unsqueeze(1), chunks, span).reshape(-1)  # [b * H * nb]
-        logical = torch.zeros(span + 1, dtype=torch.long, device=dev)
-        logical.scatter_(0, target, j.view(1, 1, nb).expand(b, h, nb).reshape(-1))
-        first = torch.zeros(padded, dtype=torch.long, device=dev)
-        first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
-
-        def causal(
-            _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
-        ) -> torch.Tensor:
-            pos = first[q // qb] + (q % qb) // g
-            return logical[kv // block_size] * block_size + kv % block_size <= pos
-
-        mask = BlockMask.from_kv_blocks(
-            per_block(need - n_full).view(1, 1, padded),
-            kv_lists(masked.view(nq, nb), padded, width),
-            per_block(n_full).view(1, 1, padded),
-            kv_lists(chunks.view(nq, nb), padded, width),
-            BLOCK_SIZE=(qb, block_size),
-            mask_mod=causal,
-            seq_lengths=(padded * qb, width * block_size),
-            compute_q_blocks=False,
-        )
-        return FlexGroup(self, mask, nq, g, qb)
 
     def attend(
         self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexGroup, scale: float
