@@ -66,6 +66,24 @@ def kv_lists(lists: torch.Tensor, padded: int, width: int) -> torch.Tensor:
     return store.as_strided((1, 1, padded, width), (0, 0, m, 1))
 
 
+def causal_mask(
+    first: torch.Tensor, logical: torch.Tensor, query_block: int, group: int, block_size: int
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The mask_mod of a paged block mask: query row ``q`` (row ``t * G + g`` of its query
+    block) sits at position ``first[block] + t``; key row ``kv`` of chunk ``c`` at
+    ``logical[c] * block_size + kv % block_size``; a row sees the keys at or before it.
+    first: [P] each query block's first position; logical: [>= chunks] each chunk's block
+    index within its sequence."""
+
+    def causal(
+        _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        pos = first[q // query_block] + (q % query_block) // group
+        return logical[kv // block_size] * block_size + kv % block_size <= pos
+
+    return causal
+
+
 @dataclass(frozen=True)
 class FlexGroup:
     """A group's block mask over one layer's chunks, shared by every layer of the step."""
@@ -156,20 +174,13 @@ class FlexPagedAttention:
         first[:nq] = cached.repeat_interleave(h)
         logical, first = logical.to(device), first.to(device)
         g = pool.group_size
-
-        def causal(
-            _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
-        ) -> torch.Tensor:
-            pos = first[q // QUERY_BLOCK] + (q % QUERY_BLOCK) // g
-            return logical[kv // block_size] * block_size + kv % block_size <= pos
-
         mask = BlockMask.from_kv_blocks(
             kv_num.view(1, 1, padded).to(device),
             kv_lists(masked.to(device), padded, width),
             full_num.view(1, 1, padded).to(device),
             kv_lists(chunks.view(nq, nbmax).to(device), padded, width),
             BLOCK_SIZE=(QUERY_BLOCK, block_size),
-            mask_mod=causal,
+            mask_mod=causal_mask(first, logical, QUERY_BLOCK, g, block_size),
             seq_lengths=(padded * QUERY_BLOCK, width * block_size),
             compute_q_blocks=False,
         )
@@ -232,19 +243,13 @@ class FlexPagedAttention:
             first = torch.zeros(padded, dtype=torch.long, device=dev)
             first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
 
-            def causal(
-                _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
-            ) -> torch.Tensor:
-                pos = first[q // qb] + (q % qb) // g
-                return logical[kv // block_size] * block_size + kv % block_size <= pos
-
             mask = BlockMask.from_kv_blocks(
                 per_block(need - n_full).view(1, 1, padded),
                 kv_lists(masked.view(nq, nb), padded, width),
                 per_block(n_full).view(1, 1, padded),
                 kv_lists(chunks.view(nq, nb), padded, width),
                 BLOCK_SIZE=(qb, block_size),
-                mask_mod=causal,
+                mask_mod=causal_mask(first, logical, qb, g, block_size),
                 seq_lengths=(padded * qb, width * block_size),
                 compute_q_blocks=False,
             )
