@@ -14,7 +14,9 @@ in order, so:
   decoding in every dtype.
 - **fp32, bf16 and int8 weights**: bf16 by the CPU's bf16 dot-product instruction (AVX512-BF16;
   without it bf16 weights take oneDNN), int8 (``models.quant``) converted in registers, so the
-  weights stream at one byte a value.
+  weights stream at one byte a value; in a bf16 model, where the CPU has the int8 dot-product
+  instruction (AVX512-VNNI), int8 is multiplied in integers against each row written as two
+  int8 digits (``PanelKind.INT8_DIGITS``; the C source says why and how exact).
 
 **Fallback.** Where the kernel cannot be built or loaded (no compiler), the reason is logged
 once and kept in ``failed``, and weights are reordered for oneDNN instead (``models.onednn``),
@@ -58,6 +60,7 @@ class PanelKind(enum.IntEnum):
     F32 = 0  # fp32 x, weights and y
     BF16 = 1  # bf16 x, weights and y, fp32 accumulation
     INT8 = 2  # int8 weights with fp32 per-column scales; fp32 x and y
+    INT8_DIGITS = 3  # the same int8 weights multiplied in integers; bf16 x (as 16-bit digits), y
 
 
 class CpuLinear:
@@ -67,6 +70,7 @@ class CpuLinear:
     def __init__(self) -> None:
         self._fn: Callable[..., int] | None = None
         self._bf16 = False
+        self._digits = False
         self.failed: str | None = None
 
     def ready(self) -> bool:
@@ -80,6 +84,8 @@ class CpuLinear:
                 fn.argtypes = [ctypes.c_int, p, i64, p, p, p, i64, i64, i64, i64]
                 lib.tandem_panel_bf16.restype = ctypes.c_int
                 self._bf16 = bool(lib.tandem_panel_bf16())
+                lib.tandem_panel_digits.restype = ctypes.c_int
+                self._digits = bool(lib.tandem_panel_digits())
                 self._fn = fn
             except Exception as e:  # no compiler, a failed compile, a library that won't load
                 self.failed = f"{type(e).__name__}: {e}"[:500]
@@ -95,6 +101,16 @@ class CpuLinear:
         if dtype == torch.bfloat16 and self._bf16:
             return PanelKind.BF16
         return None
+
+    def int8_kind(self, dtype: torch.dtype) -> PanelKind | None:
+        """The kind an int8 weight of a model of ``dtype`` is served as: in a bf16 model by
+        digits where the CPU has the int8 and bf16 dot-product instructions, else (and in every
+        fp32 model) widened to fp32 in registers; None without the kernel."""
+        if not self.ready():
+            return None
+        if dtype == torch.bfloat16 and self._digits:
+            return PanelKind.INT8_DIGITS
+        return PanelKind.INT8
 
     def run(
         self,
@@ -123,15 +139,24 @@ class CpuLinear:
 
 
 def pack_panels(w: torch.Tensor, kind: PanelKind) -> torch.Tensor:
-    """``w`` [N, K] in the kernel's layout: [P, K, 16] (fp32, int8) or [P, K / 2, 16, 2]
-    (bf16), P = ceil(N / 16), the last panel padded with zero columns."""
+    """``w`` [N, K] in the kernel's layout: [P, K, 16] (fp32, int8), [P, K / 2, 16, 2]
+    (bf16) or [P, K4 / 4, 16, 4] uint8 of w + 128 (int8 by digits, K4 = K rounded up to 4),
+    P = ceil(N / 16), the last panel padded with zero columns (and K4's rows with zeros)."""
     n, k = w.shape
     panels = -(-n // PANEL)
+    if kind is PanelKind.INT8_DIGITS:
+        k4 = -(-k // 4) * 4
+        shifted = torch.full((panels * PANEL, k4), 128, dtype=torch.uint8)
+        shifted[:n, :k] = (w.to(torch.int16) + 128).to(torch.uint8)
+        return shifted.view(panels, PANEL, k4 // 4, 4).permute(0, 2, 1, 3).contiguous()
     padded = w.new_zeros(panels * PANEL, k)
     padded[:n] = w
     if kind is PanelKind.BF16:
         return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+_BF16_ROWS = (PanelKind.BF16, PanelKind.INT8_DIGITS)  # the kinds whose x and y are bf16
 
 
 @dataclass(frozen=True)
@@ -147,9 +172,9 @@ class PanelWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] -> [T, out] in ``out_dtype``, ``x @ weight^T (+ bias)``."""
-        act = torch.bfloat16 if self.kind is PanelKind.BF16 else torch.float32
+        act = torch.bfloat16 if self.kind in _BF16_ROWS else torch.float32
         if x.dtype != act:
-            x = x.to(act)  # int8 in a bf16 model: its activations widened to fp32
+            x = x.to(act)  # int8 widened (kind INT8) in a bf16 model: its activations to fp32
         if x.stride(-1) != 1:
             x = x.contiguous()
         y = x.new_empty(x.shape[0], self.out_features)  # [T, out]
@@ -194,8 +219,9 @@ class CpuPacker:
         n = q.data.shape[0]
         scale = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
         scale[:n] = q.scale.float()
-        data = pack_panels(q.data, PanelKind.INT8)
-        return PanelWeight(self.kernel, PanelKind.INT8, data, scale, n, q.out_dtype)
+        kind = self.kernel.int8_kind(q.out_dtype)
+        assert kind is not None  # ready() above
+        return PanelWeight(self.kernel, kind, pack_panels(q.data, kind), scale, n, q.out_dtype)
 
     def describe(self) -> str:
         """What runs this model's matmuls, for ``/health``."""

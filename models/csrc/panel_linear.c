@@ -20,14 +20,34 @@
  * Kinds: 0 fp32 x, W, y; 1 bf16 x, W, y (fp32 accumulation, rounded to nearest even at the
  * end; needs AVX512-BF16); 2 int8 W with one fp32 scale per output column, fp32 x and y
  * (the int8 values are converted to fp32 in registers, so the weights stream at one byte a
- * value).
+ * value); 3 the same int8 W multiplied in integers, bf16 x and y (needs AVX512-VNNI and
+ * -BF16): see "int8 by digits" below.
+ *
+ * int8 by digits (kind 3). Kind 2 spends three instructions on every 16 weights (widen,
+ * convert, multiply-add) and converts each weight again for every tile of rows, so a batch
+ * costs it more than fp32 weights do; in a bf16 model it also widens every input and narrows
+ * every output. The CPU's int8 dot-product instruction multiplies 64 weight bytes by 4 input
+ * bytes in one. Each bf16 input row is written exactly enough as an integer,
+ * q = round(x * (127 * 256 / max|x|)) (in double, ties to even), which counts steps of
+ * step = max|x| / (127 * 256): 16 bits relative to the row's largest value, twice a bf16
+ * significand; q is split into two signed base-256 digits
+ * (q = 256 d0 + d1, each in [-128, 127]). Each digit row times the weights is an exact int32
+ * sum; the two sums are combined exactly in int64 and scaled once, in double, by step and the
+ * column's scale: y = bf16((sum_k q_k w_k) * step * scale). This is the weight-only int8
+ * product with x rounded to q, not an 8-bit activation. Integer sums have no order, so row
+ * invariance holds trivially. The instruction takes an unsigned byte times a signed one: W is
+ * stored as w + 128 and each digit row's sum of digits times 128 is taken back off. K is padded
+ * to a multiple of 4 (digits 0 there). fp32 models keep kind 2: at their precision (24-bit
+ * digits, three rows) the instruction saves nothing on this kind of CPU.
  *
  * Work is split over the panels, a contiguous run per OpenMP thread of the runtime torch
  * itself uses (the library links the libgomp torch loaded); every element is computed by one
  * thread, so the split does not change its bits either.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -139,6 +159,113 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, cons
 #define HAVE_BF16 0
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && HAVE_BF16
+#define HAVE_DIGITS 1
+#define ND 2 /* digits per bf16 row */
+
+static inline float bf16_at(const uint16_t* p) {
+    const uint32_t u = (uint32_t)*p << 16;
+    float v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* Row r of x (bf16) as ND digit rows of kp bytes at q + r * ND * kp, the most significant
+ * first, zero past k; dsum[r * ND + d] the sum of digit row d; step[r] what q counts (NaN for
+ * a row holding a NaN or an infinity, so that row's outputs are NaN as they would be in
+ * floating point). */
+static void digit_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k, int64_t kp,
+                       int8_t* q, int32_t* dsum, double* step) {
+    const uint16_t* xr = x + r * xs;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const float a = fabsf(bf16_at(xr + i));
+        amax = a > amax || a != a ? a : amax; /* a NaN wins */
+    }
+    int8_t* rows = q + r * ND * kp;
+    memset(rows, 0, (size_t)(ND * kp));
+    for (int d = 0; d < ND; d++) dsum[r * ND + d] = 0;
+    if (!isfinite(amax)) {
+        step[r] = NAN;
+        return;
+    }
+    const double top = 127.0 * 256.0; /* |q| <= top: the top digit stays in [-127, 127] */
+    step[r] = (double)amax / top;
+    if (amax == 0.0f) return;
+    const double inv = top / (double)amax;
+    for (int64_t i = 0; i < k; i++) {
+        const double t = nearbyint((double)bf16_at(xr + i) * inv);
+        int64_t qv = (int64_t)(t > top ? top : t < -top ? -top : t);
+        for (int d = ND - 1; d >= 0; d--) { /* least significant first */
+            const int64_t dig = ((qv + 128) & 255) - 128;
+            rows[d * kp + i] = (int8_t)dig;
+            dsum[r * ND + d] += (int32_t)dig;
+            qv = (qv - dig) / 256;
+        }
+    }
+}
+
+/* acc + the int8 dot products of w's unsigned and b's signed bytes, four to a lane. In
+ * assembly because GCC copies the accumulator around the intrinsic (two register moves for
+ * every dot product, which tripled the tile loop's instructions). */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i w, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b));
+    return acc;
+}
+
+/* One tile of mr digit rows (mr / ND rows of x) times panels w[0 .. np) (each kp * NR bytes
+ * apart, [kp / 4][16][4] of w + 128), combined and scaled into bf16 rows of y. */
+static inline __attribute__((always_inline)) void tile_digits(
+    int mr, int np, const int8_t* q, int64_t kp, const int32_t* dsum, const double* step,
+    const uint8_t* w, const float* scale, uint16_t* y, int64_t ys, int64_t n0, int64_t n) {
+    __m512i acc[MR][NPG];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < kp; k += 4) {
+        __m512i wv[NPG];
+        for (int j = 0; j < np; j++)
+            wv[j] = _mm512_loadu_si512(w + ((int64_t)j * kp + k) * NR);
+        for (int i = 0; i < mr; i++) {
+            int32_t four;
+            memcpy(&four, q + i * kp + k, sizeof four);
+            const __m512i b = _mm512_set1_epi32(four);
+            for (int j = 0; j < np; j++) acc[i][j] = dpbusd(acc[i][j], wv[j], b);
+        }
+    }
+    for (int r = 0; r < mr / ND; r++)
+        for (int j = 0; j < np; j++) {
+            /* sum_k q_k w_k = sum over digits of 256^(ND-1-d) (digit row d's sum, less 128
+             * times its digits' sum), exact in int64: lanes 0-7 in lo, 8-15 in hi */
+            __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+            for (int d = 0; d < ND; d++) {
+                const __m512i c = _mm512_sub_epi32(
+                    acc[r * ND + d][j], _mm512_set1_epi32(128 * dsum[r * ND + d]));
+                lo = _mm512_add_epi64(_mm512_slli_epi64(lo, 8),
+                                      _mm512_cvtepi32_epi64(_mm512_castsi512_si256(c)));
+                hi = _mm512_add_epi64(_mm512_slli_epi64(hi, 8),
+                                      _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(c, 1)));
+            }
+            const int64_t c0 = n0 + j * NR;
+            const __m512 sc = _mm512_loadu_ps(scale + c0); /* padded to whole panels */
+            const __m256 sc_hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sc), 1));
+            const __m512d st = _mm512_set1_pd(step[r]);
+            const __m512d dl = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi64_pd(lo), st),
+                                             _mm512_cvtps_pd(_mm512_castps512_ps256(sc)));
+            const __m512d dh = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi64_pd(hi), st),
+                                             _mm512_cvtps_pd(sc_hi));
+            const __m512 f = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(dl)),
+                                                _mm512_cvtpd_ps(dh), 1);
+            const __m256bh h = _mm512_cvtneps_pbh(f);
+            uint16_t t[NR];
+            memcpy(t, &h, sizeof t);
+            uint16_t* yr = y + r * ys;
+            for (int64_t c = 0; c < NR && c0 + c < n; c++) yr[c0 + c] = t[c];
+        }
+}
+#else
+#define HAVE_DIGITS 0
+#endif
+
 /* Every (rows, panels) shape a tile can have, each with constant bounds. */
 #define BY_SHAPE(TILE)                  \
     switch (mr * 8 + np) {              \
@@ -159,14 +286,75 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, cons
 /* Whether bf16 (kind 1) is compiled in: the CPU has the bf16 dot-product instruction. */
 int tandem_panel_bf16(void) { return HAVE_BF16; }
 
+/* Whether int8 by digits (kind 3) is compiled in: the CPU has the int8 and the bf16
+ * dot-product instructions. */
+int tandem_panel_digits(void) { return HAVE_DIGITS; }
+
+#if HAVE_DIGITS
+/* Kind 3 (see "int8 by digits"): the rows' digits first, then tiles as the other kinds run
+ * them, of MR / ND rows (MR digit rows) at a time. */
+static int digits_linear(const uint16_t* x, int64_t xs, const uint8_t* w, const float* scale,
+                         uint16_t* y, int64_t ys, int64_t m, int64_t n, int64_t k) {
+    const int64_t kp = (k + 3) / 4 * 4, panels = (n + NR - 1) / NR;
+    int8_t* q = malloc((size_t)(m * ND * kp));
+    int32_t* dsum = malloc(sizeof(int32_t) * (size_t)(m * ND));
+    double* step = malloc(sizeof(double) * (size_t)m);
+    if (!q || !dsum || !step) {
+        free(q), free(dsum), free(step);
+        return -3;
+    }
+#pragma omp parallel for schedule(static) if (m > 8)
+    for (int64_t r = 0; r < m; r++) digit_rows(x, xs, r, k, kp, q, dsum, step);
+    const int64_t per_tile = MR / ND;
+#pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = panels * tid / nth, last = panels * (tid + 1) / nth;
+        for (int64_t p0 = first; p0 < last; p0 += NPG) {
+            const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
+            for (int64_t m0 = 0; m0 < m; m0 += per_tile) {
+                const int rows = m - m0 < per_tile ? (int)(m - m0) : (int)per_tile;
+                const int8_t* qr = q + m0 * ND * kp;
+                const int32_t* sr = dsum + m0 * ND;
+                for (int64_t p = p0; p < p0 + pc;) {
+                    const int np = pc == NPG ? NPG : 1;
+                    const uint8_t* wp = w + p * kp * NR;
+#define TILE_D(a, b) \
+    tile_digits(a, b, qr, kp, sr, step + m0, wp, scale, y + m0 * ys, ys, p * NR, n)
+                    switch (rows * 8 + np) {
+                        case 3 * 8 + 4: TILE_D(6, 4); break;
+                        case 2 * 8 + 4: TILE_D(4, 4); break;
+                        case 1 * 8 + 4: TILE_D(2, 4); break;
+                        case 3 * 8 + 1: TILE_D(6, 1); break;
+                        case 2 * 8 + 1: TILE_D(4, 1); break;
+                        default: TILE_D(2, 1); break;
+                    }
+                    p += np;
+                }
+            }
+        }
+    }
+    free(q), free(dsum), free(step);
+    return 0;
+}
+#endif
+
 /* y [M, N] (row stride ys) = x [M, K] (row stride xs) times the packed W (see above); kind as
  * above, scale [N rounded up to 16] for int8. Returns 0, or -1 for a kind this build lacks,
- * -2 for a K the kind cannot take (bf16: odd). */
+ * -2 for a K the kind cannot take (bf16: odd; digits: over 65,536), -3 out of memory. */
 int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, const float* scale,
                         void* y, int64_t ys, int64_t m, int64_t n, int64_t k) {
     if (kind == 1 && !HAVE_BF16) return -1;
-    if (kind < 0 || kind > 2) return -1;
+    if (kind < 0 || kind > 3) return -1;
     if (kind == 1 && k % 2) return -2;
+    if (kind == 3) {
+#if HAVE_DIGITS
+        if (k > 65536) return -2; /* a digit row's int32 sum could overflow */
+        return digits_linear(x, xs, w, scale, y, ys, m, n, k);
+#else
+        return -1;
+#endif
+    }
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t wbytes = kind == 0 ? 4 : kind == 1 ? 2 : 1;
 #pragma omp parallel

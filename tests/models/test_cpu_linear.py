@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.cpu_linear import CpuLinear, CpuPacker, PanelKind, PanelWeight
+from models.cpu_linear import CpuLinear, CpuPacker, PanelKind, PanelWeight, pack_panels
 from models.onednn import PackedWeight
 from models.quant import Quant, quantize, row_absmax
 from models.spec import ModelSpec
@@ -81,13 +81,76 @@ def test_int8_rows_alike_and_near_the_dequantized_weight(dtype: torch.dtype) -> 
     w, x = _data((576, 1536), dtype)
     q = quantize(w, Quant.INT8, row_absmax(w))
     packed = CpuPacker().pack_quantized(q)
-    assert packed is not None and packed.kind is PanelKind.INT8
+    # a bf16 model multiplies by digits where the CPU has the int8 dot-product instruction
+    digits = dtype == torch.bfloat16 and CpuLinear().int8_kind(dtype) is PanelKind.INT8_DIGITS
+    assert packed is not None and packed.kind is (
+        PanelKind.INT8_DIGITS if digits else PanelKind.INT8
+    )
     _assert_rows_alike(packed, x)
     got = packed.matmul(x[:9])
     assert got.dtype == dtype
     want = x[:9].float() @ q.dequantized().T  # [9, 576]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def _int8_panel(kind: PanelKind, q: torch.Tensor, scale: torch.Tensor) -> PanelWeight:
+    """int8 weights ``q`` [N, K] with per-column ``scale`` [N], packed as ``kind`` for a bf16
+    model (any K: the kernel pads; ``quantize`` itself asks for multiples of 16)."""
+    n = q.shape[0]
+    padded = torch.zeros(-(-n // 16) * 16)
+    padded[:n] = scale
+    kernel = CpuLinear()
+    assert kernel.ready(), kernel.failed
+    return PanelWeight(kernel, kind, pack_panels(q, kind), padded, n, torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (576, 1536), (100, 64)])
+def test_int8_by_digits_is_the_integer_product_rounded_once(shape: tuple[int, int]) -> None:
+    """Kind INT8_DIGITS writes each bf16 row as 16-bit integers (two int8 digits) relative to
+    its largest value and multiplies exactly: every output is the exact product of the weights
+    and that integer row rounded once to bf16, so within that rounding and the integers' own
+    rounding (half a step per entry) of the product with the row itself; rows alike at every
+    row count; a zero row gives zeros and a NaN stays in its row. Without the instruction the
+    kernel refuses the kind by name."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)  # [N, K]
+    scale = torch.rand(n, generator=g) * 0.01 + 1e-3  # [N]
+    x = (torch.randn(max(ROWS), k, generator=g) * torch.rand(max(ROWS), 1, generator=g) * 4).to(
+        torch.bfloat16
+    )  # [M, K], rows of different magnitudes
+    x[1, : k // 2] = 0  # a row with small and zero entries beside the others
+    x[2] = 0
+    packed = _int8_panel(PanelKind.INT8_DIGITS, q, scale)
+    if CpuLinear().int8_kind(torch.bfloat16) is not PanelKind.INT8_DIGITS:
+        with pytest.raises(ValueError, match="INT8_DIGITS"):
+            packed.matmul(x[:1])
+        return
+    _assert_rows_alike(packed, x)
+    got = packed.matmul(x).double()  # [M, N]
+    w = q.double() * scale.double()[:, None]  # [N, K]
+    xd = x.double()
+    amax = xd.abs().amax(1, keepdim=True)  # [M, 1]
+    step = amax / (127 * 256)
+    # 32,512 / max|x| as the kernel takes it: one correctly rounded division (torch divides a
+    # scalar by a tensor through a reciprocal, an ulp off at times, which moves ties)
+    inv = torch.tensor(
+        [[(127 * 256) / a if a else 0.0] for a in amax.flatten().tolist()], dtype=torch.float64
+    )
+    as_ints = torch.round(xd * inv) * step  # [M, K]
+    ulp = lambda v: 2.0 ** (torch.floor(torch.log2(v.abs().clamp_min(1e-30))) - 7)  # noqa: E731
+    exact_int = as_ints @ w.T
+    assert ((got - exact_int).abs() <= ulp(exact_int) / 2 * 1.0001).all()
+    # against x itself: x moved by at most step / 2 per entry, so the product by at most
+    # step / 2 times the column's sum of |w|, before the one rounding
+    exact = xd @ w.T
+    moved = step / 2 * w.abs().sum(1)[None, :]  # [M, N]
+    assert ((got - exact).abs() <= moved + ulp(exact_int) / 2 * 1.0001).all()
+    assert torch.equal(got[2], torch.zeros(n, dtype=torch.float64))
+    x[3, k // 3] = float("nan")
+    nan_out = packed.matmul(x[:5])
+    assert nan_out[3].isnan().all() and not nan_out[[0, 1, 2, 4]].isnan().any()
 
 
 def test_fp8_keeps_its_own_matmul() -> None:
