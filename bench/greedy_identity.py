@@ -1,12 +1,12 @@
 """Greedy speculation against plain decoding, token for token, per number format.
 
 Speculation must not change a greedy output: verifying k + 1 tokens has to give each row the
-logits a one-token decode gives it. For the embedded model served as float32, bfloat16 and
-float32 with int8 weights, through the decode engine with the weights as a CPU replica serves
-them, each held-out ShareGPT prompt (the distillation's held-out split, chat template) is
-decoded greedily alone with speculation off and with each drafter (the shipped EAGLE head
-behind n-gram lookup, as chains and as trees 4 wide, and n-gram lookup alone), and the report
-counts the outputs identical to off.
+logits a one-token decode gives it. For the embedded model served as float32, bfloat16, and
+float32 and bfloat16 with int8 weights, through the decode engine with the weights as a CPU
+replica serves them, each held-out ShareGPT prompt (the distillation's held-out split, chat
+template) is decoded greedily alone with speculation off and with each drafter (the shipped
+EAGLE head behind n-gram lookup, as chains and as trees 4 wide, and n-gram lookup alone), and
+the report counts the outputs identical to off.
 
     .venv/bin/python -m bench.greedy_identity [--prompts 8] [--max-tokens 96]
         [--out bench/results/greedy_identity.json]
@@ -38,6 +38,7 @@ FORMATS = {
     "float32": ("float32", "none"),
     "bfloat16": ("bfloat16", "none"),
     "int8": ("float32", "int8"),
+    "bfloat16+int8": ("bfloat16", "int8"),  # int8 multiplied by digits where the CPU has VNNI
 }
 
 

@@ -2,7 +2,9 @@
 
 - ``int8``: symmetric int8 weights with one scale per output channel (``absmax / 127``), the
   activations unquantized. On a CPU the weights are packed for tandem's panel kernel
-  (``models.cpu_linear``), which widens them to fp32 in registers and takes fp32 activations.
+  (``models.cpu_linear``), which widens them to fp32 in registers and takes fp32 activations,
+  or, in a bf16 model on a CPU with the int8 dot-product instruction, multiplies them in
+  integers by each bf16 row written as 16-bit integers (``PanelKind.INT8_DIGITS``).
   Elsewhere (a GPU, or a CPU without the kernel) the matmul is PyTorch's
   ``_weight_int8pack_mm``, the kernel gpt-fast and torchao serve int8 weight-only models with;
   its fast paths take bf16 (or fp16) activations, so a float32 model's activations are rounded
