@@ -399,7 +399,12 @@ def paged_attention(
     """
     if isinstance(meta, BucketMetadata):
         return _bucket_attention(q, k, v, layer_kv, meta, scale)
-    layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
+    first = meta.groups[0] if meta.groups else None
+    if not (
+        isinstance(first, NativeGroup)  # a CPU step: its kernel writes in one call
+        and first.kernel.write(k, v, layer_kv, meta.slot_blocks, meta.slot_offsets)
+    ):
+        layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = torch.stack((k, v), 1)
     exact = meta.invariant
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
         return _attend_any(q, layer_kv, meta.groups[0], scale, exact)

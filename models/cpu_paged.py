@@ -94,6 +94,7 @@ class CpuPagedAttention:
         self.group_size = group_size
         self.head_dim = head_dim
         self._fn: Callable[..., int] | None = None
+        self._write: Callable[..., int] | None = None
         self.failed: str | None = None
         self.fallbacks = 0
         self.calls = 0
@@ -114,7 +115,10 @@ class CpuPagedAttention:
                 p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
                 fn.argtypes = [p, i64, p, p, i64, p, p, p, p, p, i32, p, i64]
                 fn.argtypes += [i32] * 6 + [ctypes.c_float, i32]
-                self._fn = fn
+                write = lib.tandem_kv_write
+                write.restype = i32
+                write.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, i32, i32]
+                self._fn, self._write = fn, write
             except Exception as e:  # no compiler, a failed compile, a library that won't load
                 self.failed = f"{type(e).__name__}: {e}"[:500]
                 log.error("the CPU paged-attention kernel is unavailable, gathering: %s", e)
@@ -190,6 +194,54 @@ class CpuPagedAttention:
             tree_mask=torch.zeros(1, 1, dtype=torch.uint8),
             window=window or 0,
         )
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_kv: torch.Tensor,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> bool:
+        """Write the step's new keys and values, k, v: [T, Hkv, D] (rows strided, heads
+        contiguous), into ``layer_kv`` [NB, 2, Hkv, BS, D] at ``offsets`` [T] of ``blocks`` [T]
+        (int64): what ``layer_kv[blocks, :, :, offsets] = stack((k, v), 1)`` does, in one call.
+        False, having written nothing, where the tensors are not ones it takes (the caller
+        then assigns)."""
+        nb, _two, hkv, bs, d = layer_kv.shape
+        t = k.shape[0]
+        if not v.shape[0] == blocks.shape[0] == offsets.shape[0] == t:
+            raise ValueError(f"{t} keys, {v.shape[0]} values, {blocks.shape[0]} slots")
+        if (
+            self._write is None
+            or layer_kv.device.type != "cpu"
+            or not layer_kv.is_contiguous()
+            or not k.dtype == v.dtype == layer_kv.dtype
+            or blocks.dtype != torch.int64
+            or offsets.dtype != torch.int64
+            or not blocks.is_contiguous()
+            or not offsets.is_contiguous()
+            or any(t.stride(2) != 1 or t.stride(1) != d for t in (k, v))
+        ):
+            return False
+        rc = self._write(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            layer_kv.data_ptr(),
+            nb,
+            blocks.data_ptr(),
+            offsets.data_ptr(),
+            t,
+            hkv,
+            d,
+            bs,
+            layer_kv.element_size(),
+        )
+        if rc != 0:
+            raise IndexError(f"a KV slot outside the pool's {nb} blocks of {bs}")
+        return True
 
     def attend(
         self,

@@ -211,3 +211,26 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
     if (failed) return -3; /* out of memory */
     return 0;
 }
+
+/* Write a step's new keys and values into one layer of the pool ([nb, 2, Hkv, BS, D]): row r
+ * of k and of v (each [T, Hkv, D] with row stride ks / vs, heads D apart) goes to slot
+ * offsets[r] of block blocks[r], for every KV head; esize bytes a value. Returns -1 at the
+ * first slot outside the pool. The Python equivalent is an indexed
+ * assignment of the two stacked (a stack, an index computation and a scatter: a few dozen
+ * microseconds a layer at the few rows of a decode step, for a few kilobytes of copy). */
+int tandem_kv_write(const void* k, int64_t ks, const void* v, int64_t vs, void* kv, int64_t nb,
+                    const int64_t* blocks, const int64_t* offsets, int64_t t, int hkv, int d,
+                    int bs, int esize) {
+    const size_t row = (size_t)d * (size_t)esize;
+    for (int64_t r = 0; r < t; r++) {
+        const int64_t b = blocks[r], o = offsets[r];
+        if (o < 0 || o >= bs || b < 0 || b >= nb) return -1; /* nothing past it is written */
+        for (int h = 0; h < hkv; h++) {
+            char* kd = (char*)kv + ((((b * 2 + 0) * hkv + h) * bs + o) * (int64_t)row);
+            char* vd = (char*)kv + ((((b * 2 + 1) * hkv + h) * bs + o) * (int64_t)row);
+            memcpy(kd, (const char*)k + (r * ks + (int64_t)h * d) * esize, row);
+            memcpy(vd, (const char*)v + (r * vs + (int64_t)h * d) * esize, row);
+        }
+    }
+    return 0;
+}

@@ -140,6 +140,37 @@ def test_a_tree_node_gets_the_bits_of_the_chain_it_becomes(dtype: torch.dtype) -
         assert torch.equal(in_chain[0], in_tree[node]), f"node {node} differs"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_puts_what_the_indexed_assignment_puts(dtype: torch.dtype) -> None:
+    """The kernel's KV write against ``pool[blocks, :, :, offsets] = stack((k, v), 1)``, from
+    strided views of one projection as the layer hands them over; it refuses what it does not
+    take (the caller then assigns) and a slot outside the pool, before writing anything."""
+    kernel = CpuPagedAttention(G, D)
+    assert kernel.ready(), kernel.failed
+    gen = torch.Generator().manual_seed(3)
+    t = 7
+    qkv = torch.randn(t, (G + 2) * HKV * D, generator=gen).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    k = qkv[:, G * HKV * D : (G + 1) * HKV * D].view(t, HKV, D)  # rows strided
+    v = qkv[:, (G + 1) * HKV * D :].view(t, HKV, D)
+    blocks = torch.randperm(NB, generator=gen)[:t]  # [T]
+    offsets = torch.randint(0, BS, (t,), generator=gen)  # [T]
+    want = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
+    got = want.clone()
+    want[blocks, :, :, offsets] = torch.stack((k, v), 1)
+    assert kernel.write(k, v, got, blocks, offsets)
+    assert torch.equal(got, want)
+    assert not kernel.write(k, v, got, blocks.int(), offsets)  # int32 slots: not taken
+    assert not kernel.write(
+        k.float() if dtype != torch.float32 else k.double(), v, got, blocks, offsets
+    )
+    before = got.clone()
+    with pytest.raises(IndexError, match=f"{NB} blocks"):
+        kernel.write(k[:2], v[:2], got, torch.tensor([0, NB]), torch.tensor([0, 0]))
+    assert torch.equal(got[1:], before[1:])  # only the slot before the bad one was written
+    with pytest.raises(ValueError, match="7 keys, 7 values, 2 slots"):
+        kernel.write(k, v, got, blocks[:2], offsets[:2])
+
+
 def test_without_a_compiler_every_step_gathers_named_and_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
