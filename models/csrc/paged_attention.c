@@ -22,6 +22,8 @@
  *
  * Work is split over (sequence, KV head) pairs across the OpenMP threads of the runtime torch
  * itself uses (the library links the libgomp torch loaded), every pair accumulating in fp32.
+ * Head dims 64 and 128 are compiled as constants (their loops unroll and the row accumulators
+ * stay in registers); others take the same code with the head dim read at run time.
  */
 #include <math.h>
 #include <stdint.h>
@@ -85,7 +87,9 @@ static inline int sees(int p, int pos, int lo, int32_t tree_base, const uint8_t*
 static inline __attribute__((always_inline)) int attend_pair(
     const void* q, int64_t q_stride, const void* kv, const int32_t* table, int32_t row0,
     int32_t n, int32_t c0, int32_t tree_base, const uint8_t* tree_mask, int tree_width, void* out,
-    int64_t out_stride, int h, int g, int hkv, int d, int bs, int window, float scale, int bf16) {
+    int64_t out_stride, int h, int g, int hkv, int d_, int bs, int window, float scale, int bf16,
+    int fixed_d) {
+    const int d = fixed_d ? fixed_d : d_; /* a constant where the caller names one: unrolled */
     const int rows = g * n;
     float qs[MAX_ACC], acc[MAX_ACC];
     float buf[MAX_BS * MAX_D / 8];
@@ -133,12 +137,16 @@ static inline __attribute__((always_inline)) int attend_pair(
                 const int lo = window > 0 ? pos - window + 1 : 0;
                 const uint8_t* seen =
                     tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
-                const float* qr = qs + r * d;
-                float* ar = acc + r * d;
+                const float* restrict qr = qs + r * d;
+                float* restrict ar = acc + r * d;
                 float* mine = sc + (int64_t)r * kmax;
+                /* every key of the block visible (no tree slots in it, nothing past the
+                 * row's position or before its window): no test per key */
+                const int all = j * bs >= lo && j * bs + ntok - 1 <= pos &&
+                                (!seen || j * bs + ntok - 1 < tree_base);
                 for (int i = 0; i < ntok; i++) {
-                    if (!sees(j * bs + i, pos, lo, tree_base, seen)) continue;
-                    const float* row = blk + (int64_t)i * d;
+                    if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                    const float* restrict row = blk + (int64_t)i * d;
                     if (pass == 0) {
                         float dot = 0.0f;
                         for (int e = 0; e < d; e++) dot += qr[e] * row[e];
@@ -199,14 +207,13 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
         const int s = (int)(it / hkv), h = (int)(it % hkv);
         const int32_t n = q_len[s];
         if (n <= 0) continue;
+#define PAIR(B16, FD)                                                                          \
+    attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s], tree_base[s],     \
+                tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, scale, B16, FD)
         if (dtype == 1)
-            failed |= attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
-                                  tree_base[s], tree_mask, tree_width, out, out_stride, h, g,
-                                  hkv, d, bs, window, scale, 1) != 0;
+            failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
         else
-            failed |= attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s],
-                                  tree_base[s], tree_mask, tree_width, out, out_stride, h, g,
-                                  hkv, d, bs, window, scale, 0) != 0;
+            failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
     }
     if (failed) return -3; /* out of memory */
     return 0;
