@@ -222,9 +222,9 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
 /* Write a step's new keys and values into one layer of the pool ([nb, 2, Hkv, BS, D]): row r
  * of k and of v (each [T, Hkv, D] with row stride ks / vs, heads D apart) goes to slot
  * offsets[r] of block blocks[r], for every KV head; esize bytes a value. Returns -1 at the
- * first slot outside the pool. The Python equivalent is an indexed
- * assignment of the two stacked (a stack, an index computation and a scatter: a few dozen
- * microseconds a layer at the few rows of a decode step, for a few kilobytes of copy). */
+ * first slot outside the pool. Why by hand: in PyTorch this is an indexed assignment of the
+ * two stacked (a stack, an index computation and a scatter), tens of microseconds a layer at
+ * the few rows of a decode step for a few kilobytes of copy. */
 int tandem_kv_write(const void* k, int64_t ks, const void* v, int64_t vs, void* kv, int64_t nb,
                     const int64_t* blocks, const int64_t* offsets, int64_t t, int hkv, int d,
                     int bs, int esize) {
