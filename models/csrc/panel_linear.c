@@ -296,6 +296,7 @@ int tandem_panel_digits(void) { return HAVE_DIGITS; }
 static int digits_linear(const uint16_t* x, int64_t xs, const uint8_t* w, const float* scale,
                          uint16_t* y, int64_t ys, int64_t m, int64_t n, int64_t k) {
     const int64_t kp = (k + 3) / 4 * 4, panels = (n + NR - 1) / NR;
+    if (m == 0 || n == 0) return 0;
     int8_t* q = malloc((size_t)(m * ND * kp));
     int32_t* dsum = malloc(sizeof(int32_t) * (size_t)(m * ND));
     double* step = malloc(sizeof(double) * (size_t)m);
