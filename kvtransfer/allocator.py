@@ -13,6 +13,14 @@ different tokens would be a hash collision: it is counted and treated as a miss)
 their compute. A cached block whose last owner frees it
 stays cached on the free list (least recently freed first) until an allocation reuses it, which
 evicts its hash.
+
+**Contiguous runs.** A KV handoff reads one NIXL descriptor per layer and run of blocks that
+are consecutive on both sides (``kvtransfer.nixl_transport.block_runs``), so an allocation of
+several blocks takes the first run of that many consecutive free blocks holding no cached
+prefix, where there is one (else the lowest such blocks); cached blocks are evicted only when
+no other free block is left. Without this the free list, ordered by when blocks were freed and
+interleaved by decode sequences growing a block at a time, gave a steady state of one
+descriptor per block (``bench.block_runs``).
 """
 
 from __future__ import annotations
@@ -49,7 +57,11 @@ class BlockAllocator:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # free blocks that hold no cached prefix: True where free (first-fit runs come from it)
+        self._plain = np.ones(num_blocks, dtype=bool)
+        self._num_plain = num_blocks
+        # free blocks that hold a cached prefix, least recently freed first (evicted in order)
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, BlockKey] = {}
         self._block_of: dict[BlockKey, int] = {}
@@ -59,30 +71,54 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_plain + len(self._cached_free)
 
     @property
     def num_cached(self) -> int:
         return len(self._hash_of)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free blocks (evicting cached ones, oldest first), each with one reference."""
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
-            h = self._hash_of.pop(b, None)
-            if h is not None:
-                del self._block_of[h]
-                del self._tokens_of[b]
-                self.evictions += 1
-            self._refs[b] = 1
+        """Take ``n`` free blocks, each with one reference, in ascending order: a run of ``n``
+        consecutive uncached blocks where one is free (the first), else the lowest uncached
+        ones, then cached ones evicted least recently freed first."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free} free")
+        out = self._take_plain(min(n, self._num_plain))
+        while len(out) < n:
+            b, _ = self._cached_free.popitem(last=False)
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
+            del self._tokens_of[b]
+            self.evictions += 1
             out.append(b)
+        for b in out:
+            self._refs[b] = 1
+        out.sort()
         return out
+
+    def _take_plain(self, k: int) -> list[int]:
+        """``k`` uncached free blocks off the bitmap: the first run of ``k`` consecutive ones,
+        else the lowest ``k`` (vectorised: an allocation scans the pool once, not block by
+        block)."""
+        if k == 0:
+            return []
+        free = self._plain
+        taken: np.ndarray | None = None
+        if k > 1:
+            edges = np.diff(free.astype(np.int8), prepend=0, append=0)  # +1 run start, -1 end
+            starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+            fits = np.flatnonzero(ends - starts >= k)
+            if fits.size:
+                first = int(starts[fits[0]])
+                taken = np.arange(first, first + k)
+        if taken is None:
+            taken = np.flatnonzero(free)[:k] if k > 1 else np.argmax(free)[None]
+        free[taken] = False
+        self._num_plain -= k
+        return [int(b) for b in taken]
 
     def fork(self, blocks: Iterable[int]) -> None:
         """Add one reference to each block (a second owner shares them)."""
@@ -101,7 +137,11 @@ class BlockAllocator:
                 raise ValueError(f"block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free[b] = None
+                if b in self._hash_of:
+                    self._cached_free[b] = None
+                else:
+                    self._plain[b] = True
+                    self._num_plain += 1
 
     def lookup(self, keys: Sequence[BlockKey], contents: Sequence[Sequence[int]]) -> list[int]:
         """The blocks of the longest cached prefix of ``keys`` whose tokens are ``contents``
@@ -115,7 +155,7 @@ class BlockAllocator:
                 self.mismatches += 1
                 break
             if self._refs[b] == 0:
-                del self._free[b]
+                del self._cached_free[b]
             self._refs[b] += 1
             out.append(b)
         return out
@@ -137,9 +177,16 @@ class BlockAllocator:
     def check(self) -> None:
         """Assert the invariants: free xor referenced, nothing lost, the cache maps consistent."""
         for b in range(self.num_blocks):
-            if (b in self._free) == (self._refs[b] > 0):
-                raise AssertionError(f"block {b}: free={b in self._free} refs={self._refs[b]}")
-        if len(self._free) + sum(r > 0 for r in self._refs) != self.num_blocks:
+            plain, cached = bool(self._plain[b]), b in self._cached_free
+            if plain and cached:
+                raise AssertionError(f"block {b} is on both free lists")
+            if (plain or cached) == (self._refs[b] > 0):
+                raise AssertionError(f"block {b}: free={plain or cached} refs={self._refs[b]}")
+            if cached != (b in self._hash_of and self._refs[b] == 0):
+                raise AssertionError(f"block {b}: cached-free={cached} hashed={b in self._hash_of}")
+        if int(self._plain.sum()) != self._num_plain:
+            raise AssertionError("the count of uncached free blocks is off")
+        if self.num_free + sum(r > 0 for r in self._refs) != self.num_blocks:
             raise AssertionError("a block is lost")
         for b, h in self._hash_of.items():
             if self._block_of.get(h) != b:

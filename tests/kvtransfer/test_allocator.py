@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer.allocator import BlockAllocator, OutOfBlocksError, block_hashes
 from kvtransfer.leases import Lease, LeaseTable
+from kvtransfer.nixl_transport import block_runs
 
 OPS = st.sampled_from(["alloc", "fork", "free", "cache", "lookup"])
 
@@ -109,3 +111,36 @@ def test_leases_expire_and_pop_once() -> None:
     assert [lease.request_id for lease in t.pop_expired(15.0)] == ["a"]
     assert t.pop("a") is None
     assert t.pop("b") is not None and len(t) == 0
+
+
+def test_a_handoff_gets_a_run_of_consecutive_blocks_where_one_is_free() -> None:
+    """Allocations of several blocks take the first free run long enough (one NIXL descriptor
+    per layer for the handoff), in ascending order, even when the pool is fragmented by
+    sequences that grew a block at a time; without such a run, the lowest free blocks."""
+    alloc = BlockAllocator(32)
+    singles = [alloc.allocate(1)[0] for _ in range(32)]  # decode growth: one block at a time
+    assert singles == list(range(32))
+    alloc.free([b for b in singles[:16] if b % 2])  # holes of one block below 16
+    alloc.free(singles[20:28])  # and one run of eight
+    got = alloc.allocate(6)
+    assert got == list(range(20, 26))
+    starts, lengths = block_runs(np.array(got), np.arange(100, 106))
+    assert len(starts) == 1 and int(lengths[0]) == 6
+    assert alloc.allocate(3) == [1, 3, 5]  # no run of three left: the lowest free blocks
+    alloc.check()
+
+
+def test_cached_blocks_are_evicted_only_when_no_other_block_is_free() -> None:
+    alloc = BlockAllocator(4)
+    blocks = alloc.allocate(4)
+    toks = list(range(32))
+    keys = block_hashes(toks, 16)
+    alloc.register(blocks[0], keys[0], toks[:16])
+    alloc.register(blocks[1], keys[1], toks[16:])
+    alloc.free(blocks)
+    assert alloc.num_free == 4 and alloc.num_cached == 2
+    assert alloc.allocate(2) == [2, 3] and alloc.num_cached == 2 and alloc.evictions == 0
+    assert alloc.lookup(keys, [toks[:16], toks[16:]]) == [0, 1]  # still hits
+    alloc.free([0, 1])  # last-first: the prefix's first block is freed last, evicted last
+    assert alloc.allocate(1) == [1] and alloc.evictions == 1 and alloc.num_cached == 1
+    alloc.check()
