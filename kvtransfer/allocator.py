@@ -115,7 +115,7 @@ class BlockAllocator:
                 first = int(starts[fits[0]])
                 taken = np.arange(first, first + k)
         if taken is None:
-            taken = np.flatnonzero(free)[:k] if k > 1 else np.argmax(free)[None]
+            taken = np.flatnonzero(free)[:k] if k > 1 else np.array([np.argmax(free)])
         free[taken] = False
         self._num_plain -= k
         return [int(b) for b in taken]
