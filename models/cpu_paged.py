@@ -45,9 +45,7 @@ FLAGS = (
     "-O3",
     "-march=native",
     "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fassociative-math",  # vectorised dot products; the reassociation is the same every call
-    "-fno-signed-zeros",
+    "-fno-trapping-math",  # no -fassociative-math: every sum is in the order the source says
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -131,6 +129,7 @@ class CpuPagedAttention:
             self.group_size * seq.num_new * self.head_dim <= MAX_ACCUMULATOR
             and self.group_size * seq.num_new <= MAX_ROWS
             and self.head_dim <= MAX_HEAD_DIM
+            and self.head_dim % 16 == 0
             and block_size <= MAX_BLOCK_SIZE
             and block_size * self.head_dim <= MAX_BLOCK_FLOATS
         )

@@ -164,7 +164,7 @@ class LlamaModel(nn.Module):
         # in-place attention on a CPU, for every decode and verification (models.cpu_paged)
         self.paged_native = (
             CpuPagedAttention(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
-            if dev.type == "cpu" and dtype in CPU_DTYPES
+            if dev.type == "cpu" and dtype in CPU_DTYPES and cfg.head_dim % 16 == 0
             else None
         )
         self.packer = CpuPacker()  # matmuls on a CPU (models.cpu_linear), by pack_for_cpu
@@ -233,7 +233,10 @@ class LlamaModel(nn.Module):
                 "flex_paged in bucketed steps and long ragged ones, else gather",
                 self.paged_flex.fallbacks,
             )
-        return f"gather (no cpu_paged kernel for {self.dtype})", 0
+        return (
+            f"gather (no cpu_paged kernel for {self.dtype} or head dim {self.cfg.head_dim})",
+            0,
+        )
 
     def flex_pool(self, kv_pool: torch.Tensor) -> FlexPool:
         """What the metadata builder needs to let long-context groups read ``kv_pool`` in

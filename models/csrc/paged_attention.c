@@ -22,8 +22,10 @@
  *
  * Work is split over (sequence, KV head) pairs across the OpenMP threads of the runtime torch
  * itself uses (the library links the libgomp torch loaded), every pair accumulating in fp32.
- * Head dims 64 and 128 are compiled as constants (their loops unroll and the row accumulators
- * stay in registers); others take the same code with the head dim read at run time.
+ * Head dims are multiples of 16 (a vector of floats); 64 and 128 are compiled as constants
+ * (their loops unroll and the row accumulators stay in registers), others take the same code
+ * with the head dim read at run time. Compiled without -fassociative-math: every sum is in the
+ * order written here.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,6 +78,58 @@ static inline int sees(int p, int pos, int lo, int32_t tree_base, const uint8_t*
     return ok;
 }
 
+/* Sixteen floats, and the ways of combining them that every score shares. */
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The dot product of q and a key, both d = 16 * nv floats (nv of q's vectors given), as lanes:
+ * lane j sums q_e k_e over e = j, j + 16, ... in that order (one multiply-add each). */
+static inline v16f dot_lanes(const v16f* qv, const float* key, int nv) {
+    v16f p = qv[0] * load16(key);
+    for (int v = 1; v < nv; v++) p = p + qv[v] * load16(key + 16 * v);
+    return p;
+}
+
+/* The sum of a dot_lanes vector's lanes, by halves: lanes j and j + 8, then j and j + 4, j and
+ * j + 2, j and j + 1. hsum16 combines sixteen such vectors by the same pairings, so a key's
+ * score has the same bits whichever of the two computes it. */
+static inline float hsum1(v16f p) {
+    float t[16];
+    memcpy(t, &p, sizeof t);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
+/* Lane i of the result: the lane sum of p[i] (hsum1's pairings), for sixteen keys at once. */
+static inline v16f hsum16(const v16f* p) {
+    v16f c[8], d[4], e[2];
+    for (int k = 0; k < 8; k++) /* lanes j + (j + 8): key 2k in lanes 0-7, 2k + 1 in 8-15 */
+        c[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                       18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; k++) /* then j + (j + 4): four keys, four lanes each */
+        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
+                                       21, 22, 23, 28, 29, 30, 31);
+    for (int k = 0; k < 2; k++) /* j + (j + 2): eight keys, two lanes each */
+        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(d[2 * k], d[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
+                                       19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
+}
+
 /* One (sequence, KV head) pair: its g * n query rows over the sequence's blocks.
  *
  * Two passes over the blocks. The first computes every row's scores of the keys it sees, in
@@ -83,16 +137,23 @@ static inline int sees(int p, int pos, int lo, int32_t tree_base, const uint8_t*
  * values in the same order. Between them, each row's weights are e^(score - max) over its
  * packed scores and their sum: the row's arithmetic is a function of the sequence of keys it
  * sees alone, not of where they sit in blocks (a draft tree's nodes sit at other slots than the
- * chain they become) nor of the other rows. */
+ * chain they become) nor of the other rows.
+ *
+ * Scores: a block every key of which the row sees is scored sixteen keys at a time (hsum16),
+ * any other key by itself (hsum1), with the same bits. The head dim is a multiple of 16
+ * (tandem_paged_attention refuses others). Weighted values: the row's accumulator stays in
+ * registers across a block's keys. Sums over the keys are vectors of sixteen partial sums in
+ * key order, then hsum1: a fixed order, whatever the block layout. */
 static inline __attribute__((always_inline)) int attend_pair(
     const void* q, int64_t q_stride, const void* kv, const int32_t* table, int32_t row0,
     int32_t n, int32_t c0, int32_t tree_base, const uint8_t* tree_mask, int tree_width, void* out,
     int64_t out_stride, int h, int g, int hkv, int d_, int bs, int window, float scale, int bf16,
     int fixed_d) {
     const int d = fixed_d ? fixed_d : d_; /* a constant where the caller names one: unrolled */
+    const int nv = d / 16;
     const int rows = g * n;
-    float qs[MAX_ACC], acc[MAX_ACC];
-    float buf[MAX_BS * MAX_D / 8];
+    float qs[MAX_ACC] __attribute__((aligned(64))), acc[MAX_ACC] __attribute__((aligned(64)));
+    float buf[MAX_BS * MAX_D / 8] __attribute__((aligned(64)));
     int32_t cnt[MAX_ROWS];
     float total[MAX_ROWS];
     for (int r = 0; r < rows; r++) {
@@ -109,7 +170,8 @@ static inline __attribute__((always_inline)) int attend_pair(
     int first = 0;
     if (window > 0 && c0 - window + 1 > 0) first = (c0 - window + 1) / bs;
     const int kmax = ctx - first * bs; /* keys any row may see */
-    float* sc = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)kmax);
+    const int kpad = (kmax + 15) / 16 * 16; /* room for whole vectors of scores */
+    float* sc = (float*)malloc(sizeof(float) * (size_t)rows * (size_t)kpad);
     if (!sc) return -3;
     const int64_t chunk = (int64_t)bs * d;
     const int64_t elt = bf16 ? 2 : 4; /* bytes per element */
@@ -137,39 +199,59 @@ static inline __attribute__((always_inline)) int attend_pair(
                 const int lo = window > 0 ? pos - window + 1 : 0;
                 const uint8_t* seen =
                     tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
-                const float* restrict qr = qs + r * d;
-                float* restrict ar = acc + r * d;
-                float* mine = sc + (int64_t)r * kmax;
+                float* mine = sc + (int64_t)r * kpad;
+                int c = cnt[r];
                 /* every key of the block visible (no tree slots in it, nothing past the
                  * row's position or before its window): no test per key */
                 const int all = j * bs >= lo && j * bs + ntok - 1 <= pos &&
                                 (!seen || j * bs + ntok - 1 < tree_base);
-                for (int i = 0; i < ntok; i++) {
-                    if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
-                    const float* restrict row = blk + (int64_t)i * d;
-                    if (pass == 0) {
-                        float dot = 0.0f;
-                        for (int e = 0; e < d; e++) dot += qr[e] * row[e];
-                        mine[cnt[r]++] = dot;
-                    } else {
-                        const float w = mine[cnt[r]++];
-                        for (int e = 0; e < d; e++) ar[e] += w * row[e];
+                if (pass == 0) {
+                    v16f qv[MAX_D / 16];
+                    for (int v = 0; v < nv; v++) qv[v] = load16(qs + r * d + 16 * v);
+                    int i = 0;
+                    if (all) {
+                        for (; i + 16 <= ntok; i += 16) {
+                            v16f part[16];
+                            for (int u = 0; u < 16; u++)
+                                part[u] = dot_lanes(qv, blk + (int64_t)(i + u) * d, nv);
+                            const v16f s16 = hsum16(part);
+                            memcpy(mine + c, &s16, sizeof s16);
+                            c += 16;
+                        }
                     }
+                    for (; i < ntok; i++) {
+                        if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                        mine[c++] = hsum1(dot_lanes(qv, blk + (int64_t)i * d, nv));
+                    }
+                } else {
+                    v16f av[MAX_D / 16];
+                    for (int v = 0; v < nv; v++) av[v] = load16(acc + r * d + 16 * v);
+                    for (int i = 0; i < ntok; i++) {
+                        if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                        const float w = mine[c++];
+                        const float* row = blk + (int64_t)i * d;
+                        for (int v = 0; v < nv; v++) av[v] = av[v] + w * load16(row + 16 * v);
+                    }
+                    for (int v = 0; v < nv; v++) memcpy(acc + r * d + 16 * v, &av[v], 64);
                 }
+                cnt[r] = c;
             }
         }
         if (pass == 1) break;
         for (int r = 0; r < rows; r++) { /* the weights, in place of the scores */
-            float* mine = sc + (int64_t)r * kmax;
+            float* mine = sc + (int64_t)r * kpad;
             const int c = cnt[r];
+            for (int k = c; k < (c + 15) / 16 * 16; k++) mine[k] = -INFINITY; /* weight 0 */
+            const int cv = (c + 15) / 16;
             float m = -INFINITY;
             for (int k = 0; k < c; k++) m = mine[k] > m ? mine[k] : m;
-            float sum = 0.0f;
-            for (int k = 0; k < c; k++) {
-                mine[k] = exp_nonpos(mine[k] - m);
-                sum += mine[k];
+            v16f sum = {};
+            for (int u = 0; u < cv; u++) {
+                float* at = mine + 16 * u;
+                for (int e = 0; e < 16; e++) at[e] = exp_nonpos(at[e] - m);
+                sum = sum + load16(at);
             }
-            total[r] = sum;
+            total[r] = hsum1(sum);
         }
     }
     free(sc);
@@ -197,7 +279,8 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
                            int64_t out_stride, int b, int hq, int hkv, int d, int bs, int window,
                            float scale, int dtype) {
     const int g = hq / hkv;
-    if (g * hkv != hq || bs > MAX_BS || d > MAX_D || (int64_t)bs * d > MAX_BS * MAX_D / 8)
+    if (g * hkv != hq || bs > MAX_BS || d > MAX_D || d % 16 ||
+        (int64_t)bs * d > MAX_BS * MAX_D / 8)
         return -1;
     for (int s = 0; s < b; s++)
         if ((int64_t)g * q_len[s] * d > MAX_ACC || g * q_len[s] > MAX_ROWS) return -2;

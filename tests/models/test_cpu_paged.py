@@ -25,13 +25,13 @@ def _step(
     window: int | None = None,
 ) -> tuple[torch.Tensor, int]:
     """One layer's attention over ``seqs``: [T, Hq * D], and how many groups the kernel ran."""
-    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+    t, d = q.shape[0], q.shape[-1]
+    rope = RotaryEmbedding(d, 4096, 10000.0, CPU)
     meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, window=window, native=native)
-    t = q.shape[0]
     gen = torch.Generator().manual_seed(1)
-    k = torch.randn(t, HKV, D, generator=gen).to(pool.dtype)
-    v = torch.randn(t, HKV, D, generator=gen).to(pool.dtype)
-    out = paged_attention(q, k, v, pool, meta, D**-0.5)
+    k = torch.randn(t, HKV, d, generator=gen).to(pool.dtype)
+    v = torch.randn(t, HKV, d, generator=gen).to(pool.dtype)
+    out = paged_attention(q, k, v, pool, meta, d**-0.5)
     return out, sum(isinstance(g, NativeGroup) for g in meta.groups)
 
 
@@ -54,18 +54,48 @@ def _mixed_step(gen: torch.Generator) -> list[SeqSlice]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 64])
-def test_in_place_equals_the_gather_path(dtype: torch.dtype, window: int | None) -> None:
+@pytest.mark.parametrize("d", [D, 64])
+def test_in_place_equals_the_gather_path(dtype: torch.dtype, window: int | None, d: int) -> None:
     gen = torch.Generator().manual_seed(0)
     seqs = _mixed_step(gen)
-    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
-    q = torch.randn(sum(s.num_new for s in seqs), HKV * G, D, generator=gen).to(dtype)
-    kernel = CpuPagedAttention(G, D)
+    pool = torch.randn(NB, 2, HKV, BS, d, generator=gen).to(dtype)
+    q = torch.randn(sum(s.num_new for s in seqs), HKV * G, d, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, d)
     got, native_groups = _step(seqs, kernel, pool.clone(), q, window)
     want, none = _step(seqs, None, pool.clone(), q, window)
     assert native_groups == 1 and none == 0
     assert kernel.failed is None and kernel.fallbacks == 0 and kernel.calls == 1
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_a_head_dim_off_the_vector_width_gathers() -> None:
+    """The kernel takes head dims that are multiples of 16; a model of another one gathers,
+    and ``/health`` says why."""
+    from models.config import LlamaConfig
+    from models.llama import LlamaModel
+
+    seq = SeqSlice(list(range(4)), 40, 1)
+    assert not CpuPagedAttention(G, 24).fits(BS, seq)
+    assert CpuPagedAttention(G, 32).fits(BS, seq)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=24,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_ids=(0,),
+    )
+    model = LlamaModel(cfg)
+    assert model.paged_native is None
+    assert "head dim 24" in model.attention_path()[0]
 
 
 def test_the_long_prompt_chunk_gathers_and_the_rest_is_one_call() -> None:
@@ -81,23 +111,26 @@ def test_the_long_prompt_chunk_gathers_and_the_rest_is_one_call() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verified_row_gets_the_bits_of_its_decode_alone(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d", [D, 64, 128, 80])  # 64, 128: compiled as constants
+def test_a_verified_row_gets_the_bits_of_its_decode_alone(dtype: torch.dtype, d: int) -> None:
     """k + 1 rows verified beside other sequences equal, bit for bit, each position decoded
-    alone: what keeps greedy speculation token-identical without float64 attention."""
+    alone: what keeps greedy speculation token-identical without float64 attention. A key's
+    score is computed with fifteen others where its whole block is visible to the row and by
+    itself where it is not (the last block of each row here), with the same bits."""
     gen = torch.Generator().manual_seed(3)
-    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
+    pool = torch.randn(NB, 2, HKV, BS, d, generator=gen).to(dtype)
     table = list(range(3, 3 + 25))
     other = SeqSlice(list(range(40, 60)), 290, 2)
     cached, k1 = 371, 5
-    q = torch.randn(k1, HKV * G, D, generator=gen).to(dtype)
-    q_other = torch.randn(2, HKV * G, D, generator=gen).to(dtype)
-    kernel = CpuPagedAttention(G, D)
-    rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
+    q = torch.randn(k1, HKV * G, d, generator=gen).to(dtype)
+    q_other = torch.randn(2, HKV * G, d, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, d)
+    rope = RotaryEmbedding(d, 4096, 10000.0, CPU)
 
     def attend(seqs: list[SeqSlice], queries: torch.Tensor) -> torch.Tensor:
         meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, native=kernel)
         assert isinstance(meta.groups[0], NativeGroup)
-        return kernel.attend(queries, pool, meta.groups[0], D**-0.5)
+        return kernel.attend(queries, pool, meta.groups[0], d**-0.5)
 
     together = attend([other, SeqSlice(table, cached, k1)], torch.cat([q_other, q]))[2:]
     for t in range(k1):
