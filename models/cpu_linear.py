@@ -92,6 +92,11 @@ class CpuLinear:
                 log.error("the CPU panel matmul kernel is unavailable, using oneDNN: %s", e)
         return self._fn is not None
 
+    def function(self) -> Callable[..., int]:
+        """The loaded C function (``models.cpu_program`` calls it from C)."""
+        assert self._fn is not None, "ready() first"
+        return self._fn
+
     def kind_for(self, dtype: torch.dtype) -> PanelKind | None:
         """The kind a plain weight of ``dtype`` is served as, None where the kernel has none."""
         if not self.ready():

@@ -122,6 +122,12 @@ class CpuPagedAttention:
                 log.error("the CPU paged-attention kernel is unavailable, gathering: %s", e)
         return self._fn is not None
 
+    def functions(self) -> tuple[Callable[..., int], Callable[..., int]]:
+        """The loaded C functions, attention and the KV write (``models.cpu_program`` calls
+        them from C)."""
+        assert self._fn is not None and self._write is not None, "ready() first"
+        return self._fn, self._write
+
     def fits(self, block_size: int, seq: SeqSlice) -> bool:
         """Whether a sequence's new tokens fit one call's accumulator (decodes, verifications
         and their trees, short prompt chunks)."""

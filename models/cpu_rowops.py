@@ -1,5 +1,5 @@
-"""A decoder layer's RMSNorm and rotary embedding on a CPU in one call each: a small C kernel,
-built on first use (``models/csrc/row_ops.c``, ``models.native``).
+"""A decoder layer's RMSNorm, rotary embedding and SiLU-gated product on a CPU in one call each: a
+small C kernel, built on first use (``models/csrc/row_ops.c``, ``models.native``).
 
 At the few rows of a decode step these are a handful of PyTorch ops of a few microseconds each
 (RMSNorm in a 16-bit model: seven), twice or three times a layer, around arithmetic that takes
@@ -7,9 +7,10 @@ well under a microsecond; one C call does each. The arithmetic is the reference'
 to the model's dtype where the reference rounds), each row alike whatever the row count; the
 rotation is bit-identical to ``models.layers.RotaryEmbedding``'s PyTorch ops.
 
-``LlamaModel.pack_for_cpu`` hands the kernel to every ``RMSNorm`` and ``RotaryEmbedding`` of a
-CPU model (``attach``). Where it cannot be built (no compiler), the reason is logged once and
-the modules keep their PyTorch ops.
+``LlamaModel.pack_for_cpu`` hands the kernel to every ``RMSNorm``, ``RotaryEmbedding`` and
+``LlamaMLP`` of a CPU model (``attach``); the layer program (``models.cpu_program``) calls the
+same functions, so a row gets the same bits on either path. Where it cannot be built (no
+compiler), the reason is logged once and the modules keep their PyTorch ops.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class CpuRowOps:
     def __init__(self) -> None:
         self._norm: Callable[..., int] | None = None
         self._rope: Callable[..., int] | None = None
+        self._silu_mul: Callable[..., int] | None = None
+        self.lib: ctypes.CDLL | None = None  # for the layer program's function addresses
         self.failed: str | None = None
 
     def ready(self) -> bool:
@@ -53,11 +56,13 @@ class CpuRowOps:
             try:
                 lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))
                 p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                norm, rope = lib.tandem_rms_norm, lib.tandem_rope
-                norm.restype = rope.restype = i32
+                norm, rope, silu_mul = lib.tandem_rms_norm, lib.tandem_rope, lib.tandem_silu_mul
+                norm.restype = rope.restype = silu_mul.restype = i32
                 norm.argtypes = [i32, p, i64, p, p, i64, i64, i64, ctypes.c_float]
                 rope.argtypes = [i32, p, i64, p, p, p, i64, i64, i64]
-                self._norm, self._rope = norm, rope
+                silu_mul.argtypes = [i32, p, i64, p, i64, i64, i64]
+                lib.tandem_add.restype = i32
+                self._norm, self._rope, self._silu_mul, self.lib = norm, rope, silu_mul, lib
             except Exception as e:  # no compiler, a failed compile, a library that won't load
                 self.failed = f"{type(e).__name__}: {e}"[:500]
                 log.error("the CPU row-ops kernel is unavailable, using PyTorch ops: %s", e)
@@ -101,15 +106,26 @@ class CpuRowOps:
         )
         return y
 
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """gate_up: [T, 2 * inter] (rows strided), the gate then the up projection ->
+        silu(gate) * up [T, inter]."""
+        assert self._silu_mul is not None
+        t = gate_up.shape[0]
+        y = gate_up.new_empty(t, inter)
+        code = DTYPES[gate_up.dtype]
+        self._silu_mul(code, gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), inter, t, inter)
+        return y
+
 
 def attach(module: nn.Module, ops: CpuRowOps) -> bool:
-    """Hand ``ops`` to every RMSNorm and rotary embedding under ``module`` (a CPU model); False
-    where the kernel cannot be built (they keep their PyTorch ops)."""
+    """Hand ``ops`` to every RMSNorm, rotary embedding and MLP under ``module`` (a CPU model);
+    False where the kernel cannot be built (they keep their PyTorch ops)."""
     from models.layers import RMSNorm, RotaryEmbedding
+    from models.llama import LlamaMLP
 
     if not ops.ready():
         return False
     for m in module.modules():
-        if isinstance(m, RMSNorm | RotaryEmbedding):
+        if isinstance(m, RMSNorm | RotaryEmbedding | LlamaMLP):
             m.native = ops
     return True

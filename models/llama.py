@@ -12,6 +12,7 @@ from models.config import LlamaConfig
 from models.cpu_linear import CpuPacker
 from models.cpu_paged import DTYPES as CPU_DTYPES
 from models.cpu_paged import CpuPagedAttention
+from models.cpu_program import LayerProgram
 from models.cpu_rowops import CpuRowOps, attach
 from models.flex_paged import FlexPagedAttention, FlexPool
 from models.layers import RMSNorm, RotaryEmbedding
@@ -84,6 +85,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """The SiLU-gated MLP; on a CPU model the gated product is one call of
+    ``models.cpu_rowops`` (``native``, set when the model is packed for the CPU)."""
+
+    native: CpuRowOps | None = None
+
     def __init__(
         self, cfg: LlamaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -95,8 +101,13 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]
-        gate, up = gate_up.split(self.local_inter, dim=-1)
-        y: torch.Tensor = self.down_proj(nn.functional.silu(gate) * up)
+        native = self.native
+        if native is not None and native.takes(gate_up):
+            act = native.silu_mul(gate_up, self.local_inter)  # [T, inter_local]
+        else:
+            gate, up = gate_up.split(self.local_inter, dim=-1)
+            act = nn.functional.silu(gate) * up
+        y: torch.Tensor = self.down_proj(act)
         return y
 
 
@@ -169,6 +180,7 @@ class LlamaModel(nn.Module):
         )
         self.packer = CpuPacker()  # matmuls on a CPU (models.cpu_linear), by pack_for_cpu
         self.packed_for_cpu = False
+        self.program: LayerProgram | None = None  # decode steps' layers in one call, on a CPU
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, dtype, dev) for _ in range(cfg.num_layers)
@@ -200,6 +212,10 @@ class LlamaModel(nn.Module):
         """``forward``, also returning the drafter's features of every new token: [T, hidden]
         final hidden states, [T, F] features (``feature_layers``; F = hidden without them)."""
         x = self.embed_tokens(input_ids)
+        program = self.program
+        if program is not None and not self.feature_layers and program.run(x, kv_pool, meta):
+            out: torch.Tensor = self.norm(x)  # x: the last layer's output, updated in place
+            return out, out
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
@@ -266,10 +282,11 @@ class LlamaModel(nn.Module):
         layers = [m for m in self.modules() if isinstance(m, ServedLinear)]
         done = [m.pack_for_cpu(self.packer) for m in layers]
         head = self.lm_head.pack_for_cpu(self.packer)
-        attach(self, CpuRowOps())  # norms and rotary embedding in one call each
+        attach(self, CpuRowOps())  # norms, rotary embedding and the MLP's product, a call each
         if self.paged_native is not None:  # built now, not on the first request's step
             self.paged_native.ready()
         self.packed_for_cpu = True
+        self.program = LayerProgram.build(self)  # last: it keeps the packed weights' pointers
         return all(done) and head
 
     def matmul_path(self) -> str:
@@ -282,6 +299,7 @@ class LlamaModel(nn.Module):
         """Quantize every matmul weight and the LM head (``models.quant``), after
         ``load_weights``; the embedding table stays plain for the lookup. Every rank of a TP
         group must call it (row scales are a max over the group)."""
+        self.program = None  # it points at the weights quantizing replaces
         quantize_layers(self, kind, tp_group(self.tp))
         self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
         self.quant = kind

@@ -1,0 +1,173 @@
+"""The layer program (``models.cpu_program``): a CPU step's decoder layers in one C call, bit for
+bit what the modules compute, for the steps and models it takes; the rest run the modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention import kv_pool_shape
+from models.cpu_program import LayerProgram
+from models.cpu_rowops import CpuRowOps
+from models.llama import LlamaModel
+from models.quant import Quant
+from models.spec import ModelSpec
+from models.tree import TreeSpan
+from runtime.runner import SeqInput, StepResult, run_step
+from tests.helpers import make_tiny_checkpoint
+
+BS = 16
+
+
+def _model(folder: Path, dtype: str, quant: Quant = Quant.NONE) -> LlamaModel:
+    model = ModelSpec(str(folder), dtype, quantization=quant.value).load()
+    assert model.pack_for_cpu()
+    return model
+
+
+def _steps(vocab: int) -> list[list[SeqInput]]:
+    """Prompts, decodes of three sequences side by side, a k = 4 verification beside a decode,
+    a draft tree, and a step with a prompt chunk too long for the in-place kernel (G * 300 * D
+    floats)."""
+    g = torch.Generator().manual_seed(7)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    tables = [list(range(i * 24, (i + 1) * 24)) for i in range(4)]
+    steps = [[SeqInput(tables[i], 0, ids(40 + 17 * i), [39 + 17 * i]) for i in range(3)]]
+    ctx = [40, 57, 74]
+    for _ in range(3):
+        steps.append([SeqInput(tables[i], ctx[i], ids(1), [0]) for i in range(3)])
+        ctx = [c + 1 for c in ctx]
+    steps.append(
+        [
+            SeqInput(tables[0], ctx[0], ids(5), list(range(5))),
+            SeqInput(tables[1], ctx[1], ids(1), [0]),
+        ]
+    )
+    tree = TreeSpan(ctx[2], (-1, 0, 0, 1, 2))  # 5 nodes after the context
+    steps.append([SeqInput(tables[2], ctx[2], ids(5), list(range(5)), tree=tree)])
+    steps.append(
+        [SeqInput(tables[3], 0, ids(300), [299]), SeqInput(tables[0], ctx[0] + 5, ids(1), [0])]
+    )
+    return steps
+
+
+def _run(model: LlamaModel, use: bool) -> tuple[list[StepResult], torch.Tensor]:
+    program = model.program
+    c = model.cfg
+    pool = torch.zeros(
+        kv_pool_shape(96, c.num_kv_heads, c.num_layers, BS, c.head_dim), dtype=model.dtype
+    )
+    model.program = program if use else None
+    try:
+        results = [run_step(model, pool, BS, batch) for batch in _steps(c.vocab_size)]
+    finally:
+        model.program = program
+    return results, pool
+
+
+@pytest.fixture(scope="module")
+def folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("program") / "m",
+        embedded_folder,
+        seed=11,
+        num_layers=3,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        vocab_size=512,
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quant"),
+    [
+        ("float32", Quant.NONE),
+        ("bfloat16", Quant.NONE),
+        ("float32", Quant.INT8),
+        ("bfloat16", Quant.INT8),
+    ],
+)
+def test_the_program_gives_the_modules_bits(folder: Path, dtype: str, quant: Quant) -> None:
+    model = _model(folder, dtype, quant)
+    program = model.program
+    assert program is not None, LayerProgram.why_not(model)
+    with_program, pool = _run(model, True)
+    modules, pool_modules = _run(model, False)
+    for i, (a, b) in enumerate(zip(with_program, modules, strict=True)):
+        assert torch.equal(a.logits, b.logits), f"step {i}"
+        assert torch.equal(a.all_hidden, b.all_hidden), f"step {i}"
+    assert torch.equal(pool, pool_modules)  # the same keys and values written
+    # the prompts' step is one in-place group (short chunks); the long chunk's step gathers
+    assert program.steps == len(with_program) - 1
+    assert program.declined == 1
+
+
+def test_a_verified_row_keeps_its_decode_bits_through_the_program(
+    embedded_folder: Path, tmp_path: Path
+) -> None:
+    """What greedy speculation needs of the program: verifying k + 1 tokens gives each row the
+    logits a one-token decode gives it (both run as programs)."""
+    from tests.helpers import assert_verification_equals_decodes
+
+    folder = make_tiny_checkpoint(
+        tmp_path / "m",
+        embedded_folder,
+        seed=5,
+        num_layers=2,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        vocab_size=512,
+    )
+    model = _model(folder, "bfloat16", Quant.INT8)
+    assert model.program is not None
+    assert_verification_equals_decodes(model, n=20, k=15, blocks=4)
+    assert model.program.steps >= 16
+
+
+def test_models_it_does_not_take_run_their_modules(folder: Path) -> None:
+    model = _model(folder, "float32")
+    assert LayerProgram.why_not(model) is None
+    model.cfg = model.cfg.__class__(**{**model.cfg.__dict__, "qkv_bias": True})
+    assert LayerProgram.why_not(model) == "attention biases"
+    plain = ModelSpec(str(folder), "float32").load()  # not packed for the CPU
+    assert plain.program is None
+    assert "not packed for the CPU" in str(LayerProgram.why_not(plain))
+
+
+def test_a_drafter_reading_inner_layers_runs_the_modules(folder: Path) -> None:
+    """An EAGLE-3 head reads the residual streams of inner layers: the program does not keep
+    them, so those steps run the modules."""
+    model = _model(folder, "float32")
+    program = model.program
+    assert program is not None
+    model.feature_layers = (0, 2)
+    c = model.cfg
+    pool = torch.zeros(kv_pool_shape(8, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+    out = run_step(model, pool, BS, [SeqInput(list(range(8)), 0, [5, 6, 7], [2])])
+    assert out.all_hidden.shape == (3, 2 * c.hidden_size)
+    assert program.steps == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_product_is_silu_times_up(dtype: torch.dtype) -> None:
+    ops = CpuRowOps()
+    assert ops.ready()
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(7, 2 * 300, generator=g) * 4).to(dtype)
+    got = ops.silu_mul(gate_up, 300)
+    want = (
+        torch.nn.functional.silu(gate_up[:, :300].float()).to(dtype).float()
+        * gate_up[:, 300:].float()
+    )
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    # each row alike whatever the row count
+    for r in range(7):
+        assert torch.equal(ops.silu_mul(gate_up[r : r + 1], 300)[0], got[r])
