@@ -4,15 +4,16 @@ The embedded model, packed as a CPU replica serves it (``LlamaModel.pack_for_cpu
 sequence after a 200-token prompt, one-token decode forwards (``run_step``, logits included),
 median of ``--steps``:
 
-1. the forward as served;
-2. the same with the panel matmul kernel's calls made no-ops (``models.cpu_linear``): what is
-   left is everything but the matmuls' arithmetic and weight stream;
-3. the same with the CPU attention kernel's calls made no-ops too (``models.cpu_paged``): what
-   is left is host work (module calls, views, the KV write, norms, rotation, residual adds,
-   sampling-free logits plumbing).
+1. the forward as served: the decoder layers in one C call (``models.cpu_program``);
+2. the same forward with the layers run as modules (the program off), alternated with 1;
+3. the modules with the panel matmul kernel's calls made no-ops (``models.cpu_linear``): what
+   is left is everything but the matmuls' arithmetic and weight stream;
+4. the same with the CPU attention kernel's calls made no-ops too (``models.cpu_paged``): what
+   is left is the modules' host work (module calls, views, the KV write, norms, rotation,
+   residual adds, sampling-free logits plumbing).
 
-Outputs of 2 and 3 are garbage; only their times are kept. The differences are the matmuls'
-and attention's share of a step.
+Outputs of 3 and 4 are garbage; only their times are kept. The differences are the matmuls'
+and attention's share of a step run as modules; ``program_saves_ms`` is 2 less 1.
 
     .venv/bin/python -m bench.step_breakdown [--dtypes float32 bfloat16] [--steps 40]
         [--out bench/results/step_breakdown.json]
@@ -63,7 +64,16 @@ def breakdown(dtype: str, steps: int) -> dict[str, float]:
     def step(i: int) -> None:
         run_step(model, pool, BLOCK, [SeqInput(table, 200 + i % 400, [5], [0])])
 
-    out = {"served_ms": _median_ms(step, steps)}
+    program = model.program
+    assert program is not None, "this benchmark measures the layer program"
+    served, modules = [], []
+    for _ in range(5):  # alternated: this machine's speed drifts
+        model.program = program
+        served.append(_median_ms(step, max(steps // 5, 3)))
+        model.program = None
+        modules.append(_median_ms(step, max(steps // 5, 3)))
+    out = {"served_ms": statistics.median(served), "modules_ms": statistics.median(modules)}
+    out["program_saves_ms"] = out["modules_ms"] - out["served_ms"]
     linear_run, attend = CpuLinear.run, CpuPagedAttention.attend
     try:
         setattr(CpuLinear, "run", lambda self, kind, x, data, scale, y: None)  # noqa: B010
@@ -77,7 +87,7 @@ def breakdown(dtype: str, steps: int) -> dict[str, float]:
     finally:
         setattr(CpuLinear, "run", linear_run)  # noqa: B010
         setattr(CpuPagedAttention, "attend", attend)  # noqa: B010
-    out["matmuls_ms"] = out["served_ms"] - out["without_matmuls_ms"]
+    out["matmuls_ms"] = out["modules_ms"] - out["without_matmuls_ms"]
     out["attention_ms"] = out["without_matmuls_ms"] - out["host_work_ms"]
     return out
 
