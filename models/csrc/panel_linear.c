@@ -161,7 +161,7 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, cons
 
 #if defined(__AVX512VNNI__) && defined(__AVX512DQ__) && HAVE_BF16
 #define HAVE_DIGITS 1
-#define ND 2 /* digits per bf16 row */
+#define ND 2 /* digits per bf16 row (digit_rows writes two) */
 
 static inline float bf16_at(const uint16_t* p) {
     const uint32_t u = (uint32_t)*p << 16;
@@ -170,22 +170,55 @@ static inline float bf16_at(const uint16_t* p) {
     return v;
 }
 
+/* Sixteen bf16 values as fp32 (exact). */
+static inline __m512 bf16x16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* q = round(v * inv) (ties to even, in double), clamped to [-top, top], as two digits: the
+ * low one ((q + 128) mod 256) - 128 and the high one (q - low) / 256, exact. */
+static inline void digits16(__m512 v, __m512d inv, __m512d top, __m512i* hi, __m512i* lo) {
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512d a = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+    __m512d b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    const __m512d neg = _mm512_sub_pd(_mm512_setzero_pd(), top);
+    a = _mm512_min_pd(_mm512_max_pd(_mm512_roundscale_pd(_mm512_mul_pd(a, inv), mode), neg), top);
+    b = _mm512_min_pd(_mm512_max_pd(_mm512_roundscale_pd(_mm512_mul_pd(b, inv), mode), neg), top);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtpd_epi32(a)),
+                                         _mm512_cvtpd_epi32(b), 1);
+    const __m512i c128 = _mm512_set1_epi32(128);
+    *lo = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(q, c128), _mm512_set1_epi32(255)),
+                           c128);
+    *hi = _mm512_srai_epi32(_mm512_sub_epi32(q, *lo), 8);
+}
+
 /* Row r of x (bf16) as ND digit rows of kp bytes at q + r * ND * kp, the most significant
  * first, zero past k; dsum[r * ND + d] the sum of digit row d; step[r] what q counts (NaN for
  * a row holding a NaN or an infinity, so that row's outputs are NaN as they would be in
- * floating point). */
+ * floating point). Sixteen values at a time: a call's rows are written before its threads
+ * start, by one thread. */
 static void digit_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k, int64_t kp,
                        int8_t* q, int32_t* dsum, double* step) {
     const uint16_t* xr = x + r * xs;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) {
+    const int64_t k16 = k / 16 * 16;
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0; /* lanes that saw a NaN or an infinity */
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    for (int64_t i = 0; i < k16; i += 16) {
+        const __m512 a = _mm512_abs_ps(bf16x16(xr + i));
+        bad |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a, inf, _CMP_EQ_OQ);
+        vmax = _mm512_max_ps(vmax, a);
+    }
+    float amax = _mm512_reduce_max_ps(vmax);
+    for (int64_t i = k16; i < k; i++) {
         const float a = fabsf(bf16_at(xr + i));
         amax = a > amax || a != a ? a : amax; /* a NaN wins */
     }
     int8_t* rows = q + r * ND * kp;
     memset(rows, 0, (size_t)(ND * kp));
     for (int d = 0; d < ND; d++) dsum[r * ND + d] = 0;
-    if (!isfinite(amax)) {
+    if (bad || !isfinite(amax)) {
         step[r] = NAN;
         return;
     }
@@ -193,7 +226,19 @@ static void digit_rows(const uint16_t* x, int64_t xs, int64_t r, int64_t k, int6
     step[r] = (double)amax / top;
     if (amax == 0.0f) return;
     const double inv = top / (double)amax;
-    for (int64_t i = 0; i < k; i++) {
+    const __m512d vinv = _mm512_set1_pd(inv), vtop = _mm512_set1_pd(top);
+    __m512i sum_hi = _mm512_setzero_si512(), sum_lo = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k16; i += 16) {
+        __m512i hi, lo;
+        digits16(bf16x16(xr + i), vinv, vtop, &hi, &lo);
+        _mm512_mask_cvtepi32_storeu_epi8(rows + i, 0xFFFF, hi);
+        _mm512_mask_cvtepi32_storeu_epi8(rows + kp + i, 0xFFFF, lo);
+        sum_hi = _mm512_add_epi32(sum_hi, hi);
+        sum_lo = _mm512_add_epi32(sum_lo, lo);
+    }
+    dsum[r * ND] = _mm512_reduce_add_epi32(sum_hi);
+    dsum[r * ND + 1] = _mm512_reduce_add_epi32(sum_lo);
+    for (int64_t i = k16; i < k; i++) {
         const double t = nearbyint((double)bf16_at(xr + i) * inv);
         int64_t qv = (int64_t)(t > top ? top : t < -top ? -top : t);
         for (int d = ND - 1; d >= 0; d--) { /* least significant first */
