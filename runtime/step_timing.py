@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 CONTEXT = 128  # tokens of context the calibration steps attend over
 # bumped when measurement, fit or the step's own cost change, so cached models are re-measured
 # (5: replicas build and step their engine on one thread; 6: fewer ops per layer and the MLP's
-# down projection in row-invariant chunks)
-METHOD = 6
+# down projection in row-invariant chunks; 7: a CPU step's decoder layers in one C call)
+METHOD = 7
 
 
 def calibration_points(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:
