@@ -170,6 +170,7 @@ SUMMARY = (
     "attention",
     "attention_fallbacks",
     "matmul",
+    "layers",
     "node_id",
     "age_s",
 )

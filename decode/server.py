@@ -123,6 +123,7 @@ class DecodeServer:
         out["switch_interval_s"] = sys.getswitchinterval()
         out["attention"], out["attention_fallbacks"] = self.engine.target.attention_path()
         out["matmul"] = self.engine.target.matmul_path()
+        out["layers"] = self.engine.target.layers_path()
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

@@ -289,6 +289,13 @@ class LlamaModel(nn.Module):
         self.program = LayerProgram.build(self)  # last: it keeps the packed weights' pointers
         return all(done) and head
 
+    def layers_path(self) -> str:
+        """What runs the decoder layers of a step, for ``/health``: ``program`` (one C call,
+        ``models.cpu_program``; steps it declines run the modules) or ``modules`` and why."""
+        if self.program is not None:
+            return "program"
+        return f"modules ({LayerProgram.why_not(self) or 'the program could not be built'})"
+
     def matmul_path(self) -> str:
         """What runs the matmuls, for ``/health``."""
         if self.packed_for_cpu:

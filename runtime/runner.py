@@ -109,6 +109,11 @@ class ModelRunner(ABC):
     def matmul_path(self) -> str:
         """What runs the matmuls here (``LlamaModel.matmul_path``; a TP group: rank 0's)."""
 
+    @abstractmethod
+    def layers_path(self) -> str:
+        """What runs the decoder layers here (``LlamaModel.layers_path``; a TP group: rank
+        0's)."""
+
 
 class LocalRunner(ModelRunner):
     """The whole model in this process (TP = 1), its pool a local tensor."""
@@ -126,6 +131,9 @@ class LocalRunner(ModelRunner):
 
     def matmul_path(self) -> str:
         return self.model.matmul_path()
+
+    def layers_path(self) -> str:
+        return self.model.layers_path()
 
 
 class EagleRunner:

@@ -185,6 +185,9 @@ class TPRunner(ModelRunner):
     def matmul_path(self) -> str:
         return self.local.matmul_path()
 
+    def layers_path(self) -> str:
+        return self.local.layers_path()
+
     def stop(self) -> None:
         """End the ranks' step loops (before the group is torn down)."""
         self.channel.send(None)

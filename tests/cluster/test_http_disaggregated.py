@@ -75,6 +75,8 @@ def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
     assert all(r["attention_fallbacks"] == 0 for r in decode.values()), decode
     # and its matmuls took the row-invariant panel kernel (models.cpu_linear)
     assert all(r["matmul"] == "cpu_panel" for r in decode.values()), decode
+    # and its decoder layers ran as one C call a step (models.cpu_program)
+    assert all(r["layers"] == "program" for r in decode.values()), decode
     for pool in (prefill, decode):  # the pools' default reached each replica's interpreter
         assert all(r["switch_interval_s"] == pytest.approx(2e-4) for r in pool.values()), pool
 
