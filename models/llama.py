@@ -292,7 +292,7 @@ class LlamaModel(nn.Module):
     def layers_path(self) -> str:
         """What runs the decoder layers of a step, for ``/health``: ``program`` (one C call,
         ``models.cpu_program``; steps it declines run the modules) or ``modules`` and why."""
-        if self.program is not None:
+        if self.program is not None and not self.feature_layers:
             return "program"
         return f"modules ({LayerProgram.why_not(self) or 'the program could not be built'})"
 

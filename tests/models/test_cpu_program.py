@@ -153,6 +153,9 @@ def test_a_drafter_reading_inner_layers_runs_the_modules(folder: Path) -> None:
     out = run_step(model, pool, BS, [SeqInput(list(range(8)), 0, [5, 6, 7], [2])])
     assert out.all_hidden.shape == (3, 2 * c.hidden_size)
     assert program.steps == 0
+    assert model.layers_path() == "modules (the drafter reads inner layers)"
+    model.feature_layers = ()
+    assert model.layers_path() == "program"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
