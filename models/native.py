@@ -51,6 +51,8 @@ def build_library(source: Path, flags: tuple[str, ...]) -> Path:
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(flags).encode(), version.stdout.encode()):
         key.update(part)
+    for header in sorted(source.parent.glob("*.h")):  # what the sources may include
+        key.update(header.read_bytes())
     key.update(cpu_flags().encode())
     out_dir = cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"

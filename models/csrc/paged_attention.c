@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 #define MAX_ACC 16384 /* floats of accumulator per (sequence, head): rows * head_dim */
 /* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
  * MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_BLOCK_FLOATS) */
@@ -39,24 +41,8 @@
 #define MAX_BS 256
 #define MAX_D 512
 
-/* e^x for x <= 0, to about 2 ulp (0 below -87), branch-free so that loops over it vectorise
- * (no libm call). */
-static inline float exp_nonpos(float x) {
-    const float log2e = 1.44269504088896341f;
-    const float xc = x < -87.0f ? -87.0f : x;
-    float n = floorf(xc * log2e + 0.5f);
-    float f = xc - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
-    union { float f; int32_t i; } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return x < -87.0f ? 0.0f : p * u.f;
-}
+/* e^x for x <= 0 (0 below -87). */
+static inline float exp_nonpos(float x) { return x < -87.0f ? 0.0f : exp_in_range(x); }
 
 static inline float bf16_to_f32(uint16_t v) {
     union { uint32_t i; float f; } u;

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -91,22 +93,9 @@ int tandem_rope(int dtype, const void* x, int64_t xs, const float* c, const floa
     return 0;
 }
 
-/* e^x, to about 2 ulp, branch-free so that loops over it vectorise (no libm call): x clamped to
- * [-87, 88], 2^n times a polynomial in the remainder. */
+/* e^x, x clamped to [-87, 88]. */
 static inline float exp_clamped(float x) {
-    const float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
-    const float f = xc - n * 0.693359375f + n * 2.12194440e-4f; /* x - n ln2, in two parts */
-    float p = 1.9875691500e-4f;
-    p = p * f + 1.3981999507e-3f;
-    p = p * f + 8.3334519073e-3f;
-    p = p * f + 4.1665795894e-2f;
-    p = p * f + 1.6666665459e-1f;
-    p = p * f + 5.0000001201e-1f;
-    p = p * f * f + f + 1.0f;
-    union { float f; int32_t i; } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
+    return exp_in_range(x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x);
 }
 
 /* y[t] = silu(g) * u for each of t rows of gu = [g | u] (inter values each; strides in
