@@ -189,6 +189,17 @@ def _verify_chains(
     for group in (greedy, sampled):
         if not group:
             continue
+        if group is greedy and all(widths[i] == 1 for i in group):
+            # One row a chain (no draft verified; at most a free draft tested against the
+            # target's token, ``_propose``): ``verify_greedy`` reduces to comparing each row's
+            # argmax with that draft, without its ragged layout.
+            rows_of = [first_row[i] for i in group]
+            picked = logits if rows_of == list(range(logits.shape[0])) else logits[rows_of]
+            final = picked.argmax(dim=-1)  # [B]
+            free = [proposals[i].tokens[0] if proposals[i].tokens else -1 for i in group]
+            n = (final == torch.tensor(free, device=dev)).long()  # [B] the free draft passed
+            counts.append(torch.stack([n, 1 - n, final]))
+            continue
         rows = torch.tensor(
             [first_row[i] + j for i in group for j in range(widths[i])], device=dev
         )  # [sum w_i]

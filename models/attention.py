@@ -81,12 +81,12 @@ class SeqSlice:
                 f"{self.num_new} new tokens after {self.num_cached} cached ones"
             )
 
-    def positions(self) -> torch.Tensor:
-        """[num_new] the rotary position of each new token."""
+    def positions(self) -> list[int]:
+        """The rotary position of each new token (num_new of them)."""
         if self.tree is None:
-            return torch.arange(self.num_cached, self.num_cached + self.num_new)
+            return list(range(self.num_cached, self.num_cached + self.num_new))
         depths = self.tree.depths()[self.num_cached - self.tree.base :]
-        return self.tree.base + torch.tensor(depths, dtype=torch.long)
+        return [self.tree.base + d for d in depths]
 
 
 @dataclass(frozen=True)
@@ -222,25 +222,29 @@ def _pow2_bucket(n: int) -> int:
 
 
 def _tables(seqs: Sequence[SeqSlice], need: Sequence[int]) -> torch.Tensor:
-    """[B, NBmax] each sequence's ``need[i]`` blocks for this step, padded with block 0."""
-    tables = torch.zeros(len(seqs), max(need), dtype=torch.long)
-    for i, (s, n) in enumerate(zip(seqs, need, strict=True)):
+    """[B, NBmax] each sequence's ``need[i]`` blocks for this step, padded with block 0: built
+    as one host list and one tensor, since this runs on the host every step."""
+    width = max(need)
+    rows: list[list[int]] = []
+    for s, n in zip(seqs, need, strict=True):
         if len(s.block_table) < n:
             raise ValueError(f"block table holds {len(s.block_table)} blocks, step needs {n}")
-        tables[i, :n] = torch.tensor(list(s.block_table[:n]), dtype=torch.long)
-    return tables
+        rows.append([*s.block_table[:n], *([0] * (width - n))])
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _rows(
     seqs: Sequence[SeqSlice], members: Sequence[int], starts: Sequence[int]
 ) -> torch.Tensor | None:
     """[t] the step's rows of ``seqs[members]`` tokens (``starts[i]``: sequence i's first;
-    ``starts[-1]``: T); None when they are the whole step in order."""
-    rows = torch.cat([torch.arange(starts[i], starts[i] + seqs[i].num_new) for i in members])
-    total = starts[-1]
-    if rows.numel() == total and bool((rows == torch.arange(total)).all()):
+    ``starts[-1]``: T); None when they are the whole step in order (every sequence, in
+    order: their rows are then 0 .. T - 1, each sequence bringing at least one token)."""
+    if len(members) == len(seqs) and all(m == i for i, m in enumerate(members)):
         return None
-    return rows
+    return torch.tensor(
+        [r for i in members for r in range(starts[i], starts[i] + seqs[i].num_new)],
+        dtype=torch.long,
+    )
 
 
 def _group(
@@ -335,10 +339,15 @@ def build_attention_metadata(
     starts = [0]
     for s in seqs:
         starts.append(starts[-1] + s.num_new)
-    positions = torch.cat([s.positions() for s in seqs])  # [T] rotary positions
-    slots = torch.cat([torch.arange(s.num_cached, s.num_cached + s.num_new) for s in seqs])  # [T]
-    seq_of_token = torch.cat([torch.full((s.num_new,), i) for i, s in enumerate(seqs)])  # [T]
-    slot_blocks = tables[seq_of_token, slots // block_size]  # [T]
+    # Per token, built as host lists and made tensors once: rotary position, and the block
+    # and offset of the slot that receives its K/V.
+    positions = [p for s in seqs for p in s.positions()]
+    blocks: list[int] = []
+    offsets: list[int] = []
+    for s in seqs:
+        for slot in range(s.num_cached, s.num_cached + s.num_new):
+            blocks.append(s.block_table[slot // block_size])
+            offsets.append(slot % block_size)
     # Sequences attended together: alike in new tokens and in context blocks, to a factor 2.
     # Decodes and verifications the in-place kernel serves go together, whatever their
     # lengths: it pads neither queries (each sequence has its own query block) nor contexts.
@@ -368,15 +377,19 @@ def build_attention_metadata(
     if on_cpu:
         assert native is not None
         rows = _rows(seqs, on_cpu, starts)
-        group_tables = tables[torch.tensor(on_cpu), : max(need[i] for i in on_cpu)]
+        group_tables = (
+            tables
+            if len(on_cpu) == len(seqs)
+            else tables[torch.tensor(on_cpu), : max(need[i] for i in on_cpu)]
+        )
         part = [seqs[i] for i in on_cpu]
         groups = (native.plan(part, group_tables, rows, window), *groups)
-    pos_dev = positions.to(device, non_blocking=True)
+    pos_dev = torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True)  # [T]
     cos, sin = rotary_tables(rope_cos, rope_sin, pos_dev)
     return AttentionMetadata(
         positions=pos_dev,
-        slot_blocks=slot_blocks.to(device, non_blocking=True),
-        slot_offsets=(slots % block_size).to(device, non_blocking=True),
+        slot_blocks=torch.tensor(blocks, dtype=torch.long).to(device, non_blocking=True),  # [T]
+        slot_offsets=torch.tensor(offsets, dtype=torch.long).to(device, non_blocking=True),
         groups=groups,
         cos=cos,
         sin=sin,

@@ -25,6 +25,7 @@ step takes the gather path, counted in ``fallbacks``.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -149,30 +150,28 @@ class CpuPagedAttention:
     ) -> NativeGroup:
         """The group of ``seqs`` (tables [b, NBmax] their blocks; rows [t] their tokens in the
         step, None when they are all of it in order)."""
-        b = len(seqs)
-        q_len = torch.tensor([s.num_new for s in seqs], dtype=torch.int32)
-        q_start = torch.zeros(b, dtype=torch.int32)
-        q_start[1:] = q_len.cumsum(0)[:-1]
-        t = int(q_len.sum())
+        # host lists made tensors once: this runs on the host every step
+        q_len = [s.num_new for s in seqs]
+        q_start = list(itertools.accumulate(q_len, initial=0))  # one more: the step's rows
         trees = [s.tree for s in seqs]
         width = max((tr.size for tr in trees if tr is not None), default=1)
         with_trees = any(tr is not None for tr in trees)
-        tree_mask = torch.zeros(t if with_trees else 1, width, dtype=torch.uint8)
-        tree_base = torch.full((b,), -1, dtype=torch.int32)
-        for i, s in enumerate(seqs):
+        tree_mask = torch.zeros(q_start[-1] if with_trees else 1, width, dtype=torch.uint8)
+        for s, start in zip(seqs, q_start, strict=False):
             tr = s.tree
             if tr is not None:  # [num_new, tree size]: the tree slots each new token sees
                 anc = tr.ancestors()[s.num_cached - tr.base :]
-                tree_mask[int(q_start[i]) : int(q_start[i]) + s.num_new, : tr.size] = anc
-                tree_base[i] = tr.base
+                tree_mask[start : start + s.num_new, : tr.size] = anc
         return NativeGroup(
             kernel=self,
             rows=rows,
             tables=tables.to(torch.int32).contiguous(),
-            q_start=q_start,
-            q_len=q_len,
+            q_start=torch.tensor(q_start[:-1], dtype=torch.int32),
+            q_len=torch.tensor(q_len, dtype=torch.int32),
             cached=torch.tensor([s.num_cached for s in seqs], dtype=torch.int32),
-            tree_base=tree_base,
+            tree_base=torch.tensor(
+                [-1 if tr is None else tr.base for tr in trees], dtype=torch.int32
+            ),
             tree_mask=tree_mask,
             window=window or 0,
         )

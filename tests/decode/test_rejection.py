@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 from scipy.stats import chisquare
 
+from decode.drafters.base import DraftProposal
 from decode.rejection import rejection_sample, verify_greedy
+from decode.spec_step import _verify_chains
+from models.request import Request
+from models.sampling import SamplingParams
 
 V = 6
 
@@ -125,3 +129,28 @@ def test_greedy_verification_is_the_rejection_rule_over_one_hot_distributions() 
         assert torch.equal(got.has_final, ref.has_final)
         final = ref.final_dist.argmax(dim=1)  # one-hot: the only token it can draw
         assert torch.equal(got.final_token[got.has_final], final[ref.has_final])
+
+
+def test_single_row_chains_verify_like_verify_greedy() -> None:
+    """A step without verified drafts takes a shortcut in ``decode.spec_step`` (each row's
+    argmax against at most one free draft); it must give ``verify_greedy``'s verdicts, rows
+    in any order."""
+
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(7))  # [rows, V]
+    best = logits.argmax(dim=-1).tolist()
+    free = [(), (best[1],), ((best[2] + 1) % V,), (), (best[4],)]  # none, pass, fail, ...
+    reqs = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(5)]
+    props = [DraftProposal(t, None) for t in free]
+    for first_row in ({i: i for i in range(5)}, {i: 4 - i for i in range(5)}):
+        got = _verify_chains(logits, reqs, props, [1] * 5, list(range(5)), first_row)
+        for i, (n, final) in enumerate(got):
+            row = first_row[i]
+            ref = verify_greedy(
+                torch.tensor([best[row]]), [1], torch.tensor(list(free[i])), [len(free[i])]
+            )
+            assert n == int(ref.num_accepted[0])
+            assert (final is not None) == bool(ref.has_final[0])
+            if final is not None:
+                assert final == int(ref.final_token[0]) == best[row]
+        if first_row[0] == 0:  # in order: the free drafts of rows 1 and 4 pass
+            assert got == [(0, best[0]), (1, None), (0, best[2]), (0, best[3]), (1, None)]
