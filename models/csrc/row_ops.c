@@ -25,12 +25,13 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* Round to nearest even; a NaN stays a (quiet) NaN. Branch-free, so loops over it vectorise. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t nan = (u >> 16) | 0x40u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline float load(int dtype, const void* p, int64_t i) {
@@ -44,27 +45,53 @@ static inline void store(int dtype, void* p, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
+/* Each op below is an always-inlined body for one row taking the dtype; ROWS runs it over t
+ * rows once for each constant dtype, the parallel loop inside each branch (OpenMP outlines a
+ * loop before inlining, so a dtype tested outside it would reach the loop as a variable), so
+ * that every element loop is compiled for one dtype and vectorises. Rows run in parallel where
+ * `work` holds (enough work to pay for waking the threads), else without entering OpenMP. */
+#define INLINE static inline __attribute__((always_inline))
+#define ROWS(work, ROW)                                            \
+    do {                                                           \
+        if (work) {                                                \
+            if (dtype) {                                           \
+                _Pragma("omp parallel for schedule(static)")       \
+                for (int64_t r = 0; r < t; r++) ROW(1, r);         \
+            } else {                                               \
+                _Pragma("omp parallel for schedule(static)")       \
+                for (int64_t r = 0; r < t; r++) ROW(0, r);         \
+            }                                                      \
+        } else if (dtype) {                                        \
+            for (int64_t r = 0; r < t; r++) ROW(1, r);             \
+        } else {                                                   \
+            for (int64_t r = 0; r < t; r++) ROW(0, r);             \
+        }                                                          \
+    } while (0)
+
 /* y[t] = RMSNorm(x[t]) * w over h features, for t rows (strides in elements). fp32:
  * x * rsqrt(mean(x^2) + eps) * w, as torch's rms_norm; bf16: w * bf16(x * rsqrt(...)), as the
  * reference implementation (the normalised row rounded to bf16 before the weight). */
+INLINE void rms_norm_row(int dtype, const void* x, int64_t xs, const void* w, void* y,
+                         int64_t ys, int64_t h, float eps, int64_t r) {
+    const int64_t xo = r * xs, yo = r * ys;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) {
+        const float v = load(dtype, x, xo + i);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) {
+        const float n = load(dtype, x, xo + i) * inv;
+        const float wi = load(dtype, w, i);
+        store(dtype, y, yo + i, dtype ? wi * bf16_to_f32(f32_to_bf16(n)) : n * wi);
+    }
+}
+
 int tandem_rms_norm(int dtype, const void* x, int64_t xs, const void* w, void* y, int64_t ys,
                     int64_t t, int64_t h, float eps) {
     if (dtype < 0 || dtype > 1) return -1;
-#pragma omp parallel for schedule(static) if (t > 32)
-    for (int64_t r = 0; r < t; r++) {
-        const int64_t xo = r * xs, yo = r * ys;
-        float ss = 0.0f;
-        for (int64_t i = 0; i < h; i++) {
-            const float v = load(dtype, x, xo + i);
-            ss += v * v;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)h + eps);
-        for (int64_t i = 0; i < h; i++) {
-            const float n = load(dtype, x, xo + i) * inv;
-            const float wi = load(dtype, w, i);
-            store(dtype, y, yo + i, dtype ? wi * bf16_to_f32(f32_to_bf16(n)) : n * wi);
-        }
-    }
+#define NORM(D, R) rms_norm_row(D, x, xs, w, y, ys, h, eps, R)
+    ROWS(t > 32, NORM);
     return 0;
 }
 
@@ -72,24 +99,27 @@ int tandem_rms_norm(int dtype, const void* x, int64_t xs, const void* w, void* y
  * [t, heads, d]) by cosines c and signed sines s, each [t, d] fp32 (models/layers.py,
  * rotary_tables: (cos, cos) and (-sin, sin)): y = x * c + swap(x) * s, swap exchanging the two
  * halves of a head. */
+INLINE void rope_row(int dtype, const void* x, int64_t xs, const float* c, const float* s,
+                     void* y, int64_t heads, int64_t d, int64_t r) {
+    const int64_t half = d / 2;
+    const float* cr = c + r * d;
+    const float* sr = s + r * d;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        const int64_t xo = r * xs + hd * d, yo = (r * heads + hd) * d;
+        for (int64_t i = 0; i < d; i++) {
+            const int64_t j = i < half ? i + half : i - half;
+            const float a = load(dtype, x, xo + i) * cr[i];
+            const float b = load(dtype, x, xo + j) * sr[i];
+            store(dtype, y, yo + i, a + b);
+        }
+    }
+}
+
 int tandem_rope(int dtype, const void* x, int64_t xs, const float* c, const float* s, void* y,
                 int64_t t, int64_t heads, int64_t d) {
     if (dtype < 0 || dtype > 1 || d % 2) return -1;
-    const int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (t > 32)
-    for (int64_t r = 0; r < t; r++) {
-        const float* cr = c + r * d;
-        const float* sr = s + r * d;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            const int64_t xo = r * xs + hd * d, yo = (r * heads + hd) * d;
-            for (int64_t i = 0; i < d; i++) {
-                const int64_t j = i < half ? i + half : i - half;
-                const float a = load(dtype, x, xo + i) * cr[i];
-                const float b = load(dtype, x, xo + j) * sr[i];
-                store(dtype, y, yo + i, a + b);
-            }
-        }
-    }
+#define ROPE(D, R) rope_row(D, x, xs, c, s, y, heads, d, R)
+    ROWS(t > 32, ROPE);
     return 0;
 }
 
@@ -103,27 +133,36 @@ static inline float exp_clamped(float x) {
  * as the reference's two ops round. One call where PyTorch takes a split, a SiLU and a product;
  * the module path (models/llama.py) and the layer program (models/csrc/layer_program.c) both
  * call it, so a row has the same bits on either. */
+INLINE void silu_mul_row(int dtype, const void* gu, int64_t gs, void* y, int64_t ys,
+                         int64_t inter, int64_t r) {
+    const int64_t go = r * gs, yo = r * ys;
+#pragma GCC unroll 4 /* four vectors' polynomials in flight: it is latency-bound */
+    for (int64_t i = 0; i < inter; i++) {
+        const float g = load(dtype, gu, go + i);
+        float a = g / (1.0f + exp_clamped(-g));
+        if (dtype) a = bf16_to_f32(f32_to_bf16(a));
+        store(dtype, y, yo + i, a * load(dtype, gu, go + inter + i));
+    }
+}
+
 int tandem_silu_mul(int dtype, const void* gu, int64_t gs, void* y, int64_t ys, int64_t t,
                     int64_t inter) {
     if (dtype < 0 || dtype > 1) return -1;
-#pragma omp parallel for schedule(static) if (t > 32)
-    for (int64_t r = 0; r < t; r++) {
-        const int64_t go = r * gs, yo = r * ys;
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = load(dtype, gu, go + i);
-            float a = g / (1.0f + exp_clamped(-g));
-            if (dtype) a = bf16_to_f32(f32_to_bf16(a));
-            store(dtype, y, yo + i, a * load(dtype, gu, go + inter + i));
-        }
-    }
+#define SILU_MUL(D, R) silu_mul_row(D, gu, gs, y, ys, inter, R)
+    ROWS(t * inter > 4096, SILU_MUL); /* about 1.5 ns an element */
     return 0;
+}
+
+INLINE void add_row(int dtype, void* x, int64_t xs, const void* h, int64_t hs, int64_t n,
+                    int64_t r) {
+    for (int64_t i = 0; i < n; i++)
+        store(dtype, x, r * xs + i, load(dtype, x, r * xs + i) + load(dtype, h, r * hs + i));
 }
 
 /* x[t] += h[t] over n values a row (rounded to the dtype, as PyTorch's add rounds). */
 int tandem_add(int dtype, void* x, int64_t xs, const void* h, int64_t hs, int64_t t, int64_t n) {
     if (dtype < 0 || dtype > 1) return -1;
-    for (int64_t r = 0; r < t; r++)
-        for (int64_t i = 0; i < n; i++)
-            store(dtype, x, r * xs + i, load(dtype, x, r * xs + i) + load(dtype, h, r * hs + i));
+#define ADD(D, R) add_row(D, x, xs, h, hs, n, R)
+    ROWS(t * n > 65536, ADD);
     return 0;
 }
