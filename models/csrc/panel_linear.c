@@ -268,8 +268,13 @@ static inline __attribute__((always_inline)) void tile_digits(
         for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_si512();
     for (int64_t k = 0; k < kp; k += 4) {
         __m512i wv[NPG];
-        for (int j = 0; j < np; j++)
+        for (int j = 0; j < np; j++) {
+            /* This loop spends twice the instructions of the bf16 one on each line of weights,
+             * so fewer lines are in flight: ask for the line 2 KB ahead into L2 (past the end
+             * of the weight a prefetch does nothing; it never faults). */
+            _mm_prefetch((const char*)(w + ((int64_t)j * kp + k) * NR) + 2048, _MM_HINT_T1);
             wv[j] = _mm512_loadu_si512(w + ((int64_t)j * kp + k) * NR);
+        }
         for (int i = 0; i < mr; i++) {
             int32_t four;
             memcpy(&four, q + i * kp + k, sizeof four);
