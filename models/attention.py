@@ -22,13 +22,13 @@ context lengths (``AttentionGroup``), each padded to its own longest query and c
 long prompt chunk does not make every decode in the step attend with its query length, nor one
 long context every short one with its length.
 
-On a CPU, every decode, verification (chain or tree) and short prompt chunk of a step reads
-the pool in place through one call of a C kernel per layer (``models.cpu_paged``, when the
-builder is given the model's ``CpuPagedAttention``); on a GPU, a group of decodes or
-verifications over many context tokens reads it in place through ``flex_attention``
-(``models.flex_paged``, given the model's ``FlexPool``). The others gather their blocks into a
-dense copy per layer (``_gather``) and run SDPA over it, which costs less where the copy is
-small next to the queries (long prompt chunks).
+On a CPU, every decode, verification (chain or tree) and prompt chunk of a step reads the
+pool in place through one call of a C kernel per layer (``models.cpu_paged``, when the builder
+is given the model's ``CpuPagedAttention``); on a GPU, a group of decodes or verifications over
+many context tokens reads it in place through ``flex_attention`` (``models.flex_paged``, given
+the model's ``FlexPool``). The others gather their blocks into a dense copy per layer
+(``_gather``) and run SDPA over it, which on a GPU costs less where the copy is small next to
+the queries (long prompt chunks).
 
 **Bucketed steps.** A step of decodes and chain verifications only can instead be laid out in
 a fixed *bucket* (``BucketMetadata``): ``b`` sequences of ``q`` query rows each and contexts of

@@ -6,9 +6,11 @@ decode step at batch 8 to 32 that is most of the attention's time, and attention
 much of the step as the matmuls. No maintained kernel reads a paged cache on a CPU for the
 torch this project runs on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU
 kernels are built into their own wheels against their own torch pins), so this one is written
-by hand (``models/csrc/paged_attention.c``): per (sequence, KV head), the scores of the keys
-each query row sees, then their softmax weights and the weighted values, every block read
-where it lies, in fp32, OpenMP over the pairs.
+by hand (``models/csrc/paged_attention.c``): per (sequence, KV head, chunk of new tokens), the
+scores of the keys each query row sees, then their softmax weights and the weighted values,
+every block read where it lies, in fp32, OpenMP over the triples. Prompt chunks take it too: a
+prompt's rows are chunked to what one call's accumulators hold, and read in place they beat
+the gather path with SDPA at every length measured (``max_new_tokens``).
 
 **Batch invariance.** A row's result depends on its query, its position and the keys it sees,
 never on what shares the call nor on where its keys sit in blocks, so a token verified among
@@ -51,8 +53,8 @@ FLAGS = (
     "-fPIC",
     "-shared",
 )
-MAX_ACCUMULATOR = 16384  # floats a (sequence, head) pair accumulates: G * new tokens * D
-MAX_ROWS = MAX_ACCUMULATOR // 16  # query rows of a (sequence, head) pair: G * new tokens
+MAX_ACCUMULATOR = 16384  # floats one call of a pair accumulates: G * new tokens * D, at most
+MAX_ROWS = MAX_ACCUMULATOR // 16  # query rows per call: the kernel chunks longer sequences
 MAX_BLOCK_SIZE = 256
 MAX_HEAD_DIM = 512
 MAX_BLOCK_FLOATS = 16384  # block_size * head_dim: one block of one head, converted from bf16
@@ -87,11 +89,18 @@ class CpuPagedAttention:
 
     ``failed``: why it could not be built or loaded (then it is never tried again);
     ``fallbacks``: steps that gathered because of that; ``calls``: the group-layers it served.
+
+    ``max_new_tokens``: the longest run of new tokens a sequence brings to the kernel; longer
+    ones gather (None: no limit). The kernel takes a sequence's tokens in chunks its
+    accumulators hold, and read in place it beat gathering with SDPA at every prompt length
+    measured on this project's CPU (128 to 2,048 tokens, fp32), so models set no limit; a test
+    sets one to exercise the gather path beside the kernel.
     """
 
-    def __init__(self, group_size: int, head_dim: int) -> None:
+    def __init__(self, group_size: int, head_dim: int, max_new_tokens: int | None = None) -> None:
         self.group_size = group_size
         self.head_dim = head_dim
+        self.max_new_tokens = max_new_tokens
         self._fn: Callable[..., int] | None = None
         self._write: Callable[..., int] | None = None
         self.failed: str | None = None
@@ -130,11 +139,13 @@ class CpuPagedAttention:
         return self._fn, self._write
 
     def fits(self, block_size: int, seq: SeqSlice) -> bool:
-        """Whether a sequence's new tokens fit one call's accumulator (decodes, verifications
-        and their trees, short prompt chunks)."""
+        """Whether the kernel takes a sequence (decodes, verifications and their trees, prompt
+        chunks): its head and block shapes within the kernel's limits, and its new tokens
+        within ``max_new_tokens``."""
         return (
-            self.group_size * seq.num_new * self.head_dim <= MAX_ACCUMULATOR
-            and self.group_size * seq.num_new <= MAX_ROWS
+            (self.max_new_tokens is None or seq.num_new <= self.max_new_tokens)
+            and self.group_size * self.head_dim <= MAX_ACCUMULATOR
+            and self.group_size <= MAX_ROWS
             and self.head_dim <= MAX_HEAD_DIM
             and self.head_dim % 16 == 0
             and block_size <= MAX_BLOCK_SIZE

@@ -13,8 +13,9 @@ It takes what is common, and says no to the rest, which runs the modules as befo
   kernel at the model's dtype, row ops loaded, one rank, no attention biases, no q/k norms, no
   feature taps for an EAGLE-3 head; ``build`` returns None with the reason in ``why_not``;
 - the step (``LayerProgram.run``): one in-place attention group covering every row in order
-  (decodes, verifications, trees and short prompt chunks; a step with a long prompt chunk
-  gathers for it and runs the modules). ``steps`` and ``declined`` count them.
+  (decodes, verifications, trees and prompt chunks; a step with a group that gathers, where
+  the kernel is limited by ``max_new_tokens``, runs the modules). ``steps`` and ``declined``
+  count them.
 """
 
 from __future__ import annotations

@@ -231,9 +231,9 @@ class LlamaModel(nn.Module):
         """Whether attention runs in float64 (``build_attention_metadata``): on a CPU, for a
         model whose activations are rounded to 16 bits (bf16 or fp16 weights, or quantized
         ones), so that greedy speculation stays token-identical to plain decoding. It applies
-        to the groups that gather (long prompt chunks, or every group where the CPU kernel is
-        unavailable): the kernel of ``models.cpu_paged`` is batch-invariant at the model's
-        dtype."""
+        to the groups that gather (every group where the CPU kernel is unavailable, or chunks
+        over its ``max_new_tokens``): the kernel of ``models.cpu_paged`` is batch-invariant at
+        the model's dtype."""
         return self.device.type == "cpu" and (
             self.dtype != torch.float32 or self.quant is not Quant.NONE
         )

@@ -1,4 +1,5 @@
-/* Decode and chain-verification attention over the paged KV pool, read in place, on a CPU.
+/* Attention over the paged KV pool, read in place, on a CPU: decodes, chain and tree
+ * verifications and prompt chunks.
  *
  * Why by hand: no maintained CPU kernel reads a paged KV cache for the torch this project runs
  * on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU kernels are built
@@ -20,8 +21,9 @@
  * so a token verified among k + 1 rows, or as a node of a draft tree, gets the bits it gets
  * decoded alone.
  *
- * Work is split over (sequence, KV head) pairs across the OpenMP threads of the runtime torch
- * itself uses (the library links the libgomp torch loaded), every pair accumulating in fp32.
+ * Work is split over (sequence, KV head, chunk of new tokens) triples across the OpenMP threads
+ * of the runtime torch itself uses (the library links the libgomp torch loaded), each
+ * accumulating in fp32.
  * Head dims are multiples of 16 (a vector of floats); 64 and 128 are compiled as constants
  * (their loops unroll and the row accumulators stay in registers), others take the same code
  * with the head dim read at run time. Compiled without -fassociative-math: every sum is in the
@@ -34,10 +36,10 @@
 
 #include "fast_exp.h"
 
-#define MAX_ACC 16384 /* floats of accumulator per (sequence, head): rows * head_dim */
+#define MAX_ACC 16384 /* floats of accumulator per call of attend_pair: rows * head_dim */
 /* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
  * MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_BLOCK_FLOATS) */
-#define MAX_ROWS (MAX_ACC / 16) /* query rows per (sequence, head) */
+#define MAX_ROWS (MAX_ACC / 16) /* query rows per call of attend_pair */
 #define MAX_BS 256
 #define MAX_D 512
 
@@ -268,22 +270,40 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
     if (g * hkv != hq || bs > MAX_BS || d > MAX_D || d % 16 ||
         (int64_t)bs * d > MAX_BS * MAX_D / 8)
         return -1;
-    for (int s = 0; s < b; s++)
-        if ((int64_t)g * q_len[s] * d > MAX_ACC || g * q_len[s] > MAX_ROWS) return -2;
+    /* A sequence's new tokens are taken in chunks of at most `per` tokens (their rows and
+     * accumulators fit one call of attend_pair): a chunk from token t0 is attend_pair's rows
+     * from q_start + t0 with cached + t0 keys before them, each row seeing what it saw in
+     * the whole, so a row's bits do not depend on the chunking. Work items are (sequence,
+     * KV head, chunk) triples. */
+    const int32_t per_acc = MAX_ACC / (g * d), per_rows = MAX_ROWS / g;
+    const int32_t per = per_acc < per_rows ? per_acc : per_rows;
+    if (per < 1) return -2;
+    int64_t* first_item = malloc(sizeof(int64_t) * (size_t)(b + 1)); /* [b + 1] */
+    if (!first_item) return -3;
+    first_item[0] = 0;
+    for (int s = 0; s < b; s++) {
+        const int64_t chunks = q_len[s] > 0 ? (q_len[s] + per - 1) / per : 0;
+        first_item[s + 1] = first_item[s] + chunks * hkv;
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t it = 0; it < (int64_t)b * hkv; it++) {
-        const int s = (int)(it / hkv), h = (int)(it % hkv);
-        const int32_t n = q_len[s];
-        if (n <= 0) continue;
-#define PAIR(B16, FD)                                                                          \
-    attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s], n, cached[s], tree_base[s],     \
-                tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, scale, B16, FD)
+    for (int64_t it = 0; it < first_item[b]; it++) {
+        int s = 0;
+        while (first_item[s + 1] <= it) s++;
+        const int64_t local = it - first_item[s];
+        const int h = (int)(local % hkv);
+        const int32_t t0 = (int32_t)(local / hkv) * per;
+        const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
+#define PAIR(B16, FD)                                                                    \
+    attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s] + t0, n, cached[s] + t0,   \
+                tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, \
+                scale, B16, FD)
         if (dtype == 1)
             failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
         else
             failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
     }
+    free(first_item);
     if (failed) return -3; /* out of memory */
     return 0;
 }

@@ -36,8 +36,9 @@ def _step(
 
 
 def _mixed_step(gen: torch.Generator) -> list[SeqSlice]:
-    """Decodes, chain verifications, a draft tree, a short prompt chunk and one too long for
-    the kernel's accumulator (G * 400 * D floats), over blocks in shuffled order."""
+    """Decodes, chain verifications, a draft tree, a short prompt chunk and a long one (400
+    tokens: more rows than one call of the kernel's accumulators holds, so it is chunked), over
+    blocks in shuffled order."""
     perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
     shapes = [(300, 1), (517, 5), (16, 1), (250, 3), (40, 24), (0, 400), (7, 1)]
     seqs, start = [], 0
@@ -98,10 +99,10 @@ def test_a_head_dim_off_the_vector_width_gathers() -> None:
     assert "head dim 24" in model.attention_path()[0]
 
 
-def test_the_long_prompt_chunk_gathers_and_the_rest_is_one_call() -> None:
+def test_a_chunk_over_max_new_tokens_gathers_and_the_rest_is_one_call() -> None:
     gen = torch.Generator().manual_seed(2)
     seqs = _mixed_step(gen)
-    kernel = CpuPagedAttention(G, D)
+    kernel = CpuPagedAttention(G, D, max_new_tokens=300)
     rope = RotaryEmbedding(D, 4096, 10000.0, CPU)
     meta = build_attention_metadata(seqs, BS, CPU, rope.cos, rope.sin, native=kernel)
     native = [g for g in meta.groups if isinstance(g, NativeGroup)]
@@ -136,6 +137,32 @@ def test_a_verified_row_gets_the_bits_of_its_decode_alone(dtype: torch.dtype, d:
     for t in range(k1):
         alone = attend([SeqSlice(table, cached + t, 1)], q[t : t + 1])
         assert torch.equal(alone[0], together[t]), f"row {t} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [D, 64])  # 64: a call holds 85 tokens of G = 3 rows
+def test_a_long_prompt_chunk_gets_the_bits_of_each_position_alone(
+    dtype: torch.dtype, d: int
+) -> None:
+    """A prompt chunk longer than one call's accumulators is cut into chunks of rows; each row
+    must still get the bits it gets decoded alone, whatever chunk it falls in."""
+    gen = torch.Generator().manual_seed(8)
+    pool = torch.randn(NB, 2, HKV, BS, d, generator=gen).to(dtype)
+    table = list(range(5, 5 + 30))
+    cached, n = 37, 400
+    q = torch.randn(n, HKV * G, d, generator=gen).to(dtype)
+    kernel = CpuPagedAttention(G, d)
+    rope = RotaryEmbedding(d, 4096, 10000.0, CPU)
+
+    def attend(seq: SeqSlice, queries: torch.Tensor) -> torch.Tensor:
+        meta = build_attention_metadata([seq], BS, CPU, rope.cos, rope.sin, native=kernel)
+        assert len(meta.groups) == 1 and isinstance(meta.groups[0], NativeGroup)
+        return kernel.attend(queries, pool, meta.groups[0], d**-0.5)
+
+    whole = attend(SeqSlice(table, cached, n), q)
+    for t in (0, 1, 84, 85, 86, 170, 255, 341, 342, 399):  # around the chunks' edges
+        alone = attend(SeqSlice(table, cached + t, 1), q[t : t + 1])
+        assert torch.equal(alone[0], whole[t]), f"row {t} differs"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
