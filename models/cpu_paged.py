@@ -9,8 +9,7 @@ kernels are built into their own wheels against their own torch pins), so this o
 by hand (``models/csrc/paged_attention.c``): per (sequence, KV head, chunk of new tokens), the
 scores of the keys each query row sees, then their softmax weights and the weighted values,
 every block read where it lies, in fp32, OpenMP over the triples. Prompt chunks take it too: a
-prompt's rows are chunked to what one call's accumulators hold, and read in place they beat
-the gather path with SDPA at every length measured (``max_new_tokens``).
+prompt's rows are chunked to what one call's accumulators hold (``max_new_tokens``).
 
 **Batch invariance.** A row's result depends on its query, its position and the keys it sees,
 never on what shares the call nor on where its keys sit in blocks, so a token verified among
@@ -92,9 +91,9 @@ class CpuPagedAttention:
 
     ``max_new_tokens``: the longest run of new tokens a sequence brings to the kernel; longer
     ones gather (None: no limit). The kernel takes a sequence's tokens in chunks its
-    accumulators hold, and read in place it beat gathering with SDPA at every prompt length
-    measured on this project's CPU (128 to 2,048 tokens, fp32), so models set no limit; a test
-    sets one to exercise the gather path beside the kernel.
+    accumulators hold and reads the pool once where gathering copies it and reads it again, so
+    models set no limit (``bench.paged_attention --prompts`` compares the two); a test sets one
+    to exercise the gather path beside the kernel.
     """
 
     def __init__(self, group_size: int, head_dim: int, max_new_tokens: int | None = None) -> None:
