@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from models.attention import kv_pool_shape
 from models.eagle import load_eagle
+from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from runtime.runner import EagleRunner, SeqInput, run_step
 

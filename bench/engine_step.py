@@ -35,7 +35,7 @@ import torch
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
-from models.attention import kv_pool_shape
+from models.kv_layout import new_kv_pool
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftSpec, ModelSpec
@@ -122,9 +122,7 @@ def verify_curve(spec: ModelSpec, batch: int, ks: range, rounds: int = 9) -> dic
     sample of many ks, not on every sample of one k."""
     model = _runtime_model(spec)
     c = model.cfg
-    pool = torch.zeros(
-        kv_pool_shape(batch * 16, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
-    )
+    pool = new_kv_pool(batch * 16, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(batch)]
     run_step(model, pool, 16, [SeqInput(t, 0, list(range(200)), [199]) for t in tables])
     cases = {
@@ -157,9 +155,7 @@ def mixed_cost(spec: ModelSpec, rounds: int = 7) -> dict[str, dict[str, float]]:
     """
     model = _runtime_model(spec)
     c = model.cfg
-    pool = torch.zeros(
-        kv_pool_shape(33 * 64, c.num_kv_heads, c.num_layers, 16, c.head_dim), dtype=model.dtype
-    )
+    pool = new_kv_pool(33 * 64, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype)
     tables = [list(range(i * 64, i * 64 + 64)) for i in range(33)]
 
     def dec(t: list[int], width: int, ctx: int = 200) -> SeqInput:

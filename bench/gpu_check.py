@@ -87,7 +87,7 @@ def _tiny(
 def check_forward(folder: Path, dev: str) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    from models.attention import kv_pool_shape
+    from models.kv_layout import new_kv_pool
     from models.spec import ModelSpec
     from runtime.runner import SeqInput, run_step
 
@@ -98,11 +98,7 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
         ref: Any = LlamaForCausalLM.from_pretrained(folder, dtype=ours.dtype)
         ref = ref.to(dev).eval()
         c = ours.cfg
-        pool = torch.zeros(
-            kv_pool_shape(16, c.num_kv_heads, c.num_layers, 16, c.head_dim),
-            dtype=ours.dtype,
-            device=dev,
-        )
+        pool = new_kv_pool(16, c.num_kv_heads, c.num_layers, 16, c.head_dim, ours.dtype, dev)
         a = run_step(ours, pool, 16, [SeqInput([3, 1, 7, 2, 9], 0, ids[:60], list(range(60)))])
         b = run_step(ours, pool, 16, [SeqInput([3, 1, 7, 2, 9], 60, ids[60:], list(range(10)))])
         mine = torch.cat([a.logits, b.logits])
@@ -191,15 +187,11 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
 def _cached_pool(model: Any, batch: int, nb: int, dev: str) -> tuple[torch.Tensor, list[list[int]]]:
     """A pool of ``batch`` sequences of ``nb`` blocks each, 1,000 tokens of each already cached
     (two 500-token prompt chunks), and their block tables."""
-    from models.attention import kv_pool_shape
+    from models.kv_layout import new_kv_pool
     from runtime.runner import SeqInput, run_step
 
     c = model.cfg
-    pool = torch.zeros(
-        kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim),
-        dtype=model.dtype,
-        device=dev,
-    )
+    pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype, dev)
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     for i in range(0, 1000, 500):
         run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])

@@ -85,8 +85,8 @@ def kv_transfer(
     dev: str, mode: str = "loopback", num_blocks: int = 512, source_progress: str = "poll"
 ) -> dict[str, Any]:
     """Median NIXL pull time of each size in ``SIZES`` under ``mode`` (module docstring), with a
-    strided device copy of the same blocks (the pool's layout) and a flat copy of as many
-    bytes (the device's ceiling) measured in the same run."""
+    device copy of the same blocks through the pools' views (``strided_copy``) and a flat copy
+    of as many bytes (the device's ceiling) measured in the same run."""
     from kvtransfer.handoff import KVCompat, KVHandoff
     from kvtransfer.nixl_transport import NixlTransport
     from kvtransfer.transport import PullState
@@ -124,7 +124,8 @@ def kv_transfer(
         raise ValueError(f"mode {mode!r} is not loopback or two_process")
     compat = KVCompat("m", "bfloat16", 16, "x", 1, "none", "nixl")
     x, y = src_pool.tensor("target"), dst_pool.tensor("target")
-    flat_x, flat_y = x.view(-1), y.view(-1)
+    flat_x = src_pool.memory("target").view(-1)
+    flat_y = dst_pool.memory("target").view(-1)
     out: dict[str, Any] = {
         "mode": mode,
         "source_progress": source_progress if mode == "two_process" else "loopback",

@@ -1,10 +1,11 @@
 """KV handoff speed between two processes on this machine, against a memcpy of the same bytes.
 
 Two Ray actors hold pools laid out for the embedded model (30 layers, 3 KV heads of 64, fp32,
-16-token blocks: 737,280 bytes a block). The destination pulls handoffs of 1 and 16 blocks, of
-256 blocks scattered over the source's pool (no two consecutive: the per-block descriptors) and
-of 1k-, 4k- and 16k-token prompts (consecutive blocks on both sides, as an unfragmented pool
-gives them: a descriptor per layer) over NIXL and over the object-store fallback; an in-process
+16-token blocks: 737,280 bytes a block, block-major: every layer of a block is one range). The
+destination pulls handoffs of 1 and 16 blocks, of 256 blocks scattered over the source's pool
+(no two consecutive: a descriptor per block) and of 1k-, 4k- and 16k-token prompts
+(consecutive blocks on both sides, as an unfragmented pool gives them: one descriptor) over
+NIXL and over the object-store fallback; an in-process
 ``copy_`` of the same bytes is the ceiling. Then the raw-READ ceiling of ``bench.nixl_ceiling``
 in the same run (handoffs of 16 MB or more are reported against its best), and the prefill of
 a 1k-token prompt, to put the 1k handoff in proportion.
@@ -41,7 +42,7 @@ COMPAT = KVCompat("bench", "float32", BLOCK, "x", 1, "none", "nixl")
 SIZES = {  # blocks, and the stride between the source's block ids
     "1 block": (1, 1),
     "16 blocks": (16, 1),
-    # every other block on the source: no two consecutive, one descriptor per (layer, block)
+    # every other block on the source: no two consecutive, one descriptor per block
     "256 blocks, scattered": (256, 2),
     "1k-token prompt": (64, 1),
     "4k-token prompt": (256, 1),
@@ -110,7 +111,7 @@ def memcpy_seconds(n: int, repeats: int) -> float:
 
 
 def prefill_seconds_1k() -> float:
-    from models.attention import kv_pool_shape
+    from models.kv_layout import kv_pool_shape
     from models.spec import ModelSpec
     from models.weights import resolve_checkpoint
     from runtime.runner import SeqInput, run_step

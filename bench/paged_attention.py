@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from models.attention import kv_pool_shape
+from models.kv_layout import new_kv_pool
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from runtime.runner import SeqInput, StepResult, run_step
@@ -43,10 +43,7 @@ def _measure(
     (logits at their last token)."""
     c = model.cfg
     nb = (context + new + BLOCK - 1) // BLOCK
-    pool = torch.zeros(
-        kv_pool_shape(batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim),
-        dtype=model.dtype,
-    )
+    pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim, model.dtype)
     pool.normal_()
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     wanted = [new - 1] if context == 0 else list(range(new))

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from models.attention import kv_pool_shape
 from models.cpu_linear import CpuLinear
 from models.cpu_paged import CpuPagedAttention
+from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from runtime.runner import SeqInput, run_step

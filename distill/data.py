@@ -23,8 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distill.sharegpt import Conversation, held_out, iter_conversations
-from models.attention import SeqSlice, build_attention_metadata, kv_pool_shape
+from models.attention import SeqSlice, build_attention_metadata
 from models.eagle import EagleHead
+from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.tokenizer import Tokenizer
 

@@ -23,8 +23,8 @@ HANDOFF_VERSION = 2
 @dataclass(frozen=True)
 class KVRegion:
     """One registered pool tensor of the source (one KV group), as ``kvtransfer.pool`` lays it
-    out: ``num_layers * num_blocks`` slabs of ``2 * num_heads`` chunks; block ``b`` of layer
-    ``l`` starts at ``base_address + (l * num_blocks + b) * slab_bytes``."""
+    out: ``num_blocks * num_layers`` slabs of ``2 * num_heads`` chunks; block ``b`` of layer
+    ``l`` starts at ``base_address + (b * num_layers + l) * slab_bytes``."""
 
     group: str
     base_address: int

@@ -2,13 +2,13 @@
 
 Each worker registers every group tensor of its pool with its NIXL agent once. A read is
 described by block indices into *prepared descriptor lists* (``make_prepped_xfer``): one
-descriptor per (layer, block) when a rank reads every head of a group from a source of the same
-TP size, and one per (layer, block, K/V) over the run of heads it owns otherwise
-(``kvtransfer.pool``); each list is prepared once per peer and per head run, on first use.
-Where a read of every head has blocks consecutive on both sides (a prompt's blocks, taken
-from a pool that is not fragmented, usually are), each run of them is one descriptor per
-layer instead, built for that read (``initialize_xfer``): a long prompt's handoff is then a few
-large descriptors, not thousands of one-slab ones, which UCX moves faster.
+descriptor per block (every layer of it: the pool is block-major, ``kvtransfer.pool``) when a
+rank reads every head of a group from a source of the same TP size, and one per (block, layer,
+K/V) over the run of heads it owns otherwise; each list is prepared once per peer and per head
+run, on first use. Where a read of every head has blocks consecutive on both sides (a prompt's
+blocks, taken from a pool that is not fragmented, usually are), each run of them is one
+descriptor instead, built for that read (``initialize_xfer``): a long prompt's handoff is then
+a few large descriptors, which UCX moves faster than many small ones.
 Decode issues one READ per source rank it reads from (``make_prepped_xfer``)
 carrying the request id as a NIXL notification; when the read completes the source receives that
 notification and ends the lease. The source must call :meth:`completed` often: without NIXL's own
@@ -49,26 +49,30 @@ LOCAL = "NIXL_INIT_AGENT"
 
 @dataclass(frozen=True)
 class _Slice:
-    """What a read moves of every (layer, block) of one group: heads ``first .. first + count``
-    of its K and V parts, in one descriptor per (layer, block) when ``whole``, else two."""
+    """What a read moves of every block of one group: heads ``first .. first + count`` of its K
+    and V parts, in one descriptor per block when ``whole`` (every layer of every head), else
+    two per layer (the K part and the V part of each)."""
 
     group: str
     first: int
     count: int
     whole: bool
 
-    @property
-    def parts(self) -> int:
-        return 1 if self.whole else 2
+    def rows_per_block(self, r: KVRegion) -> int:
+        """Descriptors of one block over region ``r``."""
+        return 1 if self.whole else 2 * r.num_layers
 
 
 def _descs(r: KVRegion, sl: _Slice) -> np.ndarray:
-    """One (address, length, device) row per (layer, block, part) of ``sl`` over region ``r``,
-    row ``(layer * num_blocks + block) * parts + part``."""
-    slabs = r.base_address + np.arange(r.num_layers * r.num_blocks, dtype=np.int64) * r.slab_bytes
+    """The (address, length, device) rows of every block of ``sl`` over region ``r``: block
+    ``b``'s are rows ``b * rows_per_block ..``, one for the whole block, or one per (layer,
+    part), row ``(b * num_layers + layer) * 2 + part``."""
     if sl.whole:
-        addrs, length = slabs, r.slab_bytes
-    else:  # the K part, then the V part, of the heads of the run
+        addrs = r.base_address + np.arange(r.num_blocks, dtype=np.int64) * r.block_bytes
+        length = r.block_bytes
+    else:  # per (block, layer) slab: the K part, then the V part, of the heads of the run
+        n = r.num_blocks * r.num_layers
+        slabs = r.base_address + np.arange(n, dtype=np.int64) * r.slab_bytes
         half = r.num_heads * r.chunk_bytes
         part = np.array([0, half], dtype=np.int64) + sl.first * r.chunk_bytes
         addrs, length = (slabs[:, None] + part[None, :]).reshape(-1), sl.count * r.chunk_bytes
@@ -89,10 +93,10 @@ def _dlist(
 
 
 def _rows(r: KVRegion, sl: _Slice, blocks: np.ndarray, offset: int) -> np.ndarray:
-    """Rows of ``_dlist`` for ``blocks`` of every layer and part, layer-major."""
-    lb = np.arange(r.num_layers, dtype=np.int64)[:, None] * r.num_blocks + blocks[None, :]
-    part = np.arange(sl.parts, dtype=np.int64)
-    rows: np.ndarray = (offset + lb[:, :, None] * sl.parts + part).reshape(-1)
+    """Rows of ``_dlist`` for ``blocks``: each block's rows in turn."""
+    n = sl.rows_per_block(r)
+    each = np.arange(n, dtype=np.int64)
+    rows: np.ndarray = (offset + blocks[:, None] * n + each[None, :]).reshape(-1)
     return rows
 
 
@@ -108,14 +112,11 @@ def block_runs(theirs: np.ndarray, ours: np.ndarray) -> tuple[np.ndarray, np.nda
 def run_descs(
     r: KVRegion, blocks: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> np.ndarray:
-    """One (address, length, device) row per (layer, run) of whole blocks over region ``r``:
-    a layer's blocks ``b .. b + n - 1`` are one contiguous range of ``n`` slabs."""
-    layers = np.arange(r.num_layers, dtype=np.int64)[:, None]
-    addrs = r.base_address + (layers * r.num_blocks + blocks[starts][None, :]) * r.slab_bytes
-    sizes = np.broadcast_to(lengths[None, :] * r.slab_bytes, addrs.shape)
-    return np.stack(
-        [addrs.reshape(-1), sizes.reshape(-1), np.full(addrs.size, r.device_id, np.int64)], 1
-    )
+    """One (address, length, device) row per run of whole blocks over region ``r``: blocks
+    ``b .. b + n - 1``, every layer of them, are one contiguous range of ``n`` blocks."""
+    addrs = r.base_address + blocks[starts] * r.block_bytes
+    sizes = lengths.astype(np.int64) * r.block_bytes
+    return np.stack([addrs, sizes, np.full(addrs.size, r.device_id, np.int64)], 1)
 
 
 _Prepared = tuple[Any, dict[str, int]]  # a prepared descriptor list and each group's first row
@@ -154,7 +155,7 @@ class NixlTransport(KVTransport):
         self.agent = nixl_agent(
             self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         )
-        tensors = list(pool.tensors.items())
+        tensors = [(name, pool.memory(name)) for name in pool.tensors]
         self._registrations = [self.agent.register_memory(t) for _, t in tensors]
         spec = pool.spec
         self.regions = tuple(
@@ -303,8 +304,8 @@ class NixlTransport(KVTransport):
             starts, lengths = block_runs(remote_blocks, ours_blocks)
             try:
                 if all(sl.whole for sl in rem_sl) and len(starts) < len(ours_blocks):
-                    # blocks consecutive on both sides: a descriptor per (layer, run), built
-                    # for this read, where the prepared lists would give one per block
+                    # blocks consecutive on both sides: a descriptor per run, built for this
+                    # read, where the prepared lists would give one per block
                     remote_rows = [
                         run_descs(peer.regions[sl.group], remote_blocks, starts, lengths)
                         for sl in rem_sl

@@ -1,15 +1,18 @@
 """The KV block pools of one worker: one tensor per KV group (target, draft), same block ids.
 
-Layout of every group's tensor (what ``models.attention`` reads and writes)::
+Every group's memory is **block-major** (``models.kv_layout``)::
 
-    [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
+    [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
 
-Block ``b`` of layer ``l`` is one contiguous *slab* of ``2 * num_kv_heads`` *chunks* (K of
-every head, then V of every head; a chunk is one head's ``block_size`` tokens), at
-``(l * num_blocks + b) * slab_bytes``. A transfer of a block therefore takes one descriptor per
-layer when it moves every head, and two (the K part and the V part) when it moves a contiguous
-run of the heads, as a rank of a different TP size does. Target and draft share block ids: a
-sequence has one block table, and the draft group simply has fewer, smaller slabs.
+and the model reads it through the transposed view ``[num_layers, num_blocks, ...]``. Block
+``b`` of layer ``l`` is one contiguous *slab* of ``2 * num_kv_heads`` *chunks* (K of every
+head, then V of every head; a chunk is one head's ``block_size`` tokens), at ``(b * num_layers
++ l) * slab_bytes``: a block of every layer is one contiguous range of ``block_bytes``, and a
+run of consecutive blocks one range too. A transfer that moves every head therefore takes one
+descriptor per block, or per run of blocks; one that moves a contiguous run of the heads, as a
+rank of a different TP size does, takes two per layer and block (the K part and the V part).
+Target and draft share block ids: a sequence has one block table, and the draft group simply
+has fewer, smaller slabs.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import kv_pool_shape
 from models.config import DTYPES
+from models.kv_layout import new_kv_pool
 
 
 @dataclass(frozen=True)
@@ -66,19 +69,29 @@ class KVPool:
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.device = torch.device(device)
-        self.tensors: Mapping[str, torch.Tensor] = {
-            g.name: torch.zeros(
-                kv_pool_shape(
-                    spec.num_blocks, g.num_kv_heads, g.num_layers, spec.block_size, g.head_dim
-                ),
-                dtype=DTYPES[g.dtype],
-                device=self.device,
+        self.tensors: Mapping[str, torch.Tensor] = {  # as the model sees them
+            g.name: new_kv_pool(
+                spec.num_blocks,
+                g.num_kv_heads,
+                g.num_layers,
+                spec.block_size,
+                g.head_dim,
+                DTYPES[g.dtype],
+                self.device,
             )
             for g in spec.groups
         }
 
     def tensor(self, group: str) -> torch.Tensor:
+        """The group's pool as the model reads it: [L, NB, 2, Hkv, BS, D], block-major."""
         return self.tensors[group]
+
+    def memory(self, group: str) -> torch.Tensor:
+        """The group's memory as it lies: [NB, L, 2, Hkv, BS, D], contiguous (what a transport
+        registers)."""
+        out = self.tensors[group].transpose(0, 1)
+        assert out.is_contiguous()
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +109,7 @@ class KVPool:
         return self.device.index or 0
 
 
-KV_LAYOUT = "layers,blocks,kv,kv_heads,block_size,head_dim"
+KV_LAYOUT = "blocks,layers,kv,kv_heads,block_size,head_dim"
 
 
 def group_spec(

@@ -1,16 +1,13 @@
 """Attention over a paged KV cache, in plain torch.
 
-**KV pool layout** (one tensor per model, owned by ``kvtransfer``; passed in as an argument)::
+**KV pool** (one tensor per model, owned by ``kvtransfer``; passed in as an argument; its layout
+is ``models.kv_layout``)::
 
     pool: [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]
 
-One layer of the pool is the paged cache of FlashInfer's "HND" layout, ``[pages, K/V, heads,
-page size, head dim]``: a block of one layer (its K and V, every head) is one contiguous run, so
-a transfer moves a block in one descriptor per layer, or two (K and V) when it moves a subset
-of the heads, and inside each K or V part one head's ``block_size * head_dim`` tokens are a
-contiguous chunk that kernels read in place. Sequences own blocks through a *block table*:
-token ``p`` of a sequence lives in block ``table[p // block_size]`` at offset
-``p % block_size``.
+Each block of a layer is one contiguous slab (K of every head, then V), however far apart the
+slabs are. Sequences own blocks through a *block table*: token ``p`` of a sequence lives in
+block ``table[p // block_size]`` at offset ``p % block_size``.
 
 A forward step may mix sequences with different numbers of new tokens (prompt chunks, one decode
 token, k + 1 verification tokens). :class:`AttentionMetadata` is built once per step and shared
@@ -52,13 +49,6 @@ from models.cpu_paged import CpuPagedAttention, NativeGroup
 from models.flex_paged import FlexGroup, FlexPool
 from models.layers import rotary_tables
 from models.tree import TreeSpan
-
-
-def kv_pool_shape(
-    num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int, head_dim: int
-) -> tuple[int, int, int, int, int, int]:
-    """The shape the model expects of a KV pool (see the module docstring)."""
-    return (num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim)
 
 
 @dataclass(frozen=True)

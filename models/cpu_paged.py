@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from models import native
+from models.kv_layout import slabs_in_place
 
 if TYPE_CHECKING:
     from models.attention import SeqSlice
@@ -120,11 +121,11 @@ class CpuPagedAttention:
                 fn = lib.tandem_paged_attention
                 fn.restype = ctypes.c_int
                 p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                fn.argtypes = [p, i64, p, p, i64, p, p, p, p, p, i32, p, i64]
+                fn.argtypes = [p, i64, p, i64, p, i64, p, p, p, p, p, i32, p, i64]
                 fn.argtypes += [i32] * 6 + [ctypes.c_float, i32]
                 write = lib.tandem_kv_write
                 write.restype = i32
-                write.argtypes = [p, i64, p, i64, p, i64, p, p, i64, i32, i32, i32, i32]
+                write.argtypes = [p, i64, p, i64, p, i64, i64, p, p, i64, i32, i32, i32, i32]
                 self._fn, self._write = fn, write
             except Exception as e:  # no compiler, a failed compile, a library that won't load
                 self.failed = f"{type(e).__name__}: {e}"[:500]
@@ -229,7 +230,7 @@ class CpuPagedAttention:
         if (
             self._write is None
             or layer_kv.device.type != "cpu"
-            or not layer_kv.is_contiguous()
+            or not slabs_in_place(layer_kv)
             or not k.dtype == v.dtype == layer_kv.dtype
             or blocks.dtype != torch.int64
             or offsets.dtype != torch.int64
@@ -245,6 +246,7 @@ class CpuPagedAttention:
             v.stride(0),
             layer_kv.data_ptr(),
             nb,
+            layer_kv.stride(0),
             blocks.data_ptr(),
             offsets.data_ptr(),
             t,
@@ -265,14 +267,14 @@ class CpuPagedAttention:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [t, Hq, D] the group's queries; layer_kv: [NB, 2, Hkv, BS, D], contiguous, on
-        the CPU, float32 or bfloat16 like q. Returns [t, Hq * D]: ``out`` when given, whose rows
-        no sequence owns are left as they are."""
+        """q: [t, Hq, D] the group's queries; layer_kv: [NB, 2, Hkv, BS, D], each block one
+        contiguous slab (``slabs_in_place``), on the CPU, float32 or bfloat16 like q. Returns
+        [t, Hq * D]: ``out`` when given, whose rows no sequence owns are left as they are."""
         code = DTYPES.get(q.dtype)
         if self._fn is None or code is None or q.dtype != layer_kv.dtype:
             raise ValueError(f"no CPU paged attention for {q.dtype} queries over {layer_kv.dtype}")
-        if q.device.type != "cpu" or not layer_kv.is_contiguous():
-            raise ValueError("CPU paged attention reads a contiguous pool on the CPU")
+        if q.device.type != "cpu" or not slabs_in_place(layer_kv):
+            raise ValueError("CPU paged attention reads a pool of contiguous blocks on the CPU")
         t, hq, d = q.shape
         _nb, _two, hkv, bs, _d = layer_kv.shape
         if q.stride(2) != 1 or q.stride(1) != d:
@@ -283,6 +285,7 @@ class CpuPagedAttention:
             q.data_ptr(),
             q.stride(0),
             layer_kv.data_ptr(),
+            layer_kv.stride(0),
             ng.tables.data_ptr(),
             ng.tables.shape[1],
             ng.q_start.data_ptr(),

@@ -32,6 +32,7 @@ from models import native
 from models.attention import AttentionMetadata, StepMetadata
 from models.cpu_linear import PanelKind, PanelWeight
 from models.cpu_paged import DTYPES, NativeGroup
+from models.kv_layout import slabs_in_place
 
 if TYPE_CHECKING:
     from models.llama import LlamaModel
@@ -73,7 +74,7 @@ class _Step(ctypes.Structure):
         ("t", _i64),
         *((name, _p) for name in ("x", "n", "qkv", "qk", "att", "o", "gu", "act")),
         *((name, _p) for name in ("cos", "sin", "slot_blocks", "slot_offsets", "pool")),
-        *((name, _i64) for name in ("layer_bytes", "nb", "bs")),
+        *((name, _i64) for name in ("layer_bytes", "block_stride", "nb", "bs")),
         *((name, _p) for name in ("tables", "q_start", "q_len", "cached", "tree_base")),
         ("tree_mask", _p),
         *((name, _i64) for name in ("nbmax", "tree_width", "b", "window")),
@@ -215,13 +216,13 @@ class LayerProgram:
         """Run every decoder layer over ``x`` [T, hidden] (the embeddings, updated in place to
         the last layer's output) for a step whose attention is one in-place group over all its
         rows; False, having done nothing, for any other step (the caller runs the modules).
-        kv_pool: [layers, NB, 2, Hkv, BS, D], contiguous."""
+        kv_pool: [layers, NB, 2, Hkv, BS, D], each block of a layer one contiguous slab."""
         groups = meta.groups if isinstance(meta, AttentionMetadata) else ()
         group = groups[0] if len(groups) == 1 else None
         if (
             not isinstance(group, NativeGroup)
             or group.rows is not None
-            or not kv_pool.is_contiguous()
+            or not slabs_in_place(kv_pool[0])
             or kv_pool.dtype != self.model.dtype
             or not x.is_contiguous()
         ):
@@ -257,6 +258,7 @@ class LayerProgram:
             offsets.data_ptr(),
             kv_pool.data_ptr(),
             kv_pool.stride(0) * kv_pool.element_size(),
+            kv_pool.stride(1),
             kv_pool.shape[1],
             kv_pool.shape[4],
             group.tables.data_ptr(),

@@ -7,11 +7,14 @@ to C++ on a CPU and to Triton on a GPU) instead walks a *block mask*: for each b
 rows, the list of KV blocks it reads, straight out of the pool.
 
 **How the pool is seen.** One layer of the pool is ``[NB, 2, Hkv, BS, D]``: every (block,
-K/V, head) is a contiguous chunk of ``BS`` rows of ``D``. The whole layer, flattened, is therefore
-one long sequence of chunks with a single head; chunk ``(b * 2 + 0) * Hkv + h`` is head ``h``'s
-keys of block ``b`` and the chunk ``Hkv`` further on is its values. Keys are read through the
-view that starts at the layer's first row and values through the view that starts ``Hkv``
-chunks later, so one chunk index names a block's keys in one and its values in the other.
+K/V, head) is a contiguous chunk of ``BS`` rows of ``D``, and consecutive blocks are ``S``
+chunks apart (``models.kv_layout.block_chunks``: ``2 * Hkv`` in a layer-major pool, ``layers *
+2 * Hkv`` in a block-major one). The memory from the layer's first row on is therefore one
+long sequence of chunks with a single head; chunk ``b * S + h`` is head ``h``'s keys of block
+``b`` and the chunk ``Hkv`` further on is its values (chunks of other layers lie between the
+blocks, and no list names them). Keys are read through the view that starts at the layer's
+first row and values through the view that starts ``Hkv`` chunks later, so one chunk index
+names a block's keys in one and its values in the other; ``chunk // S`` is its block.
 
 **How the queries are laid out.** One block of ``QB`` query rows per (sequence, KV head): its
 ``G = Hq / Hkv`` query heads for each of the sequence's new tokens, row ``t * G + g``. Its KV
@@ -42,6 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from models.kv_layout import block_chunks
+
 if TYPE_CHECKING:
     from models.attention import SeqSlice
 
@@ -67,19 +72,24 @@ def kv_lists(lists: torch.Tensor, padded: int, width: int) -> torch.Tensor:
 
 
 def causal_mask(
-    first: torch.Tensor, logical: torch.Tensor, query_block: int, group: int, block_size: int
+    first: torch.Tensor,
+    logical: torch.Tensor,
+    query_block: int,
+    group: int,
+    block_size: int,
+    stride: int,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The mask_mod of a paged block mask: query row ``q`` (row ``t * G + g`` of its query
-    block) sits at position ``first[block] + t``; key row ``kv`` of chunk ``c`` at
-    ``logical[c] * block_size + kv % block_size``; a row sees the keys at or before it.
-    first: [P] each query block's first position; logical: [>= chunks] each chunk's block
-    index within its sequence."""
+    block) sits at position ``first[block] + t``; key row ``kv`` of chunk ``c`` (of pool block
+    ``c // stride``) at ``logical[c // stride] * block_size + kv % block_size``; a row sees the
+    keys at or before it. first: [P] each query block's first position; logical: [>= NB] each
+    pool block's index within the sequence that reads it."""
 
     def causal(
         _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
     ) -> torch.Tensor:
         pos = first[q // query_block] + (q % query_block) // group
-        return logical[kv // block_size] * block_size + kv % block_size <= pos
+        return logical[kv // (block_size * stride)] * block_size + kv % block_size <= pos
 
     return causal
 
@@ -103,6 +113,12 @@ class FlexPool:
     num_kv_heads: int  # on this rank
     num_blocks: int
     group_size: int  # query heads per KV head
+    block_chunks: int  # chunks from one block of a layer to the next (models.kv_layout)
+
+    @property
+    def width(self) -> int:
+        """Chunks in the key (and the value) view of a layer: the mask's KV extent."""
+        return (self.num_blocks - 1) * self.block_chunks + self.num_kv_heads
 
 
 class FlexPagedAttention:
@@ -148,10 +164,9 @@ class FlexPagedAttention:
         if nq > MAX_QUERY_BLOCKS:
             return None
         padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks, a power of two
-        span = num_blocks * 2 * h  # chunks in one layer
-        width = span - h  # chunks in the key (and the value) view: the mask's KV extent
+        width, stride = pool.width, pool.block_chunks
         nbmax = tables.shape[1]
-        chunks = tables.unsqueeze(1) * (2 * h) + torch.arange(h).view(1, h, 1)  # [b, H, NBmax]
+        chunks = tables.unsqueeze(1) * stride + torch.arange(h).view(1, h, 1)  # [b, H, NBmax]
         j = torch.arange(nbmax)
         used = j.view(1, -1) < need.view(-1, 1)  # [b, NBmax] attended (the rest is padding)
         full = (j.view(1, -1) + 1) * block_size <= cached.view(-1, 1)  # [b, NBmax] before q
@@ -165,11 +180,10 @@ class FlexPagedAttention:
         kv_num = torch.zeros(padded, dtype=torch.int32)
         full_num = torch.zeros(padded, dtype=torch.int32)
         kv_num[:nq], full_num[:nq] = n_part, n_full
-        # The logical block of every chunk (a KV row's position for the mask) and each query
-        # block's first position.
-        logical = torch.zeros(span, dtype=torch.long)
-        taken = used.unsqueeze(1).expand(b, h, nbmax)  # padding must not overwrite a used block
-        logical[chunks[taken]] = j.view(1, 1, -1).expand(b, h, nbmax)[taken]
+        # The logical block of every pool block (a KV row's position for the mask) and each
+        # query block's first position.
+        logical = torch.zeros(num_blocks, dtype=torch.long)
+        logical[tables[used]] = j.view(1, -1).expand(b, nbmax)[used]  # padding is not used
         first = torch.zeros(padded, dtype=torch.long)
         first[:nq] = cached.repeat_interleave(h)
         logical, first = logical.to(device), first.to(device)
@@ -180,7 +194,7 @@ class FlexPagedAttention:
             full_num.view(1, 1, padded).to(device),
             kv_lists(chunks.view(nq, nbmax).to(device), padded, width),
             BLOCK_SIZE=(QUERY_BLOCK, block_size),
-            mask_mod=causal_mask(first, logical, QUERY_BLOCK, g, block_size),
+            mask_mod=causal_mask(first, logical, QUERY_BLOCK, g, block_size, stride),
             seq_lengths=(padded * QUERY_BLOCK, width * block_size),
             compute_q_blocks=False,
         )
@@ -218,11 +232,10 @@ class FlexPagedAttention:
             nq = b * h
             qb = max(QUERY_BLOCK, 1 << (g * query - 1).bit_length())  # rows per query block
             padded = max(4, 1 << (nq - 1).bit_length())  # [P] query blocks
-            span = pool.num_blocks * 2 * h  # chunks in one layer
-            width = span - h  # chunks in the key (and the value) view
+            width, stride = pool.width, pool.block_chunks
             dev = tables.device
             heads = torch.arange(h, device=dev)
-            chunks = tables.unsqueeze(1) * (2 * h) + heads.view(1, h, 1)  # [b, H, nb]
+            chunks = tables.unsqueeze(1) * stride + heads.view(1, h, 1)  # [b, H, nb]
             need = (cached + num_new + block_size - 1) // block_size  # [b] blocks attended
             n_full = torch.minimum(cached // block_size, need)  # [b] blocks wholly before q
             j = torch.arange(nb, device=dev)
@@ -234,12 +247,13 @@ class FlexPagedAttention:
                 out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
                 return out
 
-            # The logical block of every chunk the bucket attends over (its keys' positions for
-            # the mask); chunks past a sequence's need write to a spare entry, not a used one.
+            # The logical block of every pool block the bucket attends over (its keys' positions
+            # for the mask); blocks past a sequence's need write to a spare entry, not a used one.
             used = j.view(1, nb) < need.view(b, 1)  # [b, nb]
-            target = torch.where(used.unsqueeze(1), chunks, span).reshape(-1)  # [b * H * nb]
-            logical = torch.zeros(span + 1, dtype=torch.long, device=dev)
-            logical.scatter_(0, target, j.view(1, 1, nb).expand(b, h, nb).reshape(-1))
+            spare = pool.num_blocks
+            target = torch.where(used, tables, spare).reshape(-1)  # [b * nb]
+            logical = torch.zeros(spare + 1, dtype=torch.long, device=dev)
+            logical.scatter_(0, target, j.view(1, nb).expand(b, nb).reshape(-1))
             first = torch.zeros(padded, dtype=torch.long, device=dev)
             first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
 
@@ -249,7 +263,7 @@ class FlexPagedAttention:
                 per_block(n_full).view(1, 1, padded),
                 kv_lists(chunks.view(nq, nb), padded, width),
                 BLOCK_SIZE=(qb, block_size),
-                mask_mod=causal_mask(first, logical, qb, g, block_size),
+                mask_mod=causal_mask(first, logical, qb, g, block_size, stride),
                 seq_lengths=(padded * qb, width * block_size),
                 compute_q_blocks=False,
             )
@@ -263,7 +277,8 @@ class FlexPagedAttention:
     def attend(
         self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexGroup, scale: float
     ) -> torch.Tensor | None:
-        """q: [b, q, Hq, D] (padded per sequence); layer_kv: [NB, 2, Hkv, BS, D], contiguous.
+        """q: [b, q, Hq, D] (padded per sequence); layer_kv: [NB, 2, Hkv, BS, D], the blocks
+        ``block_chunks`` of the plan's pool apart.
         Returns [b, q, Hq, D]; None when the kernel cannot run here (logged once, counted):
         the caller takes the gather path."""
         if self.failed is not None:
@@ -279,10 +294,11 @@ class FlexPagedAttention:
         rows[: fg.num_query_blocks, : qn * g] = (
             q.view(b, qn, h, g, d).permute(0, 2, 1, 3, 4).reshape(b * h, qn * g, d)
         )
-        flat = layer_kv.view(-1, d)  # [NB * 2 * H * BS, D]
-        n = (nb * 2 * h - h) * bs
-        keys = flat[:n].view(1, 1, n, d)
-        values = flat[h * bs :].view(1, 1, n, d)
+        # the chunks from the layer's first on, as rows: [n, D] from its keys, from its values
+        n = ((nb - 1) * block_chunks(layer_kv) + h) * bs
+        at = layer_kv.storage_offset()
+        keys = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at)
+        values = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at + h * bs * d)
         try:
             out = self._run(rows.view(1, 1, padded * qb, d), keys, values, fg, scale)
         except Exception as e:  # e.g. no C++ compiler on the host, or an inductor bug

@@ -15,6 +15,7 @@ from models.cpu_paged import CpuPagedAttention
 from models.cpu_program import LayerProgram
 from models.cpu_rowops import CpuRowOps, attach
 from models.flex_paged import FlexPagedAttention, FlexPool
+from models.kv_layout import block_chunks
 from models.layers import RMSNorm, RotaryEmbedding
 from models.parallel import (
     ColumnParallelLinear,
@@ -262,6 +263,7 @@ class LlamaModel(nn.Module):
             num_kv_heads=self.num_kv_heads_local,
             num_blocks=kv_pool.shape[1],
             group_size=self.cfg.num_heads // self.cfg.num_kv_heads,
+            block_chunks=block_chunks(kv_pool[0]),
         )
 
     @torch.inference_mode()

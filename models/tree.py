@@ -78,7 +78,7 @@ def move_slots(
     """Copy the K/V of slot ``src`` to slot ``dst`` of one sequence, every layer and head, for
     each ``(src, dst)`` in ``moves`` (all read before any is written).
 
-    pool: [num_layers, num_blocks, 2, Hkv, block_size, head_dim] (``models.attention``).
+    pool: [num_layers, num_blocks, 2, Hkv, block_size, head_dim] (``models.kv_layout``).
     """
     if not moves:
         return

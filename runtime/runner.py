@@ -18,6 +18,7 @@ from models.cpu_paged import DTYPES as CPU_DTYPES
 from models.cpu_paged import CpuPagedAttention
 from models.eagle import EagleHead
 from models.flex_paged import FlexPagedAttention, FlexPool
+from models.kv_layout import block_chunks
 from models.llama import LlamaModel
 from models.tree import TreeSpan, move_slots
 
@@ -149,6 +150,7 @@ class EagleRunner:
             num_kv_heads=kv_pool.shape[3],
             num_blocks=kv_pool.shape[1],
             group_size=c.num_heads // c.num_kv_heads,
+            block_chunks=block_chunks(kv_pool[0]),
         )
         on_cpu = head.device.type == "cpu" and head.dtype in CPU_DTYPES
         self.native = (  # and on a CPU, every drafting step does (models.cpu_paged)

@@ -62,7 +62,7 @@ def assert_verification_equals_decodes(model: LlamaModel, n: int, k: int, blocks
     """Verifying ``k`` tokens after an ``n``-token prompt gives each row the logits a one-token
     decode gives it, bit for bit: what keeps greedy speculation token-identical to plain
     decoding. ``blocks`` of 16 tokens must hold ``n + k``."""
-    from models.attention import kv_pool_shape
+    from models.kv_layout import kv_pool_shape
     from runtime.runner import SeqInput, run_step
 
     bs, c = 16, model.cfg

@@ -24,9 +24,9 @@ typedef int (*silu_mul_fn)(int, const void*, int64_t, void*, int64_t, int64_t, i
 typedef int (*add_fn)(int, void*, int64_t, const void*, int64_t, int64_t, int64_t);
 typedef int (*linear_fn)(int, const void*, int64_t, const void*, const float*, void*, int64_t,
                          int64_t, int64_t, int64_t);
-typedef int (*write_fn)(const void*, int64_t, const void*, int64_t, void*, int64_t,
+typedef int (*write_fn)(const void*, int64_t, const void*, int64_t, void*, int64_t, int64_t,
                         const int64_t*, const int64_t*, int64_t, int, int, int, int);
-typedef int (*attend_fn)(const void*, int64_t, const void*, const int32_t*, int64_t,
+typedef int (*attend_fn)(const void*, int64_t, const void*, int64_t, const int32_t*, int64_t,
                          const int32_t*, const int32_t*, const int32_t*, const int32_t*,
                          const uint8_t*, int, void*, int64_t, int, int, int, int, int, int, float,
                          int);
@@ -63,8 +63,9 @@ typedef struct {
     void *x, *n, *qkv, *qk, *att, *o, *gu, *act;
     const float *cos, *sin; /* [t, d] */
     const int64_t *slot_blocks, *slot_offsets;
-    char* pool;           /* layer 0 of the KV pool, [NB, 2, Hkv, BS, D] a layer */
-    int64_t layer_bytes;  /* one layer's bytes */
+    char* pool;            /* layer 0 of the KV pool, [NB, 2, Hkv, BS, D] a layer */
+    int64_t layer_bytes;   /* from one layer's first slab to the next's */
+    int64_t block_stride;  /* from one block's slab to the next's in a layer, in elements */
     int64_t nb, bs;
     const int32_t *tables, *q_start, *q_len, *cached, *tree_base;
     const uint8_t* tree_mask;
@@ -88,11 +89,11 @@ int tandem_layer_program(const Model* m, const Layer* layers, int64_t nlayers, c
         if (!rc) rc = m->rope(dt, s->qkv, nqkv, s->cos, s->sin, s->qk, t, heads, d);
         if (!rc) /* keys: the rotated rows after the queries; values: qkv's last columns */
             rc = m->write((const char*)s->qk + q_end * esize, heads * d,
-                          (const char*)s->qkv + k_end * esize, nqkv, kv, s->nb, s->slot_blocks,
-                          s->slot_offsets, t, (int)m->hkv, (int)d, (int)s->bs, (int)esize);
+                          (const char*)s->qkv + k_end * esize, nqkv, kv, s->nb,
+                          s->block_stride, s->slot_blocks, s->slot_offsets, t, (int)m->hkv, (int)d, (int)s->bs, (int)esize);
         if (!rc)
-            rc = m->attend(s->qk, heads * d, kv, s->tables, s->nbmax, s->q_start, s->q_len,
-                           s->cached, s->tree_base, s->tree_mask, (int)s->tree_width, s->att,
+            rc = m->attend(s->qk, heads * d, kv, s->block_stride, s->tables, s->nbmax,
+                           s->q_start, s->q_len, s->cached, s->tree_base, s->tree_mask, (int)s->tree_width, s->att,
                            q_end, (int)s->b, (int)m->hq, (int)m->hkv, (int)d, (int)s->bs,
                            (int)s->window, m->scale, dt);
         if (!rc) rc = m->linear((int)L->o.kind, s->att, q_end, L->o.data, L->o.scale, s->o, h, t,

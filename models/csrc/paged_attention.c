@@ -7,8 +7,10 @@
  * tensor per layer and SDPA reads it again, padded to the longest context of the group; this
  * kernel reads each (block, head) of K and V once, in place.
  *
- * One layer of the pool is [NB, 2, Hkv, BS, D] (models/attention.py): the keys of head h of
- * block b are the BS x D floats at ((b * 2 + 0) * Hkv + h) * BS * D, its values Hkv * BS * D
+ * One layer of the pool is [NB, 2, Hkv, BS, D] (models/attention.py): each block one
+ * contiguous slab, the blocks block_stride elements apart (kvtransfer.pool keeps a block's
+ * layers together, so a layer's slabs are a whole block of every layer apart). The keys of head
+ * h of block b are the BS x D values at b * block_stride + h * BS * D, its values Hkv * BS * D
  * further. Queries and outputs are flat [T, Hq, D] rows (row stride given), sequence s owning
  * the q_len[s] rows from q_start[s]: its new tokens, at positions cached[s] + t. Query t
  * sees keys at positions p <= cached[s] + t (and p > cached[s] + t - window when window > 0).
@@ -133,7 +135,8 @@ static inline v16f hsum16(const v16f* p) {
  * registers across a block's keys. Sums over the keys are vectors of sixteen partial sums in
  * key order, then hsum1: a fixed order, whatever the block layout. */
 static inline __attribute__((always_inline)) int attend_pair(
-    const void* q, int64_t q_stride, const void* kv, const int32_t* table, int32_t row0,
+    const void* q, int64_t q_stride, const void* kv, int64_t block_stride, const int32_t* table,
+    int32_t row0,
     int32_t n, int32_t c0, int32_t tree_base, const uint8_t* tree_mask, int tree_width, void* out,
     int64_t out_stride, int h, int g, int hkv, int d_, int bs, int window, float scale, int bf16,
     int fixed_d) {
@@ -167,11 +170,13 @@ static inline __attribute__((always_inline)) int attend_pair(
         for (int r = 0; r < rows; r++) cnt[r] = 0;
         for (int j = first; j * bs < ctx; j++) {
             /* pass 0 reads the block's keys, pass 1 its values */
-            const int64_t base = (((int64_t)table[j] * 2 + pass) * hkv + h) * chunk;
+            const int64_t base =
+                (int64_t)table[j] * block_stride + ((int64_t)pass * hkv + h) * chunk;
             const int ntok = ctx - j * bs < bs ? ctx - j * bs : bs;
             if ((j + 1) * bs < ctx) { /* the next block's, while this one computes */
-                const int64_t next = ((int64_t)table[j + 1] * 2 + pass) * hkv + h;
-                const char* nx = (const char*)kv + next * chunk * elt;
+                const int64_t next =
+                    (int64_t)table[j + 1] * block_stride + ((int64_t)pass * hkv + h) * chunk;
+                const char* nx = (const char*)kv + next * elt;
                 for (int64_t at = 0; at < chunk * elt; at += 64) __builtin_prefetch(nx + at);
             }
             const float* blk;
@@ -256,12 +261,14 @@ static inline __attribute__((always_inline)) int attend_pair(
     return 0;
 }
 
-/* q, out: [T, Hq, D] rows at the given strides (elements); kv: one layer [NB, 2, Hkv, BS, D];
+/* q, out: [T, Hq, D] rows at the given strides (elements); kv: one layer [NB, 2, Hkv, BS, D]
+ * with its blocks block_stride elements apart;
  * tables [b, nbmax]; q_start, q_len, cached [b]; tree_base [b] (-1: no tree); tree_mask
  * [T, tree_width]. window 0: none. dtype 0: float32, 1: bfloat16. Returns 0, or a negative
  * number when a shape is beyond the limits (nothing written). */
 int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
-                           const int32_t* tables, int64_t nbmax, const int32_t* q_start,
+                           int64_t block_stride, const int32_t* tables, int64_t nbmax,
+                           const int32_t* q_start,
                            const int32_t* q_len, const int32_t* cached, const int32_t* tree_base,
                            const uint8_t* tree_mask, int tree_width, void* out,
                            int64_t out_stride, int b, int hq, int hkv, int d, int bs, int window,
@@ -295,8 +302,8 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
         const int32_t t0 = (int32_t)(local / hkv) * per;
         const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
 #define PAIR(B16, FD)                                                                    \
-    attend_pair(q, q_stride, kv, tables + s * nbmax, q_start[s] + t0, n, cached[s] + t0,   \
-                tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, \
+    attend_pair(q, q_stride, kv, block_stride, tables + s * nbmax, q_start[s] + t0, n,       \
+                cached[s] + t0, tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, \
                 scale, B16, FD)
         if (dtype == 1)
             failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
@@ -308,22 +315,24 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
     return 0;
 }
 
-/* Write a step's new keys and values into one layer of the pool ([nb, 2, Hkv, BS, D]): row r
+/* Write a step's new keys and values into one layer of the pool ([nb, 2, Hkv, BS, D], blocks
+ * block_stride elements apart): row r
  * of k and of v (each [T, Hkv, D] with row stride ks / vs, heads D apart) goes to slot
  * offsets[r] of block blocks[r], for every KV head; esize bytes a value. Returns -1 at the
  * first slot outside the pool. Why by hand: in PyTorch this is an indexed assignment of the
  * two stacked (a stack, an index computation and a scatter), tens of microseconds a layer at
  * the few rows of a decode step for a few kilobytes of copy. */
 int tandem_kv_write(const void* k, int64_t ks, const void* v, int64_t vs, void* kv, int64_t nb,
-                    const int64_t* blocks, const int64_t* offsets, int64_t t, int hkv, int d,
-                    int bs, int esize) {
+                    int64_t block_stride, const int64_t* blocks, const int64_t* offsets,
+                    int64_t t, int hkv, int d, int bs, int esize) {
     const size_t row = (size_t)d * (size_t)esize;
     for (int64_t r = 0; r < t; r++) {
         const int64_t b = blocks[r], o = offsets[r];
         if (o < 0 || o >= bs || b < 0 || b >= nb) return -1; /* nothing past it is written */
         for (int h = 0; h < hkv; h++) {
-            char* kd = (char*)kv + ((((b * 2 + 0) * hkv + h) * bs + o) * (int64_t)row);
-            char* vd = (char*)kv + ((((b * 2 + 1) * hkv + h) * bs + o) * (int64_t)row);
+            const int64_t at = b * block_stride + ((int64_t)h * bs + o) * d; /* K, in elements */
+            char* kd = (char*)kv + at * esize;
+            char* vd = (char*)kv + (at + (int64_t)hkv * bs * d) * esize;
             memcpy(kd, (const char*)k + (r * ks + (int64_t)h * d) * esize, row);
             memcpy(vd, (const char*)v + (r * vs + (int64_t)h * d) * esize, row);
         }

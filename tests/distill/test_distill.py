@@ -17,9 +17,9 @@ from distill.data import load_corpus
 from distill.objective import unrolled_forward
 from distill.sharegpt import Conversation, held_out
 from distill.train import TrainConfig, make_head, train
-from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.eagle import EagleConfig, EagleHead, load_eagle
+from models.kv_layout import kv_pool_shape
 from models.weights import load_state_dict
 from runtime.runner import EagleRunner, SeqInput
 from tests.helpers import make_tiny_checkpoint

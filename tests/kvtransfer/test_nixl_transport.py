@@ -92,9 +92,10 @@ def test_compat_mismatch_names_both_sides() -> None:
     assert COMPAT.digest() != other.digest()
 
 
-def test_a_block_is_one_descriptor_per_layer_or_two_for_a_run_of_heads() -> None:
-    """The prepared rows of a block cover exactly the bytes of that block's heads, in at most
-    2 x layers descriptors: one per layer when every head moves, K and V apart otherwise."""
+def test_a_block_is_one_descriptor_or_two_a_layer_for_a_run_of_heads() -> None:
+    """The prepared rows of a block cover exactly the bytes of that block's heads: one
+    descriptor for every layer of it when every head moves (the pool is block-major), two a
+    layer (K and V apart) otherwise."""
     spec = KVPoolSpec(8, 16, (KVGroupSpec("target", 3, 4, 8, "float32"),))
     pool = KVPool(spec)
     t = pool.tensor("target")  # [L, NB, 2, H, BS, D]
@@ -104,7 +105,7 @@ def test_a_block_is_one_descriptor_per_layer_or_two_for_a_run_of_heads() -> None
         sl = _Slice("target", first, count, whole)
         descs = _descs(region, sl)
         rows = _rows(region, sl, np.array([5]), 0)
-        assert len(rows) == (3 if whole else 6)
+        assert len(rows) == (1 if whole else 6)
         got = sorted(
             (int(a), int(a) + int(n)) for a, n, _dev in descs[rows]
         )  # byte ranges of block 5
@@ -116,8 +117,9 @@ def test_a_block_is_one_descriptor_per_layer_or_two_for_a_run_of_heads() -> None
             for layer in range(3)
             for kv in range(2)
         )
-        if whole:  # K and V of a layer in one range
-            want = [(want[i][0], want[i + 1][1]) for i in range(0, 6, 2)]
+        if whole:  # K and V of every layer in one range
+            assert all(want[i][1] == want[i + 1][0] for i in range(5))
+            want = [(want[0][0], want[-1][1])]
         assert got == want
 
 
@@ -138,10 +140,10 @@ def test_a_running_read_is_not_released_until_it_has_ended() -> None:
     assert torch.equal(b.tensor("target")[:, [5, 6]], a.tensor("target")[:, [1, 2]])
 
 
-def test_blocks_consecutive_on_both_sides_move_as_one_descriptor_per_layer_and_run() -> None:
-    """A read whose blocks run consecutively on both sides takes a descriptor per (layer, run)
-    of the whole run's bytes: the same bytes land as through the per-block lists, and nothing
-    else is written."""
+def test_blocks_consecutive_on_both_sides_move_as_one_descriptor_per_run() -> None:
+    """A read whose blocks run consecutively on both sides takes one descriptor per run, of
+    the whole run's bytes, every layer: the same bytes land as through the per-block lists, and
+    nothing else is written."""
     theirs, ours = np.array([3, 4, 5, 9, 10, 20]), np.array([20, 21, 22, 0, 1, 7])
     starts, lengths = block_runs(theirs, ours)
     assert starts.tolist() == [0, 3, 5] and lengths.tolist() == [3, 2, 1]
@@ -151,9 +153,9 @@ def test_blocks_consecutive_on_both_sides_move_as_one_descriptor_per_layer_and_r
     src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
     region = src.regions[0]
     rows = run_descs(region, theirs, starts, lengths)
-    assert len(rows) == region.num_layers * 3  # 4 layers x 3 runs, not 4 x 6 blocks
+    assert len(rows) == 3  # 3 runs, not 6 blocks
     t = a.tensor("target")
-    assert rows[0].tolist() == [t[0, 3].data_ptr(), 3 * region.slab_bytes, 0]
+    assert rows[0].tolist() == [t[0, 3].data_ptr(), 3 * region.block_bytes, 0]
     notices = _pull(src, dst, _handoff(src, "runs", tuple(theirs.tolist())), ours.tolist())
     for g in ("target", "draft"):
         assert torch.equal(b.tensor(g)[:, ours.tolist()], a.tensor(g)[:, theirs.tolist()])

@@ -17,6 +17,15 @@ HKV, G, D, BS, NB = 2, 3, 16, 16, 160
 CPU = torch.device("cpu")
 
 
+def _in_block_major(layer: torch.Tensor) -> torch.Tensor:
+    """``layer`` [NB, 2, HKV, BS, d] copied into the middle layer of a block-major pool of
+    three layers, as ``kvtransfer.pool`` lays a pool out; the other layers hold NaN, so a read
+    that strays into them shows."""
+    pool = torch.full((layer.shape[0], 3, *layer.shape[1:]), float("nan"), dtype=layer.dtype)
+    pool[:, 1] = layer
+    return pool[:, 1]
+
+
 def _step(
     seqs: list[SeqSlice],
     native: CpuPagedAttention | None,
@@ -56,15 +65,22 @@ def _mixed_step(gen: torch.Generator) -> list[SeqSlice]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 64])
 @pytest.mark.parametrize("d", [D, 64])
-def test_in_place_equals_the_gather_path(dtype: torch.dtype, window: int | None, d: int) -> None:
+@pytest.mark.parametrize("block_major", [False, True])
+def test_in_place_equals_the_gather_path(
+    dtype: torch.dtype, window: int | None, d: int, block_major: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     seqs = _mixed_step(gen)
     pool = torch.randn(NB, 2, HKV, BS, d, generator=gen).to(dtype)
     q = torch.randn(sum(s.num_new for s in seqs), HKV * G, d, generator=gen).to(dtype)
     kernel = CpuPagedAttention(G, d)
-    got, native_groups = _step(seqs, kernel, pool.clone(), q, window)
+    mine = _in_block_major(pool) if block_major else pool.clone()
+    got, native_groups = _step(seqs, kernel, mine, q, window)
     want, none = _step(seqs, None, pool.clone(), q, window)
     assert native_groups == 1 and none == 0
+    written = pool.clone()
+    _step(seqs, None, written, q, window)  # what the step writes into the pool
+    assert torch.equal(mine, written)
     assert kernel.failed is None and kernel.fallbacks == 0 and kernel.calls == 1
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want.float(), **tol)
@@ -201,7 +217,10 @@ def test_a_tree_node_gets_the_bits_of_the_chain_it_becomes(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kv_write_puts_what_the_indexed_assignment_puts(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("block_major", [False, True])
+def test_the_kv_write_puts_what_the_indexed_assignment_puts(
+    dtype: torch.dtype, block_major: bool
+) -> None:
     """The kernel's KV write against ``pool[blocks, :, :, offsets] = stack((k, v), 1)``, from
     strided views of one projection as the layer hands them over; it refuses what it does not
     take (the caller then assigns) and a slot outside the pool, before writing anything."""
@@ -215,7 +234,7 @@ def test_the_kv_write_puts_what_the_indexed_assignment_puts(dtype: torch.dtype) 
     blocks = torch.randperm(NB, generator=gen)[:t]  # [T]
     offsets = torch.randint(0, BS, (t,), generator=gen)  # [T]
     want = torch.randn(NB, 2, HKV, BS, D, generator=gen).to(dtype)
-    got = want.clone()
+    got = _in_block_major(want) if block_major else want.clone()
     want[blocks, :, :, offsets] = torch.stack((k, v), 1)
     assert kernel.write(k, v, got, blocks, offsets)
     assert torch.equal(got, want)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.attention import kv_pool_shape
 from models.cpu_program import LayerProgram
 from models.cpu_rowops import CpuRowOps
+from models.kv_layout import kv_pool_shape, new_kv_pool
 from models.llama import LlamaModel
 from models.quant import Quant
 from models.spec import ModelSpec
@@ -55,11 +55,16 @@ def _steps(vocab: int) -> list[list[SeqInput]]:
     return steps
 
 
-def _run(model: LlamaModel, use: bool) -> tuple[list[StepResult], torch.Tensor]:
+def _run(
+    model: LlamaModel, use: bool, block_major: bool = False
+) -> tuple[list[StepResult], torch.Tensor]:
     program = model.program
     c = model.cfg
-    pool = torch.zeros(
-        kv_pool_shape(96, c.num_kv_heads, c.num_layers, BS, c.head_dim), dtype=model.dtype
+    shape = (96, c.num_kv_heads, c.num_layers, BS, c.head_dim)
+    pool = (
+        new_kv_pool(*shape, model.dtype)
+        if block_major
+        else torch.zeros(kv_pool_shape(*shape), dtype=model.dtype)
     )
     model.program = program if use else None
     try:
@@ -81,6 +86,26 @@ def folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         kv_heads=2,
         vocab_size=512,
     )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_major_pool_gives_the_bits_of_a_layer_major_one(folder: Path, dtype: str) -> None:
+    """Workers' pools are block-major (``kvtransfer.pool``): the program and the modules read
+    and write one through its strides, with the bits a contiguous layer-major pool gives."""
+    model = _model(folder, dtype)
+    program = model.program
+    assert program is not None, LayerProgram.why_not(model)
+    want, pool_want = _run(model, True)
+    for use in (True, False):
+        steps, declined = program.steps, program.declined
+        got, pool = _run(model, use, block_major=True)
+        assert not pool.is_contiguous() and pool.transpose(0, 1).is_contiguous()
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a.logits, b.logits), f"step {i}, program {use}"
+            assert torch.equal(a.all_hidden, b.all_hidden), f"step {i}, program {use}"
+        assert torch.equal(pool, pool_want)
+        assert program.steps - steps == (len(got) if use else 0)
+        assert program.declined == declined
 
 
 @pytest.mark.parametrize(

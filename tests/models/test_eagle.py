@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
+from models.kv_layout import kv_pool_shape
 from models.quant import Quant
 from models.weights import load_state_dict
 from runtime.runner import EagleRunner, SeqInput

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from models.attention import kv_pool_shape
 from models.config import LlamaConfig
 from models.eagle import EagleConfig, EagleHead, default_aux_layers, load_eagle, save_random_eagle3
+from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import load_state_dict
 from runtime.runner import EagleRunner, SeqInput, run_step

@@ -14,8 +14,8 @@ import torch
 
 from bench.families import FAMILIES
 from bench.families import family_checkpoint as _checkpoint
-from models.attention import kv_pool_shape
 from models.config import LlamaConfig
+from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from runtime.runner import SeqInput, run_step
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1

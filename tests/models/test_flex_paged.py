@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.attention import SeqSlice, bucket_metadata, build_attention_metadata, paged_attention
 from models.flex_paged import FlexPagedAttention, FlexPool
+from models.kv_layout import block_chunks
 from models.layers import RotaryEmbedding
 
 HKV, G, D, BS, NB = 2, 3, 16, 16, 96
+LAYERS = 3  # of a block-major pool, whose middle layer the tests read
+
+
+def _layer(seed: int, block_major: bool) -> torch.Tensor:
+    """One layer of a pool, [NB, 2, HKV, BS, D] of random values: a contiguous (layer-major)
+    layer, or the middle layer of a block-major pool, its blocks LAYERS slabs apart."""
+    gen = torch.Generator().manual_seed(seed)
+    if not block_major:
+        return torch.randn(NB, 2, HKV, BS, D, generator=gen)
+    return torch.randn(NB, LAYERS, 2, HKV, BS, D, generator=gen)[:, LAYERS // 2]
 
 
 def _step(
@@ -24,7 +36,8 @@ def _step(
     return out, sum(g.flex is not None for g in meta.groups)
 
 
-def test_in_place_attention_equals_the_gather_path() -> None:
+@pytest.mark.parametrize("block_major", [False, True])
+def test_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
     # decodes and verifications over long contexts, and a prompt chunk the gather path keeps;
@@ -36,12 +49,13 @@ def test_in_place_attention_equals_the_gather_path() -> None:
         n = (cached + new + BS - 1) // BS
         seqs.append(SeqSlice(perm[start : start + n], cached, new))
         start += n
-    pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
     q = torch.randn(1 + sum(n for _, n in shapes), HKV * G, D, generator=gen)
     kernel = FlexPagedAttention(min_context_tokens=0)
-    flex = FlexPool(kernel, HKV, NB, G)
-    got, in_place = _step(seqs, flex, pool.clone(), q)
-    want, none = _step(seqs, None, pool.clone(), q)
+    pool = _layer(4, block_major)
+    assert block_chunks(pool) == (LAYERS if block_major else 1) * 2 * HKV
+    flex = FlexPool(kernel, HKV, NB, G, block_chunks(pool))
+    got, in_place = _step(seqs, flex, pool, q)
+    want, none = _step(seqs, None, _layer(4, block_major), q)
     assert in_place == 1 and none == 0  # every decode and verification in one group, in place
     assert kernel.failed is None and kernel.fallbacks == 0
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -49,7 +63,7 @@ def test_in_place_attention_equals_the_gather_path() -> None:
 
 def test_short_contexts_keep_the_gather_path() -> None:
     kernel = FlexPagedAttention(min_context_tokens=1 << 20)
-    flex = FlexPool(kernel, HKV, NB, G)
+    flex = FlexPool(kernel, HKV, NB, G, 2 * HKV)
     pool = torch.zeros(NB, 2, HKV, BS, D)
     q = torch.zeros(1, HKV * G, D)
     _out, in_place = _step([SeqSlice([0, 1], 20, 1)], flex, pool, q)
@@ -88,7 +102,8 @@ def _bucket(
     return out[valid]
 
 
-def test_bucketed_in_place_attention_equals_the_gather_path() -> None:
+@pytest.mark.parametrize("block_major", [False, True])
+def test_bucketed_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
     """A bucket's block mask, built from device tensors alone (what a CUDA graph holds), gives
     what the gather path gives: decodes and verifications, contexts that end inside a block
     or on its edge, and a padding sequence."""
@@ -106,12 +121,12 @@ def test_bucketed_in_place_attention_equals_the_gather_path() -> None:
             tables[i, :used] = torch.tensor(perm[start : start + used])
             start += used
         cached, num_new = torch.tensor(cached_list), torch.tensor(new_list)
-        pool = torch.randn(NB, 2, HKV, BS, D, generator=gen)
         q = torch.randn(len(cached_list) * qn, HKV * G, D, generator=gen)
         kernel = FlexPagedAttention(min_context_tokens=0)
-        flex = FlexPool(kernel, HKV, NB, G)
-        got = _bucket(flex, pool.clone(), q, tables, cached, num_new)
-        want = _bucket(None, pool.clone(), q, tables, cached, num_new)
+        pool = _layer(qn, block_major)
+        flex = FlexPool(kernel, HKV, NB, G, block_chunks(pool))
+        got = _bucket(flex, pool, q, tables, cached, num_new)
+        want = _bucket(None, _layer(qn, block_major), q, tables, cached, num_new)
         assert kernel.failed is None and kernel.fallbacks == 0
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
@@ -120,7 +135,7 @@ def test_a_bucket_over_a_short_context_gathers() -> None:
     """A bucket spanning fewer context tokens than the kernel's threshold keeps the gather path
     (on a GPU it is the faster one there), and says so by planning nothing."""
     kernel = FlexPagedAttention(min_context_tokens=4 * 40 * BS + 1)
-    flex = FlexPool(kernel, HKV, NB, G)
+    flex = FlexPool(kernel, HKV, NB, G, 2 * HKV)
     tables = torch.zeros(4, 40, dtype=torch.long)
     cached, num_new = torch.tensor([30, 20, 10, 0]), torch.tensor([1, 1, 1, 0])
     assert kernel.plan_bucket(tables, cached, num_new, 1, flex, BS) is None

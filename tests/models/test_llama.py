@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.spec import ModelSpec
 from runtime.runner import SeqInput, run_step

@@ -11,7 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from cluster.config import TandemConfig
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.parallel import ServedLinear
 from models.quant import FP8, Quant, QuantizedWeight, quantize, row_absmax

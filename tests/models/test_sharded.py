@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import INDEX, safetensors_files
 from runtime.runner import SeqInput, run_step

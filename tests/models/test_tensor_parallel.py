@@ -11,7 +11,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.parallel import TPContext
 from models.spec import ModelSpec
 from runtime.ports import free_port

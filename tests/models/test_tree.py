@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.attention import kv_pool_shape
+from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.spec import ModelSpec
 from models.tree import TreeSpan, chain_parents, path_moves

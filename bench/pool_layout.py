@@ -1,0 +1,94 @@
+"""What the block-major pool (``models.kv_layout``) costs the forward step, against a contiguous
+layer-major pool of the same blocks and values.
+
+Block-major puts a block of every layer in one range, for the transfer; a layer's blocks are
+then a whole block of every layer apart instead of one slab apart, which could cost the
+attention kernel's reads (TLB reach, prefetch). For each (batch, context) and model dtype,
+the same decode step of the embedded model (every sequence brings one token after
+``context`` cached ones) runs over each layout, the layouts taking turns for ``--repeats``
+rounds after a warm-up step each; medians per layout and their ratio, and whether the logits
+are bit-identical.
+
+    .venv/bin/python -m bench.pool_layout [--shapes 8x256 32x512 8x2048] [--dtypes float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.kv_layout import kv_pool_shape, new_kv_pool
+from models.spec import ModelSpec
+from models.weights import resolve_checkpoint
+from runtime.runner import SeqInput, run_step
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK = 16
+
+
+def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, Any]:
+    c = model.cfg
+    nb = (context + 1 + BLOCK - 1) // BLOCK
+    shape = (batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim)
+    block_major = new_kv_pool(*shape, model.dtype)
+    block_major.normal_(generator=torch.Generator().manual_seed(0))
+    pools = {
+        "layer_major": torch.empty(kv_pool_shape(*shape), dtype=model.dtype),
+        "block_major": block_major,
+    }
+    pools["layer_major"].copy_(block_major)
+    tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
+    steps = [SeqInput(t, context, [5], [0]) for t in tables]
+    times: dict[str, list[float]] = {k: [] for k in pools}
+    logits: dict[str, torch.Tensor] = {}
+    for name, pool in pools.items():
+        logits[name] = run_step(model, pool, BLOCK, steps).logits  # warm-up
+    for _ in range(repeats):
+        for name, pool in pools.items():
+            t0 = time.perf_counter()
+            run_step(model, pool, BLOCK, steps)
+            times[name].append(time.perf_counter() - t0)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    out = {
+        "batch": batch,
+        "context": context,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "layer_major_ms": round(ms["layer_major"], 2),
+        "block_major_ms": round(ms["block_major"], 2),
+        "block_over_layer_time": round(ms["block_major"] / ms["layer_major"], 3),
+        "logits_identical": bool(torch.equal(logits["layer_major"], logits["block_major"])),
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", nargs="*", default=["8x256", "32x512", "8x2048"])
+    ap.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "pool_layout.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for dtype in args.dtypes:
+        model = ModelSpec(str(resolve_checkpoint("embedded")), dtype).load()
+        model.pack_for_cpu()
+        for shape in args.shapes:
+            batch, context = (int(x) for x in shape.split("x"))
+            rows.append(_measure(model, batch, context, args.repeats))
+    report = {"benchmark": "pool_layout", "threads": args.threads, "steps": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
