@@ -1,13 +1,15 @@
-"""What the block-major pool (``models.kv_layout``) costs the forward step, against a contiguous
-layer-major pool of the same blocks and values.
+"""What the pool's layout and pages cost the forward step: the served pool (block-major,
+``models.kv_layout``, on transparent huge pages where the system gives them on request)
+against a contiguous layer-major pool of the same blocks and values on ordinary pages (the
+pool before it was block-major) and on huge pages.
 
 Block-major puts a block of every layer in one range, for the transfer; a layer's blocks are
-then a whole block of every layer apart instead of one slab apart, which could cost the
-attention kernel's reads (TLB reach, prefetch). For each (batch, context) and model dtype,
-the same decode step of the embedded model (every sequence brings one token after
-``context`` cached ones) runs over each layout, the layouts taking turns for ``--repeats``
-rounds after a warm-up step each; medians per layout and their ratio, and whether the logits
-are bit-identical.
+then a whole block of every layer apart instead of one slab apart, so on 4 KiB pages attention
+walks the page tables for nearly every block it reads. For each (batch, context) and model
+dtype, the same decode step of the embedded model (every sequence brings one token after
+``context`` cached ones) runs over each pool, the pools taking turns for ``--repeats`` rounds
+after a warm-up step each; medians per pool, their ratios to the layer-major pool on ordinary
+pages, and whether the logits are bit-identical.
 
     .venv/bin/python -m bench.pool_layout [--shapes 8x256 32x512 8x2048] [--dtypes float32]
 """
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from models.host_memory import advise_huge_pages
 from models.kv_layout import kv_pool_shape, new_kv_pool
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
@@ -38,11 +41,16 @@ def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, An
     shape = (batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim)
     block_major = new_kv_pool(*shape, model.dtype)
     block_major.normal_(generator=torch.Generator().manual_seed(0))
+    huge = torch.empty(kv_pool_shape(*shape), dtype=model.dtype)
+    advised = advise_huge_pages(huge.data_ptr(), huge.numel() * huge.element_size())
     pools = {
         "layer_major": torch.empty(kv_pool_shape(*shape), dtype=model.dtype),
+        "layer_major_huge_pages": huge,
         "block_major": block_major,
     }
-    pools["layer_major"].copy_(block_major)
+    for pool in pools.values():
+        if pool is not block_major:
+            pool.copy_(block_major)
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     steps = [SeqInput(t, context, [5], [0]) for t in tables]
     times: dict[str, list[float]] = {k: [] for k in pools}
@@ -55,14 +63,15 @@ def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, An
             run_step(model, pool, BLOCK, steps)
             times[name].append(time.perf_counter() - t0)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    out = {
+    base = ms["layer_major"]
+    out: dict[str, Any] = {
         "batch": batch,
         "context": context,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "layer_major_ms": round(ms["layer_major"], 2),
-        "block_major_ms": round(ms["block_major"], 2),
-        "block_over_layer_time": round(ms["block_major"] / ms["layer_major"], 3),
-        "logits_identical": bool(torch.equal(logits["layer_major"], logits["block_major"])),
+        "huge_pages_advised": advised > 0,
+        **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
+        **{f"{k}_over_layer_major": round(ms[k] / base, 3) for k in list(ms)[1:]},
+        "logits_identical": all(torch.equal(logits["layer_major"], x) for x in logits.values()),
     }
     print(json.dumps(out), flush=True)
     return out

@@ -17,6 +17,13 @@ nearly every time, and glibc's arenas keep what they free for reuse, so a replic
 memory climbs toward the sum of every size it has seen. ``release_free_heap`` gives the free
 pages of every arena back (``malloc_trim``); a replica calls it when it goes idle. Nothing is
 done where the C library is not glibc (``mallopt``, ``malloc_trim`` missing).
+
+Large, long-lived buffers that are read all over (the KV pool) ask for transparent huge pages
+(``advise_huge_pages``) before they are first touched: where the kernel hands them out only
+on request (``transparent_hugepage/enabled`` set to ``madvise``, a common default), a pool on
+4 KiB pages costs a page walk for nearly every block attention reads, and a block-major pool
+(``models.kv_layout``) spreads one layer's blocks over the most pages. Where huge pages are
+off, the advice changes nothing.
 """
 
 from __future__ import annotations
@@ -33,13 +40,15 @@ log = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _LOAD_THRESHOLD = 128 * 1024  # glibc's initial threshold: every weight and temporary mapped
 _SERVING_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
+_MADV_HUGEPAGE = 14  # Linux
+HUGE_PAGE = 2 * 1024 * 1024  # x86-64 and arm64 (4 KiB granule) transparent huge pages
 
 
 def _libc_fn(name: str) -> Callable[..., int] | None:
     lib = ctypes.util.find_library("c")
     if lib is None:
         return None
-    fn: Callable[..., int] | None = getattr(ctypes.CDLL(lib), name, None)
+    fn: Callable[..., int] | None = getattr(ctypes.CDLL(lib, use_errno=True), name, None)
     return fn
 
 
@@ -83,3 +92,22 @@ def large_blocks_mapped() -> Iterator[bool]:
     finally:
         if ok and fn is not None:
             fn(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
+
+
+def advise_huge_pages(address: int, length: int) -> int:
+    """Ask for transparent huge pages over the whole huge pages inside ``[address, address +
+    length)`` (``madvise(MADV_HUGEPAGE)``), best called before the memory is first written;
+    the bytes advised (0 where the range holds no whole huge page, or the call is refused,
+    as it is off Linux)."""
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + length) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return 0
+    fn = _libc_fn("madvise")
+    if fn is None:
+        return 0
+    rc = fn(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
+    if rc != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
+        return 0
+    return end - start

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from models.host_memory import advise_huge_pages
+
 
 def kv_pool_shape(
     num_blocks: int, num_kv_heads: int, num_layers: int, block_size: int, head_dim: int
@@ -36,9 +38,13 @@ def new_kv_pool(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """A zeroed block-major pool, as the model sees it: [L, NB, 2, Hkv, BS, D], a view of
-    contiguous [NB, L, 2, Hkv, BS, D] memory (``pool.transpose(0, 1)`` gives it back)."""
+    contiguous [NB, L, 2, Hkv, BS, D] memory (``pool.transpose(0, 1)`` gives it back). In host
+    memory, on transparent huge pages where the system gives them (``models.host_memory``)."""
     shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
+    memory = torch.empty(shape, dtype=dtype, device=device)  # [NB, L, 2, Hkv, BS, D]
+    if memory.device.type == "cpu":
+        advise_huge_pages(memory.data_ptr(), memory.numel() * memory.element_size())
+    return memory.zero_().transpose(0, 1)
 
 
 def slabs_in_place(layer_kv: torch.Tensor) -> bool:
