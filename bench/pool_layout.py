@@ -1,7 +1,7 @@
 """What the pool's layout and pages cost the forward step: the served pool (block-major,
 ``models.kv_layout``, on transparent huge pages where the system gives them on request)
 against a contiguous layer-major pool of the same blocks and values on ordinary pages (the
-pool before it was block-major) and on huge pages.
+pool before it was block-major) and on huge pages, and the block-major pool on ordinary pages.
 
 Block-major puts a block of every layer in one range, for the transfer; a layer's blocks are
 then a whole block of every layer apart instead of one slab apart, so on 4 KiB pages attention
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from models.host_memory import advise_huge_pages
+from models.host_memory import huge_page_mapping
 from models.kv_layout import kv_pool_shape, new_kv_pool
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
@@ -41,11 +41,13 @@ def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, An
     shape = (batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim)
     block_major = new_kv_pool(*shape, model.dtype)
     block_major.normal_(generator=torch.Generator().manual_seed(0))
-    huge = torch.empty(kv_pool_shape(*shape), dtype=model.dtype)
-    advised = advise_huge_pages(huge.data_ptr(), huge.numel() * huge.element_size())
+    size = block_major.numel() * block_major.element_size()
+    huge = torch.frombuffer(huge_page_mapping(size), dtype=model.dtype).view(kv_pool_shape(*shape))
+    small_pages = torch.empty(block_major.transpose(0, 1).shape, dtype=model.dtype)
     pools = {
         "layer_major": torch.empty(kv_pool_shape(*shape), dtype=model.dtype),
         "layer_major_huge_pages": huge,
+        "block_major_small_pages": small_pages.transpose(0, 1),
         "block_major": block_major,
     }
     for pool in pools.values():
@@ -68,7 +70,6 @@ def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, An
         "batch": batch,
         "context": context,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "huge_pages_advised": advised > 0,
         **{f"{k}_ms": round(v, 2) for k, v in ms.items()},
         **{f"{k}_over_layer_major": round(ms[k] / base, 3) for k in list(ms)[1:]},
         "logits_identical": all(torch.equal(logits["layer_major"], x) for x in logits.values()),

@@ -18,12 +18,14 @@ memory climbs toward the sum of every size it has seen. ``release_free_heap`` gi
 pages of every arena back (``malloc_trim``); a replica calls it when it goes idle. Nothing is
 done where the C library is not glibc (``mallopt``, ``malloc_trim`` missing).
 
-Large, long-lived buffers that are read all over (the KV pool) ask for transparent huge pages
-(``advise_huge_pages``) before they are first touched: where the kernel hands them out only
-on request (``transparent_hugepage/enabled`` set to ``madvise``, a common default), a pool on
-4 KiB pages costs a page walk for nearly every block attention reads, and a block-major pool
-(``models.kv_layout``) spreads one layer's blocks over the most pages. Where huge pages are
-off, the advice changes nothing.
+Large, long-lived buffers that are read all over (the KV pool) live in a mapping of their own
+that asks for transparent huge pages before any page of it is touched (``huge_page_mapping``):
+where the kernel hands them out only on request (``transparent_hugepage/enabled`` set to
+``madvise``, a common default), a pool on 4 KiB pages costs a page walk for nearly every block
+attention reads, and a block-major pool (``models.kv_layout``) spreads one layer's blocks over
+the most pages. A mapping of its own, not ``malloc``: a process that has freed memory before
+serves a large request from pages it already holds, 4 KiB ones, and advice cannot change a
+page already there. Where huge pages are off, the advice changes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +43,6 @@ log = logging.getLogger(__name__)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _LOAD_THRESHOLD = 128 * 1024  # glibc's initial threshold: every weight and temporary mapped
 _SERVING_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
-_MADV_HUGEPAGE = 14  # Linux
 HUGE_PAGE = 2 * 1024 * 1024  # x86-64 and arm64 (4 KiB granule) transparent huge pages
 
 
@@ -48,7 +50,7 @@ def _libc_fn(name: str) -> Callable[..., int] | None:
     lib = ctypes.util.find_library("c")
     if lib is None:
         return None
-    fn: Callable[..., int] | None = getattr(ctypes.CDLL(lib, use_errno=True), name, None)
+    fn: Callable[..., int] | None = getattr(ctypes.CDLL(lib), name, None)
     return fn
 
 
@@ -94,20 +96,18 @@ def large_blocks_mapped() -> Iterator[bool]:
             fn(_M_MMAP_THRESHOLD, _SERVING_THRESHOLD)
 
 
-def advise_huge_pages(address: int, length: int) -> int:
-    """Ask for transparent huge pages over the whole huge pages inside ``[address, address +
-    length)`` (``madvise(MADV_HUGEPAGE)``), best called before the memory is first written;
-    the bytes advised (0 where the range holds no whole huge page, or the call is refused,
-    as it is off Linux)."""
-    start = -(-address // HUGE_PAGE) * HUGE_PAGE
-    end = (address + length) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
-        return 0
-    fn = _libc_fn("madvise")
-    if fn is None:
-        return 0
-    rc = fn(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_HUGEPAGE))
-    if rc != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d)", ctypes.get_errno())
-        return 0
-    return end - start
+def huge_page_mapping(nbytes: int) -> mmap.mmap:
+    """A fresh anonymous mapping of ``nbytes`` (zero-filled, nothing touched yet) that asks for
+    transparent huge pages (``MADV_HUGEPAGE``) where the platform has the advice; where it has
+    not, or refuses it, a plain mapping (logged)."""
+    # private: an anonymous shared mapping is shmem, whose huge pages follow another setting
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        log.info("no MADV_HUGEPAGE here: a %d-byte mapping stays on ordinary pages", nbytes)
+        return buf
+    try:
+        buf.madvise(advice)
+    except OSError as e:  # e.g. a kernel built without transparent huge pages
+        log.info("MADV_HUGEPAGE refused (%s): a %d-byte mapping stays on ordinary pages", e, nbytes)
+    return buf

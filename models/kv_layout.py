@@ -16,9 +16,11 @@ contiguous layer-major tensor of ``kv_pool_shape`` is a valid pool too (tests bu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from models.host_memory import advise_huge_pages
+from models.host_memory import huge_page_mapping
 
 
 def kv_pool_shape(
@@ -41,10 +43,13 @@ def new_kv_pool(
     contiguous [NB, L, 2, Hkv, BS, D] memory (``pool.transpose(0, 1)`` gives it back). In host
     memory, on transparent huge pages where the system gives them (``models.host_memory``)."""
     shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
-    memory = torch.empty(shape, dtype=dtype, device=device)  # [NB, L, 2, Hkv, BS, D]
-    if memory.device.type == "cpu":
-        advise_huge_pages(memory.data_ptr(), memory.numel() * memory.element_size())
-    return memory.zero_().transpose(0, 1)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
+    numel = math.prod(shape)
+    mapping = huge_page_mapping(numel * torch.empty((), dtype=dtype).element_size())
+    memory = torch.frombuffer(mapping, dtype=dtype, count=numel)  # keeps the mapping alive
+    # [NB, L, 2, Hkv, BS, D]; written now, so the pages are the pool's from the start
+    return memory.view(shape).zero_().transpose(0, 1)
 
 
 def slabs_in_place(layer_kv: torch.Tensor) -> bool:
