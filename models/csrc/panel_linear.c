@@ -92,6 +92,24 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
     }
 }
 
+/* The next group of panels' weights, brought into L2 a few lines at each K step of the tiles
+ * after a group's first: that tile streams the group from memory, the ones after it compute
+ * from cache and would leave the memory idle, and the next group's first tile would then wait
+ * on it. base: where this tile's share starts (NULL: nothing to fetch); lines: 64-byte lines a
+ * K step; left: bytes of the group from base on. Prefetches change no value. */
+typedef struct {
+    const char* base;
+    int64_t lines, left;
+} Ahead;
+
+static inline __attribute__((always_inline)) void fetch_ahead(Ahead a, int64_t step) {
+    if (!a.base) return;
+    for (int64_t l = 0; l < a.lines; l++) {
+        const int64_t at = (step * a.lines + l) * 64;
+        if (at < a.left) __builtin_prefetch(a.base + at, 0, 2); /* into L2 */
+    }
+}
+
 /* One tile of fp32 rows x[0 .. mr) times panels w[0 .. np) (each K * NR values apart) of fp32
  * weights, or of int8 weights times their columns' scale. mr, np and i8 are constants at every
  * call site, so the accumulators live in registers and the weight type costs no branch. */
@@ -99,11 +117,13 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
                                                                const float* x, int64_t xs,
                                                                const void* w, const float* scale,
                                                                int64_t k_, float* y, int64_t ys,
-                                                               int64_t n0, int64_t n) {
+                                                               int64_t n0, int64_t n,
+                                                               Ahead ahead) {
     v16f acc[MR][NPG];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
     for (int64_t k = 0; k < k_; k++) {
+        fetch_ahead(ahead, k);
         v16f wv[NPG];
         for (int j = 0; j < np; j++) {
             const int64_t at = ((int64_t)j * k_ + k) * NR;
@@ -127,11 +147,12 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
 static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, const uint16_t* x,
                                                            int64_t xs, const uint16_t* w,
                                                            int64_t k_, uint16_t* y, int64_t ys,
-                                                           int64_t n0, int64_t n) {
+                                                           int64_t n0, int64_t n, Ahead ahead) {
     __m512 acc[MR][NPG];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k_; k += 2) {
+        fetch_ahead(ahead, k / 2);
         __m512bh wv[NPG];
         for (int j = 0; j < np; j++)
             wv[j] = (__m512bh)_mm512_loadu_si512(w + ((int64_t)j * k_ + k) * NR);
@@ -414,10 +435,24 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
          * few dozen panels split in groups of NPG would leave one thread a group more) */
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t first = panels * tid / nth, last = panels * (tid + 1) / nth;
+        const int64_t tiles = (m + MR - 1) / MR;
+        const int64_t steps = kind == 1 ? k / 2 : k; /* K steps of a tile */
         for (int64_t p0 = first; p0 < last; p0 += NPG) {
             const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
+            /* the next group's weights, fetched over the tiles after this group's first, from
+             * three tiles on (a second tile of a few rows has too little arithmetic to hide
+             * the fetch behind) */
+            const int64_t next_pc = last - p0 - pc < NPG ? last - p0 - pc : NPG;
+            const int64_t next_bytes = next_pc * k * NR * wbytes;
+            const int64_t share = tiles > 2 ? (next_bytes + tiles - 2) / (tiles - 1) : 0;
+            const int64_t lines = share && steps ? (share + steps * 64 - 1) / (steps * 64) : 0;
             for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
                 const int mr = m - m0 < MR ? (int)(m - m0) : MR;
+                const int64_t t = m0 / MR, from = (t - 1) * steps * lines * 64;
+                const Ahead ahead = {
+                    t > 0 && next_bytes > from ? (const char*)w + (p0 + pc) * k * NR * wbytes + from
+                                               : NULL,
+                    lines, next_bytes - from};
                 for (int64_t p = p0; p < p0 + pc;) {
                     const int np = pc == NPG ? NPG : 1;
                     const char* wp = (const char*)w + p * k * NR * wbytes;
@@ -425,19 +460,19 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
                     if (kind == 0) {
                         const float* xr = (const float*)x + m0 * xs;
                         float* yr = (float*)y + m0 * ys;
-#define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n)
+#define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
                         BY_SHAPE(TILE_F32)
                     } else if (kind == 2) {
                         const float* xr = (const float*)x + m0 * xs;
                         float* yr = (float*)y + m0 * ys;
-#define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n)
+#define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
                         BY_SHAPE(TILE_I8)
                     }
 #if HAVE_BF16
                     else {
                         const uint16_t* xr = (const uint16_t*)x + m0 * xs;
                         uint16_t* yr = (uint16_t*)y + m0 * ys;
-#define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n)
+#define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n, ahead)
                         BY_SHAPE(TILE_BF16)
                     }
 #endif
