@@ -103,6 +103,9 @@ typedef struct {
 } Ahead;
 
 static inline __attribute__((always_inline)) void fetch_ahead(Ahead a, int64_t step) {
+#ifdef TANDEM_NO_FETCH_AHEAD /* bench.panel_matmul's baseline build */
+    return;
+#endif
     if (!a.base) return;
     for (int64_t l = 0; l < a.lines; l++) {
         const int64_t at = (step * a.lines + l) * 64;
