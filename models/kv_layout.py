@@ -43,9 +43,9 @@ def new_kv_pool(
     contiguous [NB, L, 2, Hkv, BS, D] memory (``pool.transpose(0, 1)`` gives it back). In host
     memory, on transparent huge pages where the system gives them (``models.host_memory``)."""
     shape = (num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim)
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
     numel = math.prod(shape)
+    if torch.device(device).type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
     mapping = huge_page_mapping(numel * torch.empty((), dtype=dtype).element_size())
     memory = torch.frombuffer(mapping, dtype=dtype, count=numel)  # keeps the mapping alive
     # [NB, L, 2, Hkv, BS, D]; written now, so the pages are the pool's from the start

@@ -27,6 +27,8 @@ def test_a_new_pool_is_block_major_behind_the_models_view() -> None:
     assert flat[at : at + slab].eq(1).all() and flat.sum() == slab
     assert all(slabs_in_place(pool[layer]) for layer in range(L))
     assert block_chunks(pool[0]) == L * 2 * H
+    empty = new_kv_pool(0, H, L, BS, D, torch.float32)
+    assert empty.shape == kv_pool_shape(0, H, L, BS, D)
 
 
 def test_strides_the_kernels_cannot_read_are_named() -> None:
