@@ -54,13 +54,23 @@ def _libc_fn(name: str) -> Callable[..., int] | None:
     return fn
 
 
-def anon_bytes() -> int:
-    """This process's resident anonymous memory (Linux ``RssAnon``)."""
-    with open("/proc/self/status") as f:
+def _proc_bytes(path: str, key: str) -> int:
+    """A ``key: N kB`` line of a Linux /proc file, in bytes (0 where it has none)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def anon_bytes() -> int:
+    """This process's resident anonymous memory (Linux ``RssAnon``)."""
+    return _proc_bytes("/proc/self/status", "RssAnon")
+
+
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (Linux ``AnonHugePages``)."""
+    return _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def onednn_cache_capacity() -> int | None:

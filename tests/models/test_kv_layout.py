@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.host_memory import HUGE_PAGE
+from models.host_memory import HUGE_PAGE, anon_huge_bytes
 from models.kv_layout import block_chunks, kv_pool_shape, new_kv_pool, slabs_in_place
 
 NB, H, L, BS, D = 12, 3, 5, 16, 8
@@ -40,22 +40,14 @@ def test_strides_the_kernels_cannot_read_are_named() -> None:
         block_chunks(heads_apart)
 
 
-def _anon_huge_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def test_a_host_pool_asks_for_huge_pages() -> None:
     """The pool's memory is a mapping of its own, advised before it is touched, so where the
     system gives huge pages on request the pool gets them, even in a process whose heap holds
     freed memory (this one, after the other tests)."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    before = _anon_huge_bytes()
+    before = anon_huge_bytes()
     pool = new_kv_pool(256, 4, 8, 16, 64, torch.float32)  # 64 MiB
-    gained = _anon_huge_bytes() - before
+    gained = anon_huge_bytes() - before
     if "[never]" in mode:
         assert gained == 0
     else:
