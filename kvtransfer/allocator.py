@@ -14,13 +14,13 @@ their compute. A cached block whose last owner frees it
 stays cached on the free list (least recently freed first) until an allocation reuses it, which
 evicts its hash.
 
-**Contiguous runs.** A KV handoff reads one NIXL descriptor per layer and run of blocks that
-are consecutive on both sides (``kvtransfer.nixl_transport.block_runs``), so an allocation of
+**Contiguous runs.** A KV handoff reads one NIXL descriptor per run of blocks that are
+consecutive on both sides (``kvtransfer.nixl_transport.block_runs``), so an allocation of
 several blocks takes the first run of that many consecutive free blocks holding no cached
 prefix, where there is one (else the lowest such blocks); cached blocks are evicted only when
 no other free block is left. Without this the free list, ordered by when blocks were freed and
-interleaved by decode sequences growing a block at a time, gave a steady state of one
-descriptor per block (``bench.block_runs``).
+interleaved by decode sequences growing a block at a time, gave a steady state of one run per
+block (``bench.block_runs``).
 """
 
 from __future__ import annotations
