@@ -118,11 +118,11 @@ def decode_step(
     first_row = dict(zip(sampled, starts, strict=False))  # starts has one more: the end
     chains = [i for i in sampled if proposals[i].parents is None]
     trees = [i for i in sampled if proposals[i].parents is not None]
-    verdicts = _verify_chains(out.logits, reqs, proposals, widths, chains, first_row)
+    verdicts = _verify_chains(out, reqs, proposals, widths, chains, first_row)
     for i in trees:
-        rows = out.logits[first_row[i] : first_row[i] + widths[i]]  # [w_i, V]
+        best = out.argmax(slice(first_row[i], first_row[i] + widths[i]))  # [w_i]
         emissions[i] = _accept_tree(
-            drafter, reqs[i], proposals[i], rows, out, offsets[i], pending[i]
+            drafter, reqs[i], proposals[i], best, out, offsets[i], pending[i]
         )
     for i, (n, final) in zip(chains, verdicts, strict=True):
         r = reqs[i]
@@ -166,7 +166,7 @@ def _with_logprobs(
 
 
 def _verify_chains(
-    logits: torch.Tensor,
+    out: StepResult,
     reqs: Sequence[Request],
     proposals: Sequence[DraftProposal],
     widths: Sequence[int],
@@ -176,12 +176,14 @@ def _verify_chains(
     """Per chain: the drafts accepted and the recovered or bonus token after them (None when
     every position was a draft that passed), read from the device in one copy.
 
-    logits: [rows, V], the target's rows of every sampling sequence (``first_row``). Greedy
-    chains compare drafts with the argmax (``verify_greedy``); sampled ones run the rejection
-    rule over their distributions, and draw the final token at its position's uniform.
+    ``out``'s rows are the target's rows of every sampling sequence (``first_row``). Greedy
+    chains compare drafts with the argmax (``verify_greedy``, ``StepResult.argmax``); sampled
+    ones run the rejection rule over their distributions, and draw the final token at its
+    position's uniform.
     """
     if not chains:
         return []
+    logits = out.logits  # [rows, V]
     dev = logits.device
     greedy = [i for i in chains if reqs[i].sampling.greedy]
     sampled = [i for i in chains if not reqs[i].sampling.greedy]
@@ -194,8 +196,8 @@ def _verify_chains(
             # target's token, ``_propose``): ``verify_greedy`` reduces to comparing each row's
             # argmax with that draft, without its ragged layout.
             rows_of = [first_row[i] for i in group]
-            picked = logits if rows_of == list(range(logits.shape[0])) else logits[rows_of]
-            final = picked.argmax(dim=-1)  # [B]
+            every = rows_of == list(range(logits.shape[0]))
+            final = out.argmax(slice(None) if every else rows_of)  # [B]
             free = [proposals[i].tokens[0] if proposals[i].tokens else -1 for i in group]
             n = (final == torch.tensor(free, device=dev)).long()  # [B] the free draft passed
             counts.append(torch.stack([n, 1 - n, final]))
@@ -207,7 +209,7 @@ def _verify_chains(
         drafts = torch.tensor([t for toks in tested for t in toks], dtype=torch.long, device=dev)
         ws, ts = [widths[i] for i in group], [len(t) for t in tested]
         if group is greedy:
-            g = verify_greedy(logits[rows].argmax(dim=-1), ws, drafts, ts)
+            g = verify_greedy(out.argmax(rows), ws, drafts, ts)
             counts.append(torch.stack([g.num_accepted, g.has_final.long(), g.final_token]))
             continue
         members = [reqs[i] for i in group]
@@ -271,8 +273,10 @@ def _draft_probs(
 def _seq_input(
     r: Request, pend: Sequence[int], prop: DraftProposal, width: int, sample: bool
 ) -> SeqInput:
-    """What the target computes for ``r``: its pending tokens, then the drafts it verifies."""
+    """What the target computes for ``r``: its pending tokens, then the drafts it verifies.
+    A greedy request that reports no logprobs reads only its rows' argmax."""
     n = len(pend)
+    only = r.sampling.greedy and r.sampling.logprobs is None
     if prop.parents is None:
         logit_rows = list(range(n - 1, n - 1 + width)) if sample else []
         return SeqInput(
@@ -281,6 +285,7 @@ def _seq_input(
             [*pend, *prop.tokens[: width - 1]],
             logit_rows,
             kv_moves=r.kv_moves,
+            argmax_only=only,
         )
     # The pending tokens as a chain, the draft tree hanging from the last of them.
     parents = chain_parents(n) + tuple(n - 1 if q < 0 else n + q for q in prop.parents)
@@ -291,6 +296,7 @@ def _seq_input(
         list(range(n - 1, n - 1 + width)),
         TreeSpan(r.num_computed, parents),
         r.kv_moves,
+        only,
     )
 
 
@@ -298,17 +304,17 @@ def _accept_tree(
     drafter: Drafter | None,
     r: Request,
     prop: DraftProposal,
-    logits: torch.Tensor,
+    best: torch.Tensor,
     out: StepResult,
     offset: int,
     pend: Sequence[int],
 ) -> Emission:
     """Verify a greedy request's draft tree (``decode.tree_verify``) and keep the accepted
     path's KV, compacted into the chain layout at the start of its next step.
-    logits: [1 + nodes, V] the target's logits after the root and after each node."""
+    best: [1 + nodes] the target's argmax after the root and after each node."""
     assert prop.parents is not None
     # A greedy request's token is the argmax of its logits (models.sampling.sample_rows).
-    path, final = accept_greedy_path(logits.argmax(dim=-1).tolist(), prop.tokens, prop.parents)
+    path, final = accept_greedy_path(best.tolist(), prop.tokens, prop.parents)
     n = len(pend)
     rows = list(range(offset, offset + n)) + [offset + n + node for node in path]
     _observe(drafter, r, out.all_hidden[torch.tensor(rows, device=out.all_hidden.device)])

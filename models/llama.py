@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -271,6 +272,29 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head.logits(hidden).float()
 
+    @torch.inference_mode()
+    def head(
+        self, hidden: torch.Tensor, argmax_only: Sequence[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [N, hidden] -> float32 logits [N, vocab], and [N] int64 each row's
+        ``argmax(-1)`` when some row asked for no more (``argmax_only``) and the head has a
+        screen for it (``models.greedy_head``; else None). Those rows' logits are not
+        computed: they read NaN."""
+        screen = self.lm_head.greedy
+        n = hidden.shape[0]
+        if screen is None or not any(argmax_only):
+            return self.logits(hidden), None
+        only = torch.tensor(list(argmax_only), dtype=torch.bool)  # [N]
+        tokens = torch.empty(n, dtype=torch.long)
+        tokens[only] = screen.argmax(hidden[only])
+        if bool(only.all()):
+            return torch.full((1, self.cfg.vocab_size), math.nan).expand(n, -1), tokens
+        full = (~only).nonzero().flatten()
+        logits = torch.full((n, self.cfg.vocab_size), math.nan)
+        logits[full] = self.logits(hidden[full])
+        tokens[full] = logits[full].argmax(dim=-1)
+        return logits, tokens
+
     def pack_for_cpu(self) -> bool:
         """Pack every matmul weight for row-invariant matmuls on the CPU
         (``models.cpu_linear``), give the norms and rotary embedding their one-call kernel
@@ -301,7 +325,13 @@ class LlamaModel(nn.Module):
     def matmul_path(self) -> str:
         """What runs the matmuls, for ``/health``."""
         if self.packed_for_cpu:
-            return self.packer.describe()
+            screen = self.lm_head.greedy
+            if screen is None:
+                return self.packer.describe()
+            return (
+                f"{self.packer.describe()}; greedy rows' argmax by a bf16 screen "
+                f"({screen.screened} rows, {screen.fallbacks} fell back)"
+            )
         return f"torch ({self.device.type})"
 
     def quantize(self, kind: Quant) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.cpu_linear import CpuPacker, CpuWeight
+from models.cpu_linear import CpuPacker, CpuWeight, PanelWeight
+from models.greedy_head import GreedyHead
 from models.quant import Quant, QuantizedWeight, quantize, row_absmax
 from models.weights import Sliceable, whole
 
@@ -205,6 +206,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.packed: CpuWeight | None = None  # the table packed for logits on a CPU
+        # greedy rows' argmax through a bf16 screen (models.greedy_head): fp32 on a CPU, TP = 1
+        self.greedy: GreedyHead | None = None
         self.quantized: QuantizedWeight | None = None  # a quantized copy for logits
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
@@ -234,6 +237,8 @@ class VocabParallelEmbedding(nn.Module):
                 self.packed, self.quantized = packed_q, None
             return True
         self.packed = packer.pack(self.weight.data)
+        if isinstance(self.packed, PanelWeight) and self.tp.world_size == 1:
+            self.greedy = GreedyHead.build(self.weight.data, self.packed)
         return self.packed is not None
 
     def quantize(self, kind: Quant, keep_table: bool) -> None:

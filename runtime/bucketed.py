@@ -29,7 +29,7 @@ import torch
 from models.attention import bucket_metadata
 from models.llama import LlamaModel
 from models.tree import move_slots
-from runtime.runner import LocalRunner, SeqInput, StepResult, run_step
+from runtime.runner import LocalRunner, SeqInput, StepResult, head_outputs, run_step
 from runtime.step_buffers import Bucket, StepBuffers
 
 log = logging.getLogger(__name__)
@@ -80,11 +80,13 @@ class BucketedRunner(LocalRunner):
         filled = self.buffers.fill(batch)
         hidden, features = self._forward(filled.bucket)  # [b * q, H], [b * q, F]
         picked = hidden[self.buffers.logit_rows(filled)]  # [N, H]
+        logits, tokens = head_outputs(self.model, picked, batch)
         return StepResult(
             hidden=picked,
-            logits=self.model.logits(picked),
+            logits=logits,
             rows_per_seq=filled.rows_per_seq,
             all_hidden=features[self.buffers.token_rows(filled)],  # [T, F]
+            tokens=tokens,
         )
 
     def _forward(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,16 +33,38 @@ class SeqInput:
     logit_positions: Sequence[int]  # indices into token_ids whose next-token logits are wanted
     tree: TreeSpan | None = None  # the new tokens are this tree's last nodes (models.tree)
     kv_moves: Sequence[tuple[int, int]] = ()  # slot copies (src, dst) done before this step
+    # the caller reads only the argmax of this sequence's logit rows (a greedy request without
+    # logprobs): a head with a screen (``models.greedy_head``) computes just that. Not sent to
+    # other TP ranks (``runtime.step_wire``): a vocabulary sharded over ranks has no screen.
+    argmax_only: bool = False
 
 
 @dataclass(frozen=True)
 class StepResult:
     hidden: torch.Tensor  # [N, hidden] final hidden states at the requested positions
-    logits: torch.Tensor  # [N, vocab] float32, rows in batch order then position order
+    # [N, vocab] float32, rows in batch order then position order; NaN in the rows of
+    # ``argmax_only`` sequences when ``tokens`` holds their argmax instead
+    logits: torch.Tensor
     rows_per_seq: tuple[int, ...]
     # [T, F] the drafter's features of every new token: the final hidden states, or for an
     # EAGLE-3 head the residual streams it reads (``LlamaModel.feature_layers``)
     all_hidden: torch.Tensor
+    tokens: torch.Tensor | None = None  # [N] int64 every row's argmax, where the head screened
+
+    def argmax(self, rows: torch.Tensor | Sequence[int] | slice) -> torch.Tensor:
+        """[R] the argmax token of each of ``rows`` (the greedy choice)."""
+        if self.tokens is not None:
+            return self.tokens[rows]
+        return self.logits[rows].argmax(dim=-1)
+
+
+def head_outputs(
+    model: LlamaModel, picked: torch.Tensor, batch: Sequence[SeqInput]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits and argmax tokens of the rows ``batch`` asked for (picked: [N, hidden], in
+    batch order): ``LlamaModel.head`` with each row's ``argmax_only``."""
+    only = [s.argmax_only for s in batch for _ in s.logit_positions]
+    return model.head(picked, only)
 
 
 def run_step(
@@ -75,11 +97,13 @@ def run_step(
         rows.extend(start + p for p in s.logit_positions)
         start += len(s.token_ids)
     picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [N, hidden], N may be 0
+    logits, tokens = head_outputs(model, picked, batch)
     return StepResult(
         hidden=picked,
-        logits=model.logits(picked),
+        logits=logits,
         rows_per_seq=tuple(len(s.logit_positions) for s in batch),
         all_hidden=features,
+        tokens=tokens,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -66,6 +67,11 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     drafted = sum(r.stats.num_draft_tokens for r in spec_reqs)
     accepted = sum(r.stats.num_accepted_tokens for r in spec_reqs)
     assert drafted > 0 and accepted > 0  # speculation really ran, and really accepted
+    for engine in (spec_engine, plain_engine):  # the greedy rows' argmax came by the screen
+        screened = re.search(
+            r"bf16 screen \((\d+) rows, 0 fell back\)", engine.target.matmul_path()
+        )
+        assert screened is not None and int(screened.group(1)) > 0
 
     # Decode never recomputed a prompt: every token the target was fed became an output, or was
     # a draft it rejected. (Recomputing even one prompt would add its ~45 tokens.)

@@ -196,5 +196,5 @@ def test_verification_rows_equal_one_token_decodes(
     model = ModelSpec(str(folder), dtype, quantization=quant.value).load()
     assert model.pack_for_cpu()
     if dtype == "float32" or torch.bfloat16 in _kinds():
-        assert model.matmul_path() == "cpu_panel"
+        assert model.matmul_path().startswith("cpu_panel")
     assert_verification_equals_decodes(model, n=100, k=15, blocks=8)
