@@ -69,6 +69,8 @@ class CpuLinear:
 
     def __init__(self) -> None:
         self._fn: Callable[..., int] | None = None
+        self._pairs: Callable[..., None] | None = None
+        self._at_least: Callable[..., int] | None = None
         self._bf16 = False
         self._digits = False
         self.failed: str | None = None
@@ -86,6 +88,14 @@ class CpuLinear:
                 self._bf16 = bool(lib.tandem_panel_bf16())
                 lib.tandem_panel_digits.restype = ctypes.c_int
                 self._digits = bool(lib.tandem_panel_digits())
+                pairs = lib.tandem_panel_pairs
+                pairs.restype = None
+                pairs.argtypes = [p, i64, p, i64, p, p, i64, p]
+                self._pairs = pairs
+                at_least = lib.tandem_bf16_panels_at_least
+                at_least.restype = i64
+                at_least.argtypes = [p, i64, i64, i64, p, p, p, i64]
+                self._at_least = at_least
                 self._fn = fn
             except Exception as e:  # no compiler, a failed compile, a library that won't load
                 self.failed = f"{type(e).__name__}: {e}"[:500]
@@ -141,6 +151,55 @@ class CpuLinear:
         )
         if rc != 0:  # pack() keeps this from happening
             raise ValueError(f"the panel matmul refused kind {kind.name} (code {rc})")
+
+    def pairs(
+        self, x: torch.Tensor, data: torch.Tensor, rows: torch.Tensor, panels: torch.Tensor
+    ) -> torch.Tensor:
+        """[n, 16] row i: fp32 ``x[rows[i]]`` times the fp32 packed panel ``panels[i]`` of
+        ``data`` ([P, K, 16]), each value bit for bit what ``run`` gives that row and column
+        (x: [M, K], unit stride along K; rows, panels: [n] int64)."""
+        assert self._pairs is not None and x.stride(-1) == 1
+        assert data.dtype == x.dtype == torch.float32 and data.is_contiguous()
+        rows, panels = rows.contiguous(), panels.contiguous()
+        y = x.new_empty(rows.numel(), PANEL)
+        self._pairs(
+            x.data_ptr(),
+            x.stride(0),
+            data.data_ptr(),
+            x.shape[1],
+            rows.data_ptr(),
+            panels.data_ptr(),
+            rows.numel(),
+            y.data_ptr(),
+        )
+        return y
+
+    def panels_at_least(
+        self, s: torch.Tensor, low: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 16-column panels of bf16 ``s`` [M, V] (unit stride along V) holding a value of
+        at least their row's ``low`` [M] (float32): ([Q] rows, [Q] panels), by row then
+        panel."""
+        assert self._at_least is not None and s.dtype == torch.bfloat16 and s.stride(1) == 1
+        low = low.float().contiguous()
+        m, v = s.shape
+        cap = 8 * m
+        while True:
+            rows = torch.empty(cap, dtype=torch.long)
+            panels = torch.empty(cap, dtype=torch.long)
+            q = self._at_least(
+                s.data_ptr(),
+                s.stride(0),
+                m,
+                v,
+                low.data_ptr(),
+                rows.data_ptr(),
+                panels.data_ptr(),
+                cap,
+            )
+            if q <= cap:
+                return rows[:q], panels[:q]
+            cap = q  # a second pass with room for every pair
 
 
 def pack_panels(w: torch.Tensor, kind: PanelKind) -> torch.Tensor:

@@ -104,45 +104,44 @@ class GreedyHead:
         rows = finite.nonzero().flatten()  # [n_ok]
         if rows.numel() < n:
             hidden, s, best = hidden[rows], s[rows], best[rows]
-        cand = s >= self._threshold(hidden, best)[:, None]  # [n_ok, V]
-        panels = torch.unique(cand.nonzero()[:, 1] // PANEL)  # [U] sorted: ties keep order
-        exact = self._panels_times(hidden, panels)  # [n_ok, U * 16]
-        out[rows] = self._columns(panels)[exact.argmax(dim=-1)]
+        kernel = self.exact.kernel
+        pair_row, panel = kernel.panels_at_least(s, self._threshold(hidden, best))  # [Q] each
+        x = hidden if hidden.is_contiguous() else hidden.contiguous()
+        y = kernel.pairs(x, self.exact.data, pair_row, panel)  # [Q, 16] the exact logits
+        column = panel[:, None] * PANEL + torch.arange(PANEL)  # [Q, 16] vocabulary ids
+        y[column >= self.exact.out_features] = -math.inf  # the last panel's padding
+        out[rows] = _first_argmax(y, column, pair_row, rows.numel())
         return out
 
     def _threshold(self, h: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-        """[n] bf16: the screened logit at or above which a token may be a row's
-        winner (h: [n, K], best: [n] the rows' screened maxima), rounded down into bf16."""
+        """[n] float32: the screened logit at or above which a token may be a row's winner
+        (h: [n, K], best: [n] the rows' screened maxima), rounded down."""
         k = h.shape[1]
         g = k * _U / (1 - k * _U)
         h64 = h.double()
-        x64 = h.to(torch.bfloat16).double()
-        hn, xn = h64.norm(dim=1), x64.norm(dim=1)
+        hn = h64.norm(dim=1)
+        e = (h64 - h.to(torch.bfloat16).double()).norm(dim=1)  # |h - x|, and |x| <= |h| + e
         b = (
-            hn * self.residual
-            + (h64 - x64).norm(dim=1) * self.screen_norm
-            + g * (hn * self.exact_norm + xn * self.screen_norm)
+            hn * (self.residual + g * self.exact_norm) + (e + g * (hn + e)) * self.screen_norm
         ) * _UP + k * 2.0**-120  # what flushed subnormal products could lose
         m = best.double()
         t = m - 2 * b - _ROUND * m.abs()
         # s + 2^-8 |s| >= t holds for s >= t / (1 + 2^-8) where s >= 0, t / (1 - 2^-8) where
         # s < 0: the lower of the two covers both.
         low = torch.minimum(t / (1 + _ROUND), t / (1 - _ROUND))
-        # rounding to bf16 moves a value by at most 2^-8 of it: lowered first, it stays below
-        return (low - low.abs() * 2.0**-7).to(torch.bfloat16)
+        return (low - low.abs() * 2.0**-22).float()  # float32 rounding cannot raise it
 
-    def _panels_times(self, h: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-        """[n, U * 16] the exact fp32 logits of the columns in ``panels`` (the same kernel on
-        those panels alone: each output's bits depend on its row and column only)."""
-        sub = self.exact.data.index_select(0, panels)  # [U, K, 16]
-        y = h.new_empty(h.shape[0], panels.numel() * PANEL)
-        self.exact.kernel.run(PanelKind.F32, h.contiguous(), sub, None, y)
-        padding = self._columns(panels) >= self.exact.out_features  # the last panel's zeros
-        if bool(padding.any()):
-            y[:, padding] = -math.inf
-        return y
 
-    @staticmethod
-    def _columns(panels: torch.Tensor) -> torch.Tensor:
-        """[U * 16] the vocabulary ids of ``panels``' columns, in order."""
-        return (panels[:, None] * PANEL + torch.arange(PANEL)).flatten()
+def _first_argmax(
+    y: torch.Tensor, column: torch.Tensor, pair_row: torch.Tensor, n: int
+) -> torch.Tensor:
+    """[n] per row, the column of its largest value among its pairs, the lowest column among
+    equal ones (``argmax``'s rule). y, column: [Q, 16]; pair_row: [Q] each pair's row, the
+    pairs of a row in ascending column order."""
+    value = y.amax(dim=1)  # [Q]
+    top = torch.full((n,), -math.inf).scatter_reduce(0, pair_row, value, "amax")  # [n]
+    q = torch.arange(value.numel())
+    first = torch.where(value == top[pair_row], q, value.numel())  # [Q]
+    pick = torch.full((n,), value.numel()).scatter_reduce(0, pair_row, first, "amin")  # [n]
+    lane = y[pick].argmax(dim=1)  # the lowest lane among equal values
+    return column[pick, lane]

@@ -357,6 +357,59 @@ static inline __attribute__((always_inline)) void tile_digits(
         default: TILE(1, 1); break;        \
     }
 
+/* y [n, 16] row i = fp32 row x[rows[i]] (row stride xs) times the one fp32 panel
+ * panels[i] of W, each lane by the fused multiply-adds of tile_fp32_acc in the same order from
+ * the same zero, so its bits are those tandem_panel_linear gives that row and column. For the
+ * LM head's bf16 screen (models/greedy_head.py): the few panels per row that could hold the
+ * row's argmax, computed exactly without the panels other rows need. */
+void tandem_panel_pairs(const float* x, int64_t xs, const float* w, int64_t k,
+                        const int64_t* rows, const int64_t* panels, int64_t n, float* y) {
+    for (int64_t i = 0; i < n; i++) {
+        const float* xr = x + rows[i] * xs;
+        const float* wp = w + panels[i] * k * NR;
+        v16f acc = (v16f){};
+        for (int64_t j = 0; j < k; j++) acc = acc + splat(xr[j]) * load_f32(wp + j * NR);
+        memcpy(y + i * NR, &acc, sizeof acc);
+    }
+}
+
+/* The 16-column panels of bf16 rows s [m, v] (row stride ss) that hold a value >= their row's
+ * bound low[r]: their rows and panels, by row then panel, into rows and panels (room for cap
+ * pairs); returns how many there are (more than cap: the first cap are written). For the LM
+ * head's screen (models/greedy_head.py): a pass over the screened logits that keeps only the
+ * panels to compute exactly. */
+int64_t tandem_bf16_panels_at_least(const uint16_t* s, int64_t ss, int64_t m, int64_t v,
+                                    const float* low, int64_t* rows, int64_t* panels,
+                                    int64_t cap) {
+    int64_t q = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t* sr = s + r * ss;
+        const float t = low[r];
+        for (int64_t c = 0; c < v; c += NR) {
+            int hit = 0;
+#ifdef __AVX512F__
+            if (c + NR <= v) {
+                const __m256i h = _mm256_loadu_si256((const __m256i*)(sr + c));
+                const __m512 f =
+                    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                hit = _mm512_cmp_ps_mask(f, _mm512_set1_ps(t), _CMP_GE_OQ) != 0;
+            } else
+#endif
+                for (int64_t j = c; j < v && j < c + NR && !hit; j++) {
+                    const uint32_t u = (uint32_t)sr[j] << 16;
+                    float f;
+                    memcpy(&f, &u, sizeof f);
+                    hit = f >= t;
+                }
+            if (hit) {
+                if (q < cap) rows[q] = r, panels[q] = c / NR;
+                q++;
+            }
+        }
+    }
+    return q;
+}
+
 /* Whether bf16 (kind 1) is compiled in: the CPU has the bf16 dot-product instruction. */
 int tandem_panel_bf16(void) { return HAVE_BF16; }
 
