@@ -25,7 +25,8 @@ computed once in float64 and rounded up), ``g = K u / (1 - K u)`` bounds K fp32 
 bf16. With ``B`` the part that does not depend on ``j`` and ``m = max_j s_j``, the row's winner
 satisfies ``s + B + 2^-8 |s| >= m - B - 2^-8 |m|``, which the threshold of ``_threshold``
 turns into one comparison per logit. A row whose screen holds a NaN or an infinity takes the
-full head (counted in ``fallbacks``).
+full head (counted in ``fallbacks``), as do the rows of a call where an exact logit overflowed.
+The bf16 instruction also flushes subnormals to zero; the bound adds what that can lose.
 
 TP > 1 shards the vocabulary over ranks whose logits are gathered collectively; there the
 head stays whole (``VocabParallelEmbedding`` builds a screen for one rank only).
@@ -108,6 +109,10 @@ class GreedyHead:
         pair_row, panel = kernel.panels_at_least(s, self._threshold(hidden, best))  # [Q] each
         x = hidden if hidden.is_contiguous() else hidden.contiguous()
         y = kernel.pairs(x, self.exact.data, pair_row, panel)  # [Q, 16] the exact logits
+        if not bool(torch.isfinite(y).all()):  # an fp32 logit overflowed: the head decides
+            self.fallbacks += rows.numel()
+            out[rows] = self.exact.matmul(hidden).argmax(dim=-1)
+            return out
         column = panel[:, None] * PANEL + torch.arange(PANEL)  # [Q, 16] vocabulary ids
         y[column >= self.exact.out_features] = -math.inf  # the last panel's padding
         out[rows] = _first_argmax(y, column, pair_row, rows.numel())
@@ -123,7 +128,10 @@ class GreedyHead:
         e = (h64 - h.to(torch.bfloat16).double()).norm(dim=1)  # |h - x|, and |x| <= |h| + e
         b = (
             hn * (self.residual + g * self.exact_norm) + (e + g * (hn + e)) * self.screen_norm
-        ) * _UP + k * 2.0**-120  # what flushed subnormal products could lose
+        ) * _UP
+        # the bf16 instruction flushes subnormal inputs and sums to zero: each input it drops
+        # is below 2^-126 times the other factor, each sum it flushes below 2^-126
+        b += 2.0**-125 * (k + math.sqrt(k) * (self.screen_norm + hn + e))
         m = best.double()
         t = m - 2 * b - _ROUND * m.abs()
         # s + 2^-8 |s| >= t holds for s >= t / (1 + 2^-8) where s >= 0, t / (1 - 2^-8) where

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+from dataclasses import replace
+
 import torch
 from scipy.stats import chisquare
 
@@ -10,6 +14,7 @@ from decode.rejection import rejection_sample, verify_greedy
 from decode.spec_step import _verify_chains
 from models.request import Request
 from models.sampling import SamplingParams
+from runtime.runner import StepResult
 
 V = 6
 
@@ -141,8 +146,14 @@ def test_single_row_chains_verify_like_verify_greedy() -> None:
     free = [(), (best[1],), ((best[2] + 1) % V,), (), (best[4],)]  # none, pass, fail, ...
     reqs = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(5)]
     props = [DraftProposal(t, None) for t in free]
-    for first_row in ({i: i for i in range(5)}, {i: 4 - i for i in range(5)}):
-        got = _verify_chains(logits, reqs, props, [1] * 5, list(range(5)), first_row)
+    rows = (1,) * 5
+    full = StepResult(torch.zeros(5, 1), logits, rows, torch.zeros(5, 1))
+    # a screened head's step: the argmax of every row, its logits not computed
+    screened = replace(full, logits=torch.full_like(logits, math.nan), tokens=logits.argmax(-1))
+    for out, first_row in itertools.product(
+        (full, screened), ({i: i for i in range(5)}, {i: 4 - i for i in range(5)})
+    ):
+        got = _verify_chains(out, reqs, props, [1] * 5, list(range(5)), first_row)
         for i, (n, final) in enumerate(got):
             row = first_row[i]
             ref = verify_greedy(
