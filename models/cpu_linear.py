@@ -70,6 +70,7 @@ class CpuLinear:
     def __init__(self) -> None:
         self._fn: Callable[..., int] | None = None
         self._pairs: Callable[..., None] | None = None
+        self._side: Callable[..., int] | None = None
         self._at_least: Callable[..., int] | None = None
         self._bf16 = False
         self._digits = False
@@ -88,6 +89,10 @@ class CpuLinear:
                 self._bf16 = bool(lib.tandem_panel_bf16())
                 lib.tandem_panel_digits.restype = ctypes.c_int
                 self._digits = bool(lib.tandem_panel_digits())
+                side = lib.tandem_panel_linear_side
+                side.restype = ctypes.c_int
+                side.argtypes = [*fn.argtypes, p, i64, i64]
+                self._side = side
                 pairs = lib.tandem_panel_pairs
                 pairs.restype = None
                 pairs.argtypes = [p, i64, p, i64, p, p, i64, p]
@@ -106,6 +111,12 @@ class CpuLinear:
         """The loaded C function (``models.cpu_program`` calls it from C)."""
         assert self._fn is not None, "ready() first"
         return self._fn
+
+    def side_function(self) -> Callable[..., int]:
+        """The loaded C function that also brings given memory into cache over the call
+        (``models.cpu_program`` fetches the next layer's KV through it)."""
+        assert self._side is not None, "ready() first"
+        return self._side
 
     def kind_for(self, dtype: torch.dtype) -> PanelKind | None:
         """The kind a plain weight of ``dtype`` is served as, None where the kernel has none."""

@@ -66,6 +66,7 @@ class _Model(ctypes.Structure):
         *((name, _i64) for name in ("dtype", "hidden", "inter", "hq", "hkv", "d")),
         ("eps", _f32),
         ("scale", _f32),
+        ("linear_side", _p),
     ]
 
 
@@ -78,6 +79,7 @@ class _Step(ctypes.Structure):
         *((name, _p) for name in ("tables", "q_start", "q_len", "cached", "tree_base")),
         ("tree_mask", _p),
         *((name, _i64) for name in ("nbmax", "tree_width", "b", "window")),
+        ("sides", _p),
     ]
 
 
@@ -112,6 +114,9 @@ class LayerProgram:
     _layers: ctypes.Array[_Layer]
     steps: int = 0
     declined: int = 0
+    # fetch each next layer's KV blocks into cache while the MLP computes (off: the baseline
+    # bench.kv_stream compares against)
+    fetch_next_kv: bool = True
     _lib: ctypes.CDLL | None = field(default=None, repr=False)
 
     @staticmethod
@@ -194,6 +199,7 @@ class LayerProgram:
             cfg.head_dim,
             cfg.rms_norm_eps,
             first.self_attn.scale,
+            _address(linear.side_function()),
         )
         table = (_Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
@@ -248,6 +254,7 @@ class LayerProgram:
         sin = meta.sin.contiguous()
         blocks = meta.slot_blocks.contiguous()
         offsets = meta.slot_offsets.contiguous()
+        sides = torch.empty(group.tables.numel(), dtype=torch.long)  # the next layer's slabs
         step = _Step(
             t,
             x.data_ptr(),
@@ -271,6 +278,7 @@ class LayerProgram:
             group.tree_mask.shape[1],
             group.cached.shape[0],
             group.window,
+            sides.data_ptr() if self.fetch_next_kv else None,
         )
         rc = self._fn(
             ctypes.byref(self._model), self._layers, len(self.model.layers), ctypes.byref(step)

@@ -24,6 +24,9 @@ typedef int (*silu_mul_fn)(int, const void*, int64_t, void*, int64_t, int64_t, i
 typedef int (*add_fn)(int, void*, int64_t, const void*, int64_t, int64_t, int64_t);
 typedef int (*linear_fn)(int, const void*, int64_t, const void*, const float*, void*, int64_t,
                          int64_t, int64_t, int64_t);
+typedef int (*linear_side_fn)(int, const void*, int64_t, const void*, const float*, void*,
+                              int64_t, int64_t, int64_t, int64_t, const char* const*, int64_t,
+                              int64_t);
 typedef int (*write_fn)(const void*, int64_t, const void*, int64_t, void*, int64_t, int64_t,
                         const int64_t*, const int64_t*, int64_t, int, int, int, int);
 typedef int (*attend_fn)(const void*, int64_t, const void*, int64_t, const int32_t*, int64_t,
@@ -55,6 +58,7 @@ typedef struct {
     attend_fn attend;
     int64_t dtype, hidden, inter, hq, hkv, d;
     float eps, scale;
+    linear_side_fn linear_side; /* the matmul that also fetches the next layer's KV */
 } Model;
 
 /* One step: its rows, buffers and attention metadata (one native group over every row). */
@@ -70,7 +74,27 @@ typedef struct {
     const int32_t *tables, *q_start, *q_len, *cached, *tree_base;
     const uint8_t* tree_mask;
     int64_t nbmax, tree_width, b, window;
+    const char** sides; /* room for b * nbmax pointers: the next layer's KV slabs */
 } Step;
+
+/* The most of the next layer's KV fetched during one MLP: more than the cache keeps until
+ * attention reads it, or than memory brings in while the MLP computes, only displaces. */
+#define FETCH_BYTES ((int64_t)8 << 20)
+
+/* The slabs (K and V of every head of one block) of layer `layer` that the step's attention
+ * reads there, into s->sides; returns how many. */
+static int64_t next_slabs(const Step* s, int64_t layer, int64_t esize) {
+    const char* kv = s->pool + layer * s->layer_bytes;
+    int64_t q = 0;
+    for (int64_t r = 0; r < s->b; r++) {
+        const int64_t ctx = (int64_t)s->cached[r] + s->q_len[r];
+        int64_t nblk = (ctx + s->bs - 1) / s->bs;
+        if (nblk > s->nbmax) nblk = s->nbmax;
+        for (int64_t j = 0; j < nblk; j++)
+            s->sides[q++] = kv + (int64_t)s->tables[r * s->nbmax + j] * s->block_stride * esize;
+    }
+    return q;
+}
 
 /* Runs layers [0, nlayers) over the step. Returns 0, or the first kernel's nonzero code with
  * the layer in the upper bits (layer * 256 + (code & 255)), having stopped there. */
@@ -100,11 +124,23 @@ int tandem_layer_program(const Model* m, const Layer* layers, int64_t nlayers, c
                                 h, q_end);
         if (!rc) rc = m->add(dt, s->x, h, s->o, h, t, h);
         if (!rc) rc = m->norm(dt, s->x, h, L->post_norm, s->n, h, t, h, m->eps);
-        if (!rc) rc = m->linear((int)L->gate_up.kind, s->n, h, L->gate_up.data, L->gate_up.scale,
-                                s->gu, 2 * in, t, 2 * in, h);
+        /* The MLP computes while the next layer's KV comes into cache (its attention would
+         * otherwise wait on memory): two thirds of the slabs over gate_up, the rest over down,
+         * as their multiply-adds split. */
+        const int fetch = m->linear_side && s->sides && i + 1 < nlayers;
+        const int64_t slab = 2 * m->hkv * s->bs * d * esize;
+        int64_t ns = fetch ? next_slabs(s, i + 1, esize) : 0;
+        if (ns > FETCH_BYTES / slab) ns = FETCH_BYTES / slab;
+        const int64_t split = ns * 2 / 3;
+        if (!rc)
+            rc = m->linear_side((int)L->gate_up.kind, s->n, h, L->gate_up.data,
+                                L->gate_up.scale, s->gu, 2 * in, t, 2 * in, h,
+                                (const char* const*)s->sides, split, slab);
         if (!rc) rc = m->silu_mul(dt, s->gu, 2 * in, s->act, in, t, in);
-        if (!rc) rc = m->linear((int)L->down.kind, s->act, in, L->down.data, L->down.scale, s->o,
-                                h, t, h, in);
+        if (!rc)
+            rc = m->linear_side((int)L->down.kind, s->act, in, L->down.data, L->down.scale, s->o,
+                                h, t, h, in, (const char* const*)s->sides + split, ns - split,
+                                slab);
         if (!rc) rc = m->add(dt, s->x, h, s->o, h, t, h);
         if (rc) return (int)(i * 256 + (rc & 255));
     }

@@ -100,16 +100,26 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
 typedef struct {
     const char* base;
     int64_t lines, left;
+    /* Side data to bring into cache over the call (tandem_panel_linear_side): lines from..
+     * from + count of regions sides[] of per lines each, slines a K step. */
+    const char* const* sides;
+    int64_t per, from, count, slines;
 } Ahead;
 
 static inline __attribute__((always_inline)) void fetch_ahead(Ahead a, int64_t step) {
 #ifdef TANDEM_NO_FETCH_AHEAD /* bench.panel_matmul's baseline build */
     return;
 #endif
-    if (!a.base) return;
-    for (int64_t l = 0; l < a.lines; l++) {
-        const int64_t at = (step * a.lines + l) * 64;
-        if (at < a.left) __builtin_prefetch(a.base + at, 0, 2); /* into L2 */
+    if (a.base)
+        for (int64_t l = 0; l < a.lines; l++) {
+            const int64_t at = (step * a.lines + l) * 64;
+            if (at < a.left) __builtin_prefetch(a.base + at, 0, 2); /* into L2 */
+        }
+    for (int64_t l = 0; l < a.slines; l++) {
+        const int64_t at = step * a.slines + l;
+        if (at >= a.count) break;
+        const int64_t line = a.from + at;
+        __builtin_prefetch(a.sides[line / a.per] + line % a.per * 64, 0, 2);
     }
 }
 
@@ -470,8 +480,24 @@ static int digits_linear(const uint16_t* x, int64_t xs, const uint8_t* w, const 
 /* y [M, N] (row stride ys) = x [M, K] (row stride xs) times the packed W (see above); kind as
  * above, scale [N rounded up to 16] for int8. Returns 0, or -1 for a kind this build lacks,
  * -2 for a K the kind cannot take (bf16: odd; digits: over 65,536), -3 out of memory. */
+int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
+                             const float* scale, void* y, int64_t ys, int64_t m, int64_t n,
+                             int64_t k, const char* const* sides, int64_t nsides,
+                             int64_t side_bytes);
+
 int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, const float* scale,
                         void* y, int64_t ys, int64_t m, int64_t n, int64_t k) {
+    return tandem_panel_linear_side(kind, x, xs, w, scale, y, ys, m, n, k, NULL, 0, 0);
+}
+
+/* tandem_panel_linear, also bringing nsides regions of side_bytes each (sides[i]) into cache
+ * over the call, a few lines at each K step of every tile: memory the caller reads next (the
+ * next layer's KV blocks, models/csrc/layer_program.c) streams while the matmul computes.
+ * Prefetches change no value. Kind 3 takes none. */
+int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
+                             const float* scale, void* y, int64_t ys, int64_t m, int64_t n,
+                             int64_t k, const char* const* sides, int64_t nsides,
+                             int64_t side_bytes) {
     if (kind == 1 && !HAVE_BF16) return -1;
     if (kind < 0 || kind > 3) return -1;
     if (kind == 1 && k % 2) return -2;
@@ -493,6 +519,10 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
         const int64_t first = panels * tid / nth, last = panels * (tid + 1) / nth;
         const int64_t tiles = (m + MR - 1) / MR;
         const int64_t steps = kind == 1 ? k / 2 : k; /* K steps of a tile */
+        /* this thread's share of the side lines, spread evenly over its (group, tile) units */
+        const int64_t per = (side_bytes + 63) / 64, total = nsides * per;
+        const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
+        const int64_t units = (last - first + NPG - 1) / NPG * tiles;
         for (int64_t p0 = first; p0 < last; p0 += NPG) {
             const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
             /* the next group's weights, fetched over the tiles after this group's first, from
@@ -505,10 +535,14 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
             for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
                 const int mr = m - m0 < MR ? (int)(m - m0) : MR;
                 const int64_t t = m0 / MR, from = (t - 1) * steps * lines * 64;
-                const Ahead ahead = {
+                const int64_t u = (p0 - first) / NPG * tiles + t; /* this unit */
+                const int64_t u0 = units ? s0 + (s1 - s0) * u / units : 0;
+                const int64_t u1 = units ? s0 + (s1 - s0) * (u + 1) / units : 0;
+                Ahead ahead = {
                     t > 0 && next_bytes > from ? (const char*)w + (p0 + pc) * k * NR * wbytes + from
                                                : NULL,
-                    lines, next_bytes - from};
+                    lines, next_bytes - from, sides, per, u0, u1 - u0,
+                    steps ? (u1 - u0 + steps - 1) / steps : 0};
                 for (int64_t p = p0; p < p0 + pc;) {
                     const int np = pc == NPG ? NPG : 1;
                     const char* wp = (const char*)w + p * k * NR * wbytes;
@@ -532,6 +566,7 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
                         BY_SHAPE(TILE_BF16)
                     }
 #endif
+                    ahead.count = 0; /* the unit's side lines went with its first tile */
                     p += np;
                 }
             }

@@ -108,6 +108,21 @@ def test_a_block_major_pool_gives_the_bits_of_a_layer_major_one(folder: Path, dt
         assert program.declined == declined
 
 
+def test_fetching_the_next_layers_kv_changes_no_bit(folder: Path) -> None:
+    """The program brings each next layer's KV into cache while the MLP computes (prefetches
+    through ``tandem_panel_linear_side``): the steps and the pool are those without it."""
+    model = _model(folder, "float32")
+    program = model.program
+    assert program is not None, LayerProgram.why_not(model)
+    program.fetch_next_kv = False
+    want, pool_want = _run(model, True, block_major=True)
+    program.fetch_next_kv = True
+    got, pool = _run(model, True, block_major=True)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a.logits, b.logits), f"step {i}"
+    assert torch.equal(pool, pool_want)
+
+
 @pytest.mark.parametrize(
     ("dtype", "quant"),
     [
