@@ -7,6 +7,11 @@ That Python costs about as much as the kernels' own work at batch 1. The layer p
 the same kernels in the same order over the same kinds of buffers from C, once per step, so
 every value keeps the bits the module path gives it (the tests compare the two bit for bit).
 
+One thing the modules cannot do: while a layer's MLP computes (bound by arithmetic from a few
+dozen rows on, the memory half idle), its matmuls bring the next layer's KV blocks into cache,
+up to 8 MB a layer, so that layer's attention reads less from memory
+(``tandem_panel_linear_side``; ``fetch_next_kv`` turns it off). Prefetches change no value.
+
 It takes what is common, and says no to the rest, which runs the modules as before:
 
 - the model (``LayerProgram.build``): on a CPU, packed for it, every matmul in the panel

@@ -12,6 +12,10 @@
  * The kernels live in their own libraries (each compiled with its own flags) and come in as
  * function pointers. Buffers are the caller's: the residual stream x [t, hidden] is updated in
  * place; n, qkv, qk, att, o, gu, act are scratch rows of the widths below.
+ *
+ * The MLP's matmuls also prefetch the next layer's KV blocks (linear_side, a few lines per K
+ * step of their tiles): attention is bound by memory and the MLP by arithmetic, so the KV
+ * streams in while the MLP computes. Prefetches change no value.
  */
 #include <stdint.h>
 #include <string.h>
@@ -127,7 +131,7 @@ int tandem_layer_program(const Model* m, const Layer* layers, int64_t nlayers, c
         /* The MLP computes while the next layer's KV comes into cache (its attention would
          * otherwise wait on memory): two thirds of the slabs over gate_up, the rest over down,
          * as their multiply-adds split. */
-        const int fetch = m->linear_side && s->sides && i + 1 < nlayers;
+        const int fetch = s->sides && i + 1 < nlayers;
         const int64_t slab = 2 * m->hkv * s->bs * d * esize;
         int64_t ns = fetch ? next_slabs(s, i + 1, esize) : 0;
         if (ns > FETCH_BYTES / slab) ns = FETCH_BYTES / slab;
