@@ -81,7 +81,7 @@ def _panels_kept(screen: GreedyHead, h: torch.Tensor) -> dict[str, float]:
     for i in range(0, h.shape[0], 32):
         x = h[i : i + 32]
         s = screen.screen.matmul(x)  # [n, V] bf16
-        low = screen._threshold(x, s.amax(dim=1).float())
+        low = screen.threshold(x, s.amax(dim=1).float())
         rows, _ = screen.exact.kernel.panels_at_least(s, low)
         kept += torch.bincount(rows, minlength=x.shape[0]).tolist()
     return {

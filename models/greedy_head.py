@@ -1,4 +1,4 @@
-"""The exact argmax of an fp32 LM head on a CPU at half its cost: a bf16 screen, then the
+"""The exact argmax of an fp32 LM head on a CPU from a bf16 screen of every logit and the
 exact logits of the few tokens that could still win.
 
 A greedy row needs one thing from the vocabulary projection: its argmax. The full fp32
@@ -23,7 +23,7 @@ where ``R = max_j |w_j - v_j|``, ``S = max_j |v_j|``, ``W = max_j |w_j|`` (Eucli
 computed once in float64 and rounded up), ``g = K u / (1 - K u)`` bounds K fp32 additions
 (``u = 2^-24``; products of two bf16 are exact in fp32) and ``2^-8`` the final rounding to
 bf16. With ``B`` the part that does not depend on ``j`` and ``m = max_j s_j``, the row's winner
-satisfies ``s + B + 2^-8 |s| >= m - B - 2^-8 |m|``, which the threshold of ``_threshold``
+satisfies ``s + B + 2^-8 |s| >= m - B - 2^-8 |m|``, which ``threshold``
 turns into one comparison per logit. A row whose screen holds a NaN or an infinity takes the
 full head (counted in ``fallbacks``), as do the rows of a call where an exact logit overflowed.
 The bf16 instruction also flushes subnormals to zero; the bound adds what that can lose.
@@ -106,7 +106,7 @@ class GreedyHead:
         if rows.numel() < n:
             hidden, s, best = hidden[rows], s[rows], best[rows]
         kernel = self.exact.kernel
-        pair_row, panel = kernel.panels_at_least(s, self._threshold(hidden, best))  # [Q] each
+        pair_row, panel = kernel.panels_at_least(s, self.threshold(hidden, best))  # [Q] each
         x = hidden if hidden.is_contiguous() else hidden.contiguous()
         y = kernel.pairs(x, self.exact.data, pair_row, panel)  # [Q, 16] the exact logits
         if not bool(torch.isfinite(y).all()):  # an fp32 logit overflowed: the head decides
@@ -118,7 +118,7 @@ class GreedyHead:
         out[rows] = _first_argmax(y, column, pair_row, rows.numel())
         return out
 
-    def _threshold(self, h: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    def threshold(self, h: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
         """[n] float32: the screened logit at or above which a token may be a row's winner
         (h: [n, K], best: [n] the rows' screened maxima), rounded down."""
         k = h.shape[1]
