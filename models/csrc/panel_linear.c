@@ -42,7 +42,9 @@
  *
  * Work is split over the panels, a contiguous run per OpenMP thread of the runtime torch
  * itself uses (the library links the libgomp torch loaded); every element is computed by one
- * thread, so the split does not change its bits either.
+ * thread, so the split does not change its bits either. A prompt's rows go in blocks of MB: a
+ * block's inputs stay in L2 beside a group's weights while its tiles run, where a whole prompt
+ * chunk would come from L3 again for every group.
  */
 #include <math.h>
 #include <omp.h>
@@ -56,11 +58,25 @@
 #define NR 16  /* output columns per panel: one 16-float vector */
 #define MR 6   /* rows per tile */
 #define NPG 4  /* panels per tile (and per unit of work) */
+#define MB 192 /* rows per block (a multiple of MR) */
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
 
-static inline v16f splat(float a) { return (v16f){} + a; }
+/* a in every lane. By the broadcast instruction where there is one: the portable 0 + a is a
+ * vector add the compiler must keep (it turns -0 into +0), one more instruction on the
+ * multiply-add ports for every row of every K step. The two give the same sums: a product
+ * with -0 or +0 added to an accumulator that starts at +0 never leaves it -0. */
+static inline v16f splat(float a) {
+#ifdef __AVX512F__
+    const __m512 r = _mm512_set1_ps(a);
+    v16f v;
+    memcpy(&v, &r, sizeof v);
+    return v;
+#else
+    return (v16f){} + a;
+#endif
+}
 
 static inline v16f load_f32(const float* p) {
     v16f v;
@@ -523,51 +539,62 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
         const int64_t per = (side_bytes + 63) / 64, total = nsides * per;
         const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
         const int64_t units = (last - first + NPG - 1) / NPG * tiles;
-        for (int64_t p0 = first; p0 < last; p0 += NPG) {
-            const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
-            /* the next group's weights, fetched over the tiles after this group's first, from
-             * three tiles on (a second tile of a few rows has too little arithmetic to hide
-             * the fetch behind) */
-            const int64_t next_pc = last - p0 - pc < NPG ? last - p0 - pc : NPG;
-            const int64_t next_bytes = next_pc * k * NR * wbytes;
-            const int64_t share = tiles > 2 ? (next_bytes + tiles - 2) / (tiles - 1) : 0;
-            const int64_t lines = share && steps ? (share + steps * 64 - 1) / (steps * 64) : 0;
-            for (int64_t m0 = 0; m0 < m; m0 += MR) { /* the group's weights stay in cache */
-                const int mr = m - m0 < MR ? (int)(m - m0) : MR;
-                const int64_t t = m0 / MR, from = (t - 1) * steps * lines * 64;
-                const int64_t u = (p0 - first) / NPG * tiles + t; /* this unit */
-                const int64_t u0 = units ? s0 + (s1 - s0) * u / units : 0;
-                const int64_t u1 = units ? s0 + (s1 - s0) * (u + 1) / units : 0;
-                Ahead ahead = {
-                    t > 0 && next_bytes > from ? (const char*)w + (p0 + pc) * k * NR * wbytes + from
-                                               : NULL,
-                    lines, next_bytes - from, sides, per, u0, u1 - u0,
-                    steps ? (u1 - u0 + steps - 1) / steps : 0};
-                for (int64_t p = p0; p < p0 + pc;) {
-                    const int np = pc == NPG ? NPG : 1;
-                    const char* wp = (const char*)w + p * k * NR * wbytes;
-                    const int64_t n0 = p * NR;
-                    if (kind == 0) {
-                        const float* xr = (const float*)x + m0 * xs;
-                        float* yr = (float*)y + m0 * ys;
+        for (int64_t mb = 0; mb < m; mb += MB) {
+            const int64_t mend = mb + MB < m ? mb + MB : m;
+            const int64_t btiles = (mend - mb + MR - 1) / MR; /* this block's */
+            for (int64_t p0 = first; p0 < last; p0 += NPG) {
+                const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
+                /* the next group's weights, fetched over the block's tiles after its first,
+                 * from three tiles on (a second tile of a few rows has too little arithmetic
+                 * to hide the fetch behind) */
+                const int64_t next_pc = last - p0 - pc < NPG ? last - p0 - pc : NPG;
+                const int64_t next_bytes = next_pc * k * NR * wbytes;
+                const int64_t share =
+                    btiles > 2 ? (next_bytes + btiles - 2) / (btiles - 1) : 0;
+                const int64_t lines =
+                    share && steps ? (share + steps * 64 - 1) / (steps * 64) : 0;
+                for (int64_t m0 = mb; m0 < mend; m0 += MR) { /* the group's weights stay in cache */
+                    const int mr = mend - m0 < MR ? (int)(mend - m0) : MR;
+                    const int64_t t = (m0 - mb) / MR, from = (t - 1) * steps * lines * 64;
+                    const int64_t u = (p0 - first) / NPG * tiles + m0 / MR; /* this unit */
+                    const int64_t u0 = units ? s0 + (s1 - s0) * u / units : 0;
+                    const int64_t u1 = units ? s0 + (s1 - s0) * (u + 1) / units : 0;
+                    Ahead ahead = {t > 0 && next_bytes > from
+                                       ? (const char*)w + (p0 + pc) * k * NR * wbytes + from
+                                       : NULL,
+                                   lines,
+                                   next_bytes - from,
+                                   sides,
+                                   per,
+                                   u0,
+                                   u1 - u0,
+                                   steps ? (u1 - u0 + steps - 1) / steps : 0};
+                    for (int64_t p = p0; p < p0 + pc;) {
+                        const int np = pc == NPG ? NPG : 1;
+                        const char* wp = (const char*)w + p * k * NR * wbytes;
+                        const int64_t n0 = p * NR;
+                        if (kind == 0) {
+                            const float* xr = (const float*)x + m0 * xs;
+                            float* yr = (float*)y + m0 * ys;
 #define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
-                        BY_SHAPE(TILE_F32)
-                    } else if (kind == 2) {
-                        const float* xr = (const float*)x + m0 * xs;
-                        float* yr = (float*)y + m0 * ys;
+                            BY_SHAPE(TILE_F32)
+                        } else if (kind == 2) {
+                            const float* xr = (const float*)x + m0 * xs;
+                            float* yr = (float*)y + m0 * ys;
 #define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
-                        BY_SHAPE(TILE_I8)
-                    }
+                            BY_SHAPE(TILE_I8)
+                        }
 #if HAVE_BF16
-                    else {
-                        const uint16_t* xr = (const uint16_t*)x + m0 * xs;
-                        uint16_t* yr = (uint16_t*)y + m0 * ys;
+                        else {
+                            const uint16_t* xr = (const uint16_t*)x + m0 * xs;
+                            uint16_t* yr = (uint16_t*)y + m0 * ys;
 #define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n, ahead)
-                        BY_SHAPE(TILE_BF16)
-                    }
+                            BY_SHAPE(TILE_BF16)
+                        }
 #endif
-                    ahead.count = 0; /* the unit's side lines went with its first tile */
-                    p += np;
+                        ahead.count = 0; /* the unit's side lines went with its first tile */
+                        p += np;
+                    }
                 }
             }
         }

@@ -17,7 +17,8 @@ from tests.helpers import assert_verification_equals_decodes, make_tiny_checkpoi
 
 # (out, in): odd widths (a partial last panel, an odd reduction) and the embedded model's
 SHAPES = [(37, 50), (960, 576), (576, 1536), (100, 64)]
-ROWS = (2, 5, 6, 7, 13, 33, 160)  # tile edges (6 rows a tile) and a verification step's rows
+ROWS = (2, 5, 6, 7, 13, 33, 160, 200)  # tile edges (6 rows a tile), a verification step's
+# rows, and a prompt chunk past one block of rows (192)
 
 
 def _kinds() -> list[torch.dtype]:
@@ -35,9 +36,12 @@ def _data(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 def _assert_rows_alike(packed: PanelWeight, x: torch.Tensor) -> None:
     one_row = torch.cat([packed.matmul(x[i : i + 1]) for i in range(40)])  # [40, out]
+    last = torch.cat([packed.matmul(x[i : i + 1]) for i in range(190, 200)])  # [10, out]
     for m in ROWS:
         got = packed.matmul(x[:m])
         assert torch.equal(got[:40], one_row[: min(m, 40)]), f"{m} rows"
+        if m == max(ROWS):  # the rows on both sides of the first block's end
+            assert torch.equal(got[190:], last), f"{m} rows, second block"
 
 
 def test_the_kernel_builds_here() -> None:

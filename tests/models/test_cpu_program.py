@@ -219,3 +219,29 @@ def test_the_gated_product_is_silu_times_up(dtype: torch.dtype) -> None:
     # each row alike whatever the row count
     for r in range(7):
         assert torch.equal(ops.silu_mul(gate_up[r : r + 1], 300)[0], got[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_products_vector_lanes_have_the_scalar_loops_bits(dtype: torch.dtype) -> None:
+    """The SiLU runs 16 lanes at a time by hand where the CPU has AVX-512 and the rest of a row
+    one value at a time: each row here repeats one gate value over 33 columns (two vectors and
+    a one-value tail), so every column of a row must come out the same, whatever the value:
+    ordinary, huge, past the clamps, subnormal, zero of either sign, infinite."""
+    ops = CpuRowOps()
+    assert ops.ready()
+    g = torch.Generator().manual_seed(3)
+    values = torch.cat(
+        [
+            torch.randn(64, generator=g) * 6,
+            torch.tensor([1e-40, -1e-40, 0.0, -0.0, 87.0, -87.0, 88.5, -88.5, 300.0, -300.0]),
+            torch.tensor([3e38, -3e38, float("inf"), -float("inf")]),
+        ]
+    )
+    inter = 33
+    gate = values[:, None].expand(-1, inter)
+    up = torch.full_like(gate, 1.5)
+    got = ops.silu_mul(torch.cat([gate, up], 1).contiguous().to(dtype), inter)
+    assert torch.equal(got, got[:, -1:].expand(-1, inter))
+    # and NaN stays NaN in every column
+    nan = ops.silu_mul(torch.full((1, 2 * inter), float("nan")).to(dtype), inter)
+    assert bool(nan.isnan().all())
