@@ -7,10 +7,11 @@ That Python costs about as much as the kernels' own work at batch 1. The layer p
 the same kernels in the same order over the same kinds of buffers from C, once per step, so
 every value keeps the bits the module path gives it (the tests compare the two bit for bit).
 
-One thing the modules cannot do: while a layer's MLP computes (bound by arithmetic from a few
-dozen rows on, the memory half idle), its matmuls bring the next layer's KV blocks into cache,
-up to 8 MB a layer, so that layer's attention reads less from memory
-(``tandem_panel_linear_side``; ``fetch_next_kv`` turns it off). Prefetches change no value.
+One thing the modules cannot do, off by default: while a layer's MLP computes, its matmuls can
+bring the next layer's KV blocks into cache, up to 8 MB a layer, so that layer's attention
+reads less from memory (``tandem_panel_linear_side``, ``fetch_next_kv``). Whether that pays
+depends on how much memory bandwidth the MLP leaves idle on the machine: ``bench.kv_stream``
+measures it both ways. Prefetches change no value.
 
 It takes what is common, and says no to the rest, which runs the modules as before:
 
@@ -119,9 +120,9 @@ class LayerProgram:
     _layers: ctypes.Array[_Layer]
     steps: int = 0
     declined: int = 0
-    # fetch each next layer's KV blocks into cache while the MLP computes (off: the baseline
-    # bench.kv_stream compares against)
-    fetch_next_kv: bool = True
+    # fetch each next layer's KV blocks into cache while the MLP computes (bench.kv_stream
+    # compares the two)
+    fetch_next_kv: bool = False
     _lib: ctypes.CDLL | None = field(default=None, repr=False)
 
     @staticmethod

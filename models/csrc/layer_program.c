@@ -13,9 +13,10 @@
  * function pointers. Buffers are the caller's: the residual stream x [t, hidden] is updated in
  * place; n, qkv, qk, att, o, gu, act are scratch rows of the widths below.
  *
- * The MLP's matmuls also prefetch the next layer's KV blocks (linear_side, a few lines per K
- * step of their tiles): attention is bound by memory and the MLP by arithmetic, so the KV
- * streams in while the MLP computes. Prefetches change no value.
+ * Given room for the next layer's KV slab pointers (Step.sides), the MLP's matmuls also
+ * prefetch those blocks (linear_side, a few lines per K step of their tiles): attention is
+ * bound by memory and the MLP mostly by arithmetic, so the KV can stream in while the MLP
+ * computes, where the weights leave the memory the bandwidth to. Prefetches change no value.
  */
 #include <stdint.h>
 #include <string.h>

@@ -109,7 +109,7 @@ def test_a_block_major_pool_gives_the_bits_of_a_layer_major_one(folder: Path, dt
 
 
 def test_fetching_the_next_layers_kv_changes_no_bit(folder: Path) -> None:
-    """The program brings each next layer's KV into cache while the MLP computes (prefetches
+    """The program can bring each next layer's KV into cache while the MLP computes (prefetches
     through ``tandem_panel_linear_side``): the steps and the pool are those without it."""
     model = _model(folder, "float32")
     program = model.program
