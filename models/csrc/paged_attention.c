@@ -179,6 +179,11 @@ static inline __attribute__((always_inline)) int attend_pair(
                 const char* nx = (const char*)kv + next * elt;
                 for (int64_t at = 0; at < chunk * elt; at += 64) __builtin_prefetch(nx + at);
             }
+            if (pass == 0) { /* and this block's values, which pass 1 then reads from cache */
+                const char* vx = (const char*)kv + (base + (int64_t)hkv * chunk) * elt;
+                for (int64_t at = 0; at < (int64_t)ntok * d * elt; at += 64)
+                    __builtin_prefetch(vx + at, 0, 2);
+            }
             const float* blk;
             if (bf16) {
                 const uint16_t* b16 = (const uint16_t*)kv + base;
