@@ -1,15 +1,23 @@
 """The panel matmul kernel (``models/csrc/panel_linear.c``) with and without fetching the next
-panel group's weights ahead, over the embedded model's weights, at batch sizes 1 to 64.
+panel group's weights ahead, over the embedded model's weights, from one row to a prompt chunk.
 
 The kernel multiplies a group of panels by the rows a tile at a time; the group's first tile
 streams its weights from memory and the tiles after it compute from cache. Since the tiles
 after the first fetch the next group's weights into L2, the memory streams while they compute.
+Alone, as here, fp32 calls can do as well without it (the hardware's own prefetch keeps up
+with one matmul after another); within a decode step, between attention and the other
+kernels, it is what keeps the matmuls fed, so this is not the whole verdict on it.
 The baseline is the same source built with ``-DTANDEM_NO_FETCH_AHEAD`` (the fetch compiled
 out); both builds run the same calls in turns, ``--repeats`` rounds: every decoder layer's
 four matmuls (qkv, o, gate-up, down: the 30 layers' shapes), and the ``lm_head`` apart. Reports
 each median, their ratio, and whether the outputs are bit-identical.
 
-    .venv/bin/python -m bench.panel_matmul [--rows 1 8 16 32 64] [--kinds F32 BF16]
+Each row also gives the kernel's rate in multiply-adds a second and its fraction of the CPU's
+fp32 ceiling, measured first in the same run by ``bench/csrc/fma_ceiling.c`` (every thread
+issuing multiply-adds on registers alone): how far the kernel is from what the cores can do,
+not an estimate of it. A bf16 multiply-add counts as one; the bf16 instruction does two a lane.
+
+    .venv/bin/python -m bench.panel_matmul [--rows 1 8 16 32 64 1400] [--kinds F32 BF16]
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from models import native
 from models.cpu_linear import FLAGS, SOURCE, PanelKind, pack_panels
 
 RESULTS = Path(__file__).parent / "results"
+CEILING = Path(__file__).parent / "csrc" / "fma_ceiling.c"
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # the embedded model
 LAYER_SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
@@ -42,12 +51,23 @@ def _load(flags: tuple[str, ...]) -> Callable[..., int]:
     return fn
 
 
+def fma_ceiling(iters: int = 50_000_000) -> float:
+    """The cores' fp32 multiply-adds a second, on registers alone (``bench/csrc/fma_ceiling.c``),
+    best of three, on torch's OpenMP threads."""
+    lib = ctypes.CDLL(str(native.build_library(CEILING, FLAGS)))
+    fn = lib.tandem_fma_ceiling
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int64]
+    return max(float(fn(iters)) for _ in range(3))
+
+
 def _measure(
     fns: dict[str, Callable[..., int]],
     kind: PanelKind,
     shapes: list[tuple[int, int]],
     m: int,
     repeats: int,
+    ceiling: float,
 ) -> dict[str, Any]:
     dt = torch.bfloat16 if kind is PanelKind.BF16 else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -78,6 +98,7 @@ def _measure(
         **{f"{name}_ms": round(v, 3) for name, v in ms.items()},
         "fetch_ahead_over_baseline_time": round(ms["fetch_ahead"] / ms["baseline"], 3),
         "fetch_ahead_gflops": round(flops / ms["fetch_ahead"] / 1e6, 1),
+        "fetch_ahead_of_fma_ceiling": round(flops / 2 / (ms["fetch_ahead"] / 1e3) / ceiling, 3),
         "identical": all(
             torch.equal(a, b) for a, b in zip(ys["fetch_ahead"], ys["baseline"], strict=True)
         ),
@@ -86,7 +107,7 @@ def _measure(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 1400])
     ap.add_argument("--kinds", nargs="+", default=["F32", "BF16"])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
@@ -97,6 +118,8 @@ def main() -> None:
         "fetch_ahead": _load(FLAGS),
         "baseline": _load((*FLAGS, "-DTANDEM_NO_FETCH_AHEAD")),
     }
+    ceiling = fma_ceiling()
+    print(f"fp32 multiply-add ceiling: {ceiling / 1e9:.1f} G/s", flush=True)
     rows = []
     for kind_name in args.kinds:
         kind = PanelKind[kind_name]
@@ -105,11 +128,16 @@ def main() -> None:
                 row = {
                     "kind": kind_name,
                     "weights": what,
-                    **_measure(fns, kind, shapes, m, args.repeats),
+                    **_measure(fns, kind, shapes, m, args.repeats, ceiling),
                 }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-    report = {"benchmark": "panel_matmul", "threads": args.threads, "calls": rows}
+    report = {
+        "benchmark": "panel_matmul",
+        "threads": args.threads,
+        "fma_ceiling_g_per_s": round(ceiling / 1e9, 1),
+        "calls": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
