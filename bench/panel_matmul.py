@@ -13,9 +13,10 @@ four matmuls (qkv, o, gate-up, down: the 30 layers' shapes), and the ``lm_head``
 each median, their ratio, and whether the outputs are bit-identical.
 
 Each row also gives the kernel's rate in multiply-adds a second and its fraction of the CPU's
-fp32 ceiling, measured first in the same run by ``bench/csrc/fma_ceiling.c`` (every thread
-issuing multiply-adds on registers alone): how far the kernel is from what the cores can do,
-not an estimate of it. A bf16 multiply-add counts as one; the bf16 instruction does two a lane.
+ceiling for its kind, measured in the same run by ``bench/csrc/fma_ceiling.c`` (every thread
+issuing the kind's instruction on registers alone: fp32 fused multiply-adds, or the bf16
+dot product, two multiply-adds a lane): how far the kernel is from what the cores can do, not
+an estimate of it.
 
     .venv/bin/python -m bench.panel_matmul [--rows 1 8 16 32 64 1400] [--kinds F32 BF16]
 """
@@ -51,11 +52,12 @@ def _load(flags: tuple[str, ...]) -> Callable[..., int]:
     return fn
 
 
-def fma_ceiling(iters: int = 50_000_000) -> float:
-    """The cores' fp32 multiply-adds a second, on registers alone (``bench/csrc/fma_ceiling.c``),
-    best of three, on torch's OpenMP threads."""
+def fma_ceiling(kind: PanelKind, iters: int = 50_000_000) -> float:
+    """The cores' multiply-adds a second on registers alone (``bench/csrc/fma_ceiling.c``): fp32
+    fused multiply-adds, or the bf16 dot-product instruction for the bf16 kind (0 where the CPU
+    lacks it); best of three, on torch's OpenMP threads."""
     lib = ctypes.CDLL(str(native.build_library(CEILING, FLAGS)))
-    fn = lib.tandem_fma_ceiling
+    fn = lib.tandem_bf16_ceiling if kind is PanelKind.BF16 else lib.tandem_fma_ceiling
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int64]
     return max(float(fn(iters)) for _ in range(3))
@@ -98,7 +100,9 @@ def _measure(
         **{f"{name}_ms": round(v, 3) for name, v in ms.items()},
         "fetch_ahead_over_baseline_time": round(ms["fetch_ahead"] / ms["baseline"], 3),
         "fetch_ahead_gflops": round(flops / ms["fetch_ahead"] / 1e6, 1),
-        "fetch_ahead_of_fma_ceiling": round(flops / 2 / (ms["fetch_ahead"] / 1e3) / ceiling, 3),
+        "fetch_ahead_of_fma_ceiling": (
+            round(flops / 2 / (ms["fetch_ahead"] / 1e3) / ceiling, 3) if ceiling else None
+        ),
         "identical": all(
             torch.equal(a, b) for a, b in zip(ys["fetch_ahead"], ys["baseline"], strict=True)
         ),
@@ -118,11 +122,12 @@ def main() -> None:
         "fetch_ahead": _load(FLAGS),
         "baseline": _load((*FLAGS, "-DTANDEM_NO_FETCH_AHEAD")),
     }
-    ceiling = fma_ceiling()
-    print(f"fp32 multiply-add ceiling: {ceiling / 1e9:.1f} G/s", flush=True)
+    ceilings: dict[str, float] = {}
     rows = []
     for kind_name in args.kinds:
         kind = PanelKind[kind_name]
+        ceiling = ceilings[kind_name] = fma_ceiling(kind)
+        print(f"{kind_name} multiply-add ceiling: {ceiling / 1e9:.1f} G/s", flush=True)
         for what, shapes in (("layers", LAYER_SHAPES * LAYERS), ("lm_head", [(VOCAB, HIDDEN)])):
             for m in args.rows:
                 row = {
@@ -135,7 +140,7 @@ def main() -> None:
     report = {
         "benchmark": "panel_matmul",
         "threads": args.threads,
-        "fma_ceiling_g_per_s": round(ceiling / 1e9, 1),
+        "fma_ceiling_g_per_s": {k: round(v / 1e9, 1) for k, v in ceilings.items()},
         "calls": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ exact logits of the few tokens that could still win.
 A greedy row needs one thing from the vocabulary projection: its argmax. The full fp32
 projection is the largest matmul of a small model's step (every row times the whole
 ``[V, hidden]`` table). The panel kernel multiplies bf16 by the CPU's bf16 dot-product
-instruction at twice the fp32 rate and streams half the bytes, so the screen computes every
+instruction and streams half the bytes (on CPUs whose instruction issues two multiply-adds a
+lane at the fp32 rate, it also computes at twice that), so the screen computes every
 logit in bf16, bounds how far each can be from the fp32 logit the full head would give, keeps
 the tokens whose screened logit is within twice that bound of the row's best, and computes
 those exactly with the same fp32 kernel on the 16-column panels that hold them. The kernel

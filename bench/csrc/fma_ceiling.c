@@ -1,17 +1,27 @@
-/* The CPU's fp32 multiply-add ceiling: every OpenMP thread runs fused multiply-adds on sixteen
- * independent vector accumulators held in registers (no loads, no stores, no dependency a
- * multiply-add waits on), so the figure is what the cores' vector units can issue and nothing
+/* The CPU's multiply-add ceilings: every OpenMP thread runs one instruction on sixteen
+ * independent vector accumulators held in registers (no loads, no stores, no dependency an
+ * instruction waits on), so the figure is what the cores' vector units can issue and nothing
  * else. bench/panel_matmul.py reports the panel kernel's rate as a fraction of it.
  *
- * Returns the multiply-adds per second over all threads; `iters` K steps per thread. */
+ * Each returns the multiply-adds per second over all threads; `iters` steps per thread. */
 #include <omp.h>
 #include <stdint.h>
 #include <time.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+static double seconds_since(const struct timespec* t0) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
 
 typedef float v16f __attribute__((vector_size(64)));
 
+/* fp32 fused multiply-adds, 16 lanes an instruction. */
 double tandem_fma_ceiling(int64_t iters) {
-    struct timespec t0, t1;
+    struct timespec t0;
     float sums[256] = {0}; /* one per thread, read after the region: the loops have a use */
     int nth = 1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -30,9 +40,41 @@ double tandem_fma_ceiling(int64_t iters) {
             for (int j = 0; j < 16; j++) s += acc[i][j];
         sums[omp_get_thread_num() % 256] = s;
     }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    const double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    const double dt = seconds_since(&t0);
     volatile float sink = 0.0f;
     for (int i = 0; i < 256; i++) sink += sums[i];
     return (double)nth * (double)iters * 16.0 * 16.0 / dt;
+}
+
+/* The bf16 dot-product instruction (the panel kernel's bf16 kind): 16 lanes of two
+ * multiply-adds each, into fp32. 0 where the CPU lacks it. */
+double tandem_bf16_ceiling(int64_t iters) {
+#ifdef __AVX512BF16__
+    struct timespec t0;
+    float sums[256] = {0};
+    int nth = 1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel
+    {
+#pragma omp single
+        nth = omp_get_num_threads();
+        __m512 acc[16];
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80); /* (1, 1) */
+        const __m512bh c = (__m512bh)_mm512_set1_epi32(0x33d633d6); /* (1e-7, 1e-7) */
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i);
+        for (int64_t it = 0; it < iters; it++)
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], b, c);
+        float s = 0.0f;
+        for (int i = 0; i < 16; i++) s += _mm512_reduce_add_ps(acc[i]);
+        sums[omp_get_thread_num() % 256] = s;
+    }
+    const double dt = seconds_since(&t0);
+    volatile float sink = 0.0f;
+    for (int i = 0; i < 256; i++) sink += sums[i];
+    return (double)nth * (double)iters * 16.0 * 32.0 / dt;
+#else
+    (void)iters;
+    return 0.0;
+#endif
 }
