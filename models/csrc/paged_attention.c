@@ -129,8 +129,9 @@ static inline v16f hsum16(const v16f* p) {
  * sees alone, not of where they sit in blocks (a draft tree's nodes sit at other slots than the
  * chain they become) nor of the other rows.
  *
- * Scores: a block every key of which the row sees is scored sixteen keys at a time (hsum16),
- * any other key by itself (hsum1), with the same bits. The head dim is a multiple of 16
+ * Scores: sixteen filled slots of a block at a time (hsum16), the row keeping those it sees;
+ * the filled slots of a block's last partial sixteen each by itself (hsum1), with the same
+ * bits. A block the row sees nothing of (past its position, before its window) is skipped. The head dim is a multiple of 16
  * (tandem_paged_attention refuses others). Weighted values: the row's accumulator stays in
  * registers across a block's keys. Sums over the keys are vectors of sixteen partial sums in
  * key order, then hsum1: a fixed order, whatever the block layout. */
@@ -197,6 +198,9 @@ static inline __attribute__((always_inline)) int attend_pair(
                 const int lo = window > 0 ? pos - window + 1 : 0;
                 const uint8_t* seen =
                     tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
+                /* a block wholly past the row's position or before its window: no key of it
+                 * is seen (a prompt's rows skip the blocks after their own) */
+                if (j * bs > pos || j * bs + ntok - 1 < lo) continue;
                 float* mine = sc + (int64_t)r * kpad;
                 int c = cnt[r];
                 /* every key of the block visible (no tree slots in it, nothing past the
@@ -207,17 +211,22 @@ static inline __attribute__((always_inline)) int attend_pair(
                     v16f qv[MAX_D / 16];
                     for (int v = 0; v < nv; v++) qv[v] = load16(qs + r * d + 16 * v);
                     int i = 0;
-                    if (all) {
-                        for (; i + 16 <= ntok; i += 16) {
-                            v16f part[16];
-                            for (int u = 0; u < 16; u++)
-                                part[u] = dot_lanes(qv, blk + (int64_t)(i + u) * d, nv);
-                            const v16f s16 = hsum16(part);
+                    for (; i + 16 <= ntok; i += 16) { /* sixteen keys at a time */
+                        v16f part[16];
+                        for (int u = 0; u < 16; u++)
+                            part[u] = dot_lanes(qv, blk + (int64_t)(i + u) * d, nv);
+                        const v16f s16 = hsum16(part);
+                        if (all) {
                             memcpy(mine + c, &s16, sizeof s16);
                             c += 16;
+                        } else { /* the seen ones, in slot order (the rest is not kept) */
+                            float t[16];
+                            memcpy(t, &s16, sizeof t);
+                            for (int u = 0; u < 16; u++)
+                                if (sees(j * bs + i + u, pos, lo, tree_base, seen)) mine[c++] = t[u];
                         }
                     }
-                    for (; i < ntok; i++) {
+                    for (; i < ntok; i++) { /* the last block's filled slots, one at a time */
                         if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
                         mine[c++] = hsum1(dot_lanes(qv, blk + (int64_t)i * d, nv));
                     }
