@@ -131,8 +131,8 @@ static inline v16f hsum16(const v16f* p) {
  *
  * Scores: sixteen filled slots of a block at a time (hsum16), the row keeping those it sees;
  * the filled slots of a block's last partial sixteen each by itself (hsum1), with the same
- * bits. A block the row sees nothing of (past its position, before its window) is skipped. The head dim is a multiple of 16
- * (tandem_paged_attention refuses others). Weighted values: the row's accumulator stays in
+ * bits. A block the row sees nothing of (past its position, before its window) is skipped.
+ * The head dim is a multiple of 16 (tandem_paged_attention refuses others). Weighted values: the row's accumulator stays in
  * registers across a block's keys. Sums over the keys are vectors of sixteen partial sums in
  * key order, then hsum1: a fixed order, whatever the block layout. */
 static inline __attribute__((always_inline)) int attend_pair(
@@ -223,7 +223,8 @@ static inline __attribute__((always_inline)) int attend_pair(
                             float t[16];
                             memcpy(t, &s16, sizeof t);
                             for (int u = 0; u < 16; u++)
-                                if (sees(j * bs + i + u, pos, lo, tree_base, seen)) mine[c++] = t[u];
+                                if (sees(j * bs + i + u, pos, lo, tree_base, seen))
+                                    mine[c++] = t[u];
                         }
                     }
                     for (; i < ntok; i++) { /* the last block's filled slots, one at a time */

@@ -17,6 +17,9 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -129,11 +132,10 @@ static inline float exp_clamped(float x) {
 }
 
 #ifdef __AVX512F__
-#include <immintrin.h>
 /* The SiLU over 16 lanes by hand: left to the vectoriser, the clamp above is if-converted into
  * a division of every lane by 1 + e^88 beside the real one, and g / (1 + e^88) is subnormal for
- * the g of a SiLU, so every vector took a microcode assist (the SiLU cost more than the
- * matmuls around it at a few rows). Here the clamp is a max and a min on x, and the operations
+ * the g of a SiLU, so every vector took a microcode assist (several times the SiLU's own
+ * arithmetic). Here the clamp is a max and a min on x, and the operations
  * are exp_in_range's and silu_mul_row's, one for one in the same order, so the lanes have the
  * scalar loop's bits (a NaN g gives NaN either way). */
 static inline __m512 exp_clamped16(__m512 x) {
@@ -142,15 +144,17 @@ static inline __m512 exp_clamped16(__m512 x) {
         _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                       _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    const __m512 f =
+        _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                      _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
     p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.3981999507e-3f));
     p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(8.3334519073e-3f));
     p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(4.1665795894e-2f));
     p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, f), f), f), _mm512_set1_ps(1.0f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, f), f), f),
+                      _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(
         _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -195,7 +199,8 @@ INLINE void silu_mul_row(int dtype, const void* gu, int64_t gs, void* y, int64_t
     const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     for (; i + 16 <= inter; i += 16) {
         const __m512 g = load16(dtype, gu, go + i);
-        const __m512 e = exp_clamped16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));
+        const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+        const __m512 e = exp_clamped16(neg);
         __m512 a = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         if (dtype) a = _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16_16(a), 16));
         store16(dtype, y, yo + i, _mm512_mul_ps(a, load16(dtype, gu, go + inter + i)));
