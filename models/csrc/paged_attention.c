@@ -24,8 +24,8 @@
  * decoded alone.
  *
  * Work is split over (sequence, KV head, chunk of new tokens) triples across the OpenMP threads
- * of the runtime torch itself uses (the library links the libgomp torch loaded), each
- * accumulating in fp32.
+ * of the runtime torch itself uses (the library links the libgomp torch loaded), each thread a
+ * contiguous run of triples of about equal cost, each accumulating in fp32.
  * Head dims are multiples of 16 (a vector of floats); 64 and 128 are compiled as constants
  * (their loops unroll and the row accumulators stay in registers), others take the same code
  * with the head dim read at run time. Compiled without -fassociative-math: every sum is in the
@@ -37,6 +37,10 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <omp.h>
 
 #define MAX_ACC 16384 /* floats of accumulator per call of attend_pair: rows * head_dim */
 /* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
@@ -120,6 +124,41 @@ static inline v16f hsum16(const v16f* p) {
                                    29, 31);
 }
 
+/* Whether a row at position pos sees every key of the block of ntok keys from slot j0: none
+ * past its position, none before its window, no tree slot among them. */
+static inline int sees_block(int pos, int window, int32_t tree_base, int j0, int ntok) {
+    const int lo = window > 0 ? pos - window + 1 : 0;
+    return j0 >= lo && j0 + ntok - 1 <= pos && (tree_base < 0 || j0 + ntok - 1 < tree_base);
+}
+
+/* The values pass over one block for nr rows that see all of its ntok keys: each row's
+ * weighted sum in key order from its accumulator (acc + r * d), with its weights from
+ * w + r * kpad + cnt[r], the same multiply-adds in the same order as the row-by-row loop; the
+ * rows' chains interleaved, so each value vector is loaded once for all of them and the
+ * multiply-adds of one row do not wait on each other. nr and nv are constants at every call. */
+static inline __attribute__((always_inline)) void values_rows(int nr, int nv, const float* blk,
+                                                              int ntok, float* acc, int d,
+                                                              const float* w, int kpad,
+                                                              int32_t* cnt) {
+    v16f av[4][MAX_D / 16];
+    const float* wr[4];
+    for (int r = 0; r < nr; r++) {
+        wr[r] = w + (int64_t)r * kpad + cnt[r];
+        for (int v = 0; v < nv; v++) av[r][v] = load16(acc + r * d + 16 * v);
+    }
+    for (int i = 0; i < ntok; i++) {
+        const float* row = blk + (int64_t)i * d;
+        for (int v = 0; v < nv; v++) {
+            const v16f x = load16(row + 16 * v);
+            for (int r = 0; r < nr; r++) av[r][v] = av[r][v] + wr[r][i] * x;
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int v = 0; v < nv; v++) memcpy(acc + r * d + 16 * v, &av[r][v], sizeof av[r][v]);
+        cnt[r] += ntok;
+    }
+}
+
 /* One (sequence, KV head) pair: its g * n query rows over the sequence's blocks.
  *
  * Two passes over the blocks. The first computes every row's scores of the keys it sees, in
@@ -193,56 +232,74 @@ static inline __attribute__((always_inline)) int attend_pair(
             } else {
                 blk = (const float*)kv + base;
             }
-            for (int r = 0; r < rows; r++) {
-                const int pos = c0 + r / g;
-                const int lo = window > 0 ? pos - window + 1 : 0;
-                const uint8_t* seen =
-                    tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
-                /* a block wholly past the row's position or before its window: no key of it
-                 * is seen (a prompt's rows skip the blocks after their own) */
-                if (j * bs > pos || j * bs + ntok - 1 < lo) continue;
-                float* mine = sc + (int64_t)r * kpad;
-                int c = cnt[r];
-                /* every key of the block visible (no tree slots in it, nothing past the
-                 * row's position or before its window): no test per key */
-                const int all = j * bs >= lo && j * bs + ntok - 1 <= pos &&
-                                (!seen || j * bs + ntok - 1 < tree_base);
-                if (pass == 0) {
-                    v16f qv[MAX_D / 16];
-                    for (int v = 0; v < nv; v++) qv[v] = load16(qs + r * d + 16 * v);
-                    int i = 0;
-                    for (; i + 16 <= ntok; i += 16) { /* sixteen keys at a time */
-                        v16f part[16];
-                        for (int u = 0; u < 16; u++)
-                            part[u] = dot_lanes(qv, blk + (int64_t)(i + u) * d, nv);
-                        const v16f s16 = hsum16(part);
-                        if (all) {
-                            memcpy(mine + c, &s16, sizeof s16);
-                            c += 16;
-                        } else { /* the seen ones, in slot order (the rest is not kept) */
-                            float t[16];
-                            memcpy(t, &s16, sizeof t);
-                            for (int u = 0; u < 16; u++)
-                                if (sees(j * bs + i + u, pos, lo, tree_base, seen))
-                                    mine[c++] = t[u];
-                        }
+            /* rows in groups: a group whose rows all see every key of the block sums its
+             * values together (values_rows); the others, and every score, row by row */
+            const int rb = pass == 1 && fixed_d ? (nv <= 4 ? 4 : 2) : 1;
+            for (int r0 = 0; r0 < rows; r0 += rb) {
+                const int nr = rows - r0 < rb ? rows - r0 : rb;
+                int whole = nr > 1;
+                for (int r = r0; r < r0 + nr && whole; r++)
+                    whole = sees_block(c0 + r / g, window, tree_base, j * bs, ntok);
+                if (whole) {
+                    float* a = acc + r0 * d;
+                    const float* w = sc + (int64_t)r0 * kpad;
+                    switch (nr) {
+                        case 4: values_rows(4, nv, blk, ntok, a, d, w, kpad, cnt + r0); break;
+                        case 3: values_rows(3, nv, blk, ntok, a, d, w, kpad, cnt + r0); break;
+                        default: values_rows(2, nv, blk, ntok, a, d, w, kpad, cnt + r0); break;
                     }
-                    for (; i < ntok; i++) { /* the last block's filled slots, one at a time */
-                        if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
-                        mine[c++] = hsum1(dot_lanes(qv, blk + (int64_t)i * d, nv));
-                    }
-                } else {
-                    v16f av[MAX_D / 16];
-                    for (int v = 0; v < nv; v++) av[v] = load16(acc + r * d + 16 * v);
-                    for (int i = 0; i < ntok; i++) {
-                        if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
-                        const float w = mine[c++];
-                        const float* row = blk + (int64_t)i * d;
-                        for (int v = 0; v < nv; v++) av[v] = av[v] + w * load16(row + 16 * v);
-                    }
-                    for (int v = 0; v < nv; v++) memcpy(acc + r * d + 16 * v, &av[v], 64);
+                    continue;
                 }
-                cnt[r] = c;
+                for (int r = r0; r < r0 + nr; r++) {
+                    const int pos = c0 + r / g;
+                    const int lo = window > 0 ? pos - window + 1 : 0;
+                    const uint8_t* seen =
+                        tree_base >= 0 ? tree_mask + (int64_t)(row0 + r / g) * tree_width : 0;
+                    /* a block wholly past the row's position or before its window: no key of it
+                     * is seen (a prompt's rows skip the blocks after their own) */
+                    if (j * bs > pos || j * bs + ntok - 1 < lo) continue;
+                    float* mine = sc + (int64_t)r * kpad;
+                    int c = cnt[r];
+                    /* every key of the block visible (no tree slots in it, nothing past the
+                     * row's position or before its window): no test per key */
+                    const int all = sees_block(pos, window, tree_base, j * bs, ntok);
+                    if (pass == 0) {
+                        v16f qv[MAX_D / 16];
+                        for (int v = 0; v < nv; v++) qv[v] = load16(qs + r * d + 16 * v);
+                        int i = 0;
+                        for (; i + 16 <= ntok; i += 16) { /* sixteen keys at a time */
+                            v16f part[16];
+                            for (int u = 0; u < 16; u++)
+                                part[u] = dot_lanes(qv, blk + (int64_t)(i + u) * d, nv);
+                            const v16f s16 = hsum16(part);
+                            if (all) {
+                                memcpy(mine + c, &s16, sizeof s16);
+                                c += 16;
+                            } else { /* the seen ones, in slot order (the rest is not kept) */
+                                float t[16];
+                                memcpy(t, &s16, sizeof t);
+                                for (int u = 0; u < 16; u++)
+                                    if (sees(j * bs + i + u, pos, lo, tree_base, seen))
+                                        mine[c++] = t[u];
+                            }
+                        }
+                        for (; i < ntok; i++) { /* the last block's filled slots, one at a time */
+                            if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                            mine[c++] = hsum1(dot_lanes(qv, blk + (int64_t)i * d, nv));
+                        }
+                    } else {
+                        v16f av[MAX_D / 16];
+                        for (int v = 0; v < nv; v++) av[v] = load16(acc + r * d + 16 * v);
+                        for (int i = 0; i < ntok; i++) {
+                            if (!all && !sees(j * bs + i, pos, lo, tree_base, seen)) continue;
+                            const float w = mine[c++];
+                            const float* row = blk + (int64_t)i * d;
+                            for (int v = 0; v < nv; v++) av[v] = av[v] + w * load16(row + 16 * v);
+                        }
+                        for (int v = 0; v < nv; v++) memcpy(acc + r * d + 16 * v, &av[v], 64);
+                    }
+                    cnt[r] = c;
+                }
             }
         }
         if (pass == 1) break;
@@ -252,7 +309,21 @@ static inline __attribute__((always_inline)) int attend_pair(
             for (int k = c; k < (c + 15) / 16 * 16; k++) mine[k] = -INFINITY; /* weight 0 */
             const int cv = (c + 15) / 16;
             float m = -INFINITY;
-            for (int k = 0; k < c; k++) m = mine[k] > m ? mine[k] : m;
+            /* the largest score, by sixteen lanes then across them: the same value in any
+             * order (NaN scores lose every comparison; +0 or -0 both give e^0 below) */
+            float lane[16];
+#ifdef __AVX512F__
+            __m512 lv = _mm512_set1_ps(-INFINITY);
+            for (int u = 0; u < cv; u++) /* max_ps(a, b) is a > b ? a : b */
+                lv = _mm512_max_ps(_mm512_loadu_ps(mine + 16 * u), lv);
+            _mm512_storeu_ps(lane, lv);
+#else
+            for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+            for (int u = 0; u < cv; u++)
+                for (int l = 0; l < 16; l++)
+                    lane[l] = mine[16 * u + l] > lane[l] ? mine[16 * u + l] : lane[l];
+#endif
+            for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
             v16f sum = {};
             for (int u = 0; u < cv; u++) {
                 float* at = mine + 16 * u;
@@ -307,24 +378,47 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
         const int64_t chunks = q_len[s] > 0 ? (q_len[s] + per - 1) / per : 0;
         first_item[s + 1] = first_item[s] + chunks * hkv;
     }
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t it = 0; it < first_item[b]; it++) {
-        int s = 0;
-        while (first_item[s + 1] <= it) s++;
-        const int64_t local = it - first_item[s];
-        const int h = (int)(local % hkv);
-        const int32_t t0 = (int32_t)(local / hkv) * per;
-        const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
-#define PAIR(B16, FD)                                                                    \
-    attend_pair(q, q_stride, kv, block_stride, tables + s * nbmax, q_start[s] + t0, n,       \
-                cached[s] + t0, tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, d, bs, window, \
-                scale, B16, FD)
-        if (dtype == 1)
-            failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
-        else
-            failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
+    /* Each thread takes a contiguous run of items of about equal cost (rows times the keys
+     * they see): a thread's items are the heads of a few sequences in turn, whose blocks'
+     * slabs hold all heads, rather than items handed out one at a time between threads. */
+    const int64_t items = first_item[b];
+    int64_t* cost = malloc(sizeof(int64_t) * (size_t)(items + 1)); /* [items + 1] prefix */
+    if (!cost) {
+        free(first_item);
+        return -3;
     }
+    cost[0] = 0;
+    for (int s = 0; s < b; s++)
+        for (int64_t it = first_item[s]; it < first_item[s + 1]; it++) {
+            const int32_t t0 = (int32_t)((it - first_item[s]) / hkv) * per;
+            const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
+            cost[it + 1] = cost[it] + (int64_t)n * (cached[s] + t0 + n + bs);
+        }
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        int64_t it = 0, end;
+        while (it < items && cost[it] < cost[items] * tid / nth) it++;
+        for (end = it; end < items && cost[end] < cost[items] * (tid + 1) / nth;) end++;
+        if (tid == nth - 1) end = items;
+        for (int s = 0; it < end; it++) {
+            while (first_item[s + 1] <= it) s++;
+            const int64_t local = it - first_item[s];
+            const int h = (int)(local % hkv);
+            const int32_t t0 = (int32_t)(local / hkv) * per;
+            const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
+#define PAIR(B16, FD)                                                                         \
+    attend_pair(q, q_stride, kv, block_stride, tables + s * nbmax, q_start[s] + t0, n,        \
+                cached[s] + t0, tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, \
+                d, bs, window, scale, B16, FD)
+            if (dtype == 1)
+                failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
+            else
+                failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
+        }
+    }
+    free(cost);
     free(first_item);
     if (failed) return -3; /* out of memory */
     return 0;

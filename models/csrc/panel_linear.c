@@ -56,9 +56,18 @@
 #endif
 
 #define NR 16  /* output columns per panel: one 16-float vector */
-#define MR 6   /* rows per tile */
-#define NPG 4  /* panels per tile (and per unit of work) */
-#define MB 192 /* rows per block (a multiple of MR) */
+/* Tile shapes. A K step of a tile loads one weight vector per panel and broadcasts one input
+ * per row, so a tile of MR rows x NPG panels makes MR x NPG multiply-adds per MR + NPG loads;
+ * its MR x NPG accumulators and NPG weight vectors share the 32 vector registers. fp32 and int8
+ * weights take 8 x 3: a decode step's 8, 16 or 32 rows are then whole tiles and each weight
+ * vector is loaded for 8 rows, not 6 (at 32 rows, 6 x 4 tiles end in a 2-row tile that loads
+ * its weights for two rows alone). bf16 weights keep 6 x 4: at a few rows their step is bound
+ * by streaming the weights, and four panels keep more of the weight streams in flight. */
+#define MR 6    /* rows per tile: bf16 and int8 by digits (digit rows) */
+#define NPG 4   /* panels per tile (and per unit of work): bf16 and int8 by digits */
+#define MR32 8  /* the same for the fp32-arithmetic kinds, fp32 and int8 weights */
+#define NPG32 3
+#define MB 192 /* rows per block (a multiple of MR and of MR32) */
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
@@ -148,12 +157,12 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
                                                                int64_t k_, float* y, int64_t ys,
                                                                int64_t n0, int64_t n,
                                                                Ahead ahead) {
-    v16f acc[MR][NPG];
+    v16f acc[MR32][NPG32];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
     for (int64_t k = 0; k < k_; k++) {
         fetch_ahead(ahead, k);
-        v16f wv[NPG];
+        v16f wv[NPG32];
         for (int j = 0; j < np; j++) {
             const int64_t at = ((int64_t)j * k_ + k) * NR;
             wv[j] = i8 ? load_i8((const int8_t*)w + at) : load_f32((const float*)w + at);
@@ -366,21 +375,34 @@ static inline __attribute__((always_inline)) void tile_digits(
 #define HAVE_DIGITS 0
 #endif
 
-/* Every (rows, panels) shape a tile can have, each with constant bounds. */
+/* Every (rows, panels) shape a tile can have, each with constant bounds: up to 6 rows and 4
+ * or 1 panels (BY_SHAPE), up to 8 rows and 3 or 1 panels (BY_SHAPE32). */
+#define BY_ROWS_6(TILE, NP)             \
+    switch (mr) {                       \
+        case 6: TILE(6, NP); break;     \
+        case 5: TILE(5, NP); break;     \
+        case 4: TILE(4, NP); break;     \
+        case 3: TILE(3, NP); break;     \
+        case 2: TILE(2, NP); break;     \
+        default: TILE(1, NP); break;    \
+    }
+#define BY_ROWS_8(TILE, NP)             \
+    switch (mr) {                       \
+        case 8: TILE(8, NP); break;     \
+        case 7: TILE(7, NP); break;     \
+        default: BY_ROWS_6(TILE, NP)    \
+    }
 #define BY_SHAPE(TILE)                  \
-    switch (mr * 8 + np) {              \
-        case 6 * 8 + 4: TILE(6, 4); break; \
-        case 5 * 8 + 4: TILE(5, 4); break; \
-        case 4 * 8 + 4: TILE(4, 4); break; \
-        case 3 * 8 + 4: TILE(3, 4); break; \
-        case 2 * 8 + 4: TILE(2, 4); break; \
-        case 1 * 8 + 4: TILE(1, 4); break; \
-        case 6 * 8 + 1: TILE(6, 1); break; \
-        case 5 * 8 + 1: TILE(5, 1); break; \
-        case 4 * 8 + 1: TILE(4, 1); break; \
-        case 3 * 8 + 1: TILE(3, 1); break; \
-        case 2 * 8 + 1: TILE(2, 1); break; \
-        default: TILE(1, 1); break;        \
+    if (np == NPG) {                    \
+        BY_ROWS_6(TILE, NPG)            \
+    } else {                            \
+        BY_ROWS_6(TILE, 1)              \
+    }
+#define BY_SHAPE32(TILE)                \
+    if (np == NPG32) {                  \
+        BY_ROWS_8(TILE, NPG32)          \
+    } else {                            \
+        BY_ROWS_8(TILE, 1)              \
     }
 
 /* y [n, 16] row i = fp32 row x[rows[i]] (row stride xs) times the one fp32 panel
@@ -527,36 +549,37 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
     }
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t wbytes = kind == 0 ? 4 : kind == 1 ? 2 : 1;
+    const int64_t tile_rows = kind == 1 ? MR : MR32, group = kind == 1 ? NPG : NPG32;
 #pragma omp parallel
     {
         /* each thread a contiguous run of panels, as even as whole panels allow (a layer's
-         * few dozen panels split in groups of NPG would leave one thread a group more) */
+         * few dozen panels split in groups would leave one thread a group more) */
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t first = panels * tid / nth, last = panels * (tid + 1) / nth;
-        const int64_t tiles = (m + MR - 1) / MR;
+        const int64_t tiles = (m + tile_rows - 1) / tile_rows;
         const int64_t steps = kind == 1 ? k / 2 : k; /* K steps of a tile */
         /* this thread's share of the side lines, spread evenly over its (group, tile) units */
         const int64_t per = (side_bytes + 63) / 64, total = nsides * per;
         const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
-        const int64_t units = (last - first + NPG - 1) / NPG * tiles;
+        const int64_t units = (last - first + group - 1) / group * tiles;
         for (int64_t mb = 0; mb < m; mb += MB) {
             const int64_t mend = mb + MB < m ? mb + MB : m;
-            const int64_t btiles = (mend - mb + MR - 1) / MR; /* this block's */
-            for (int64_t p0 = first; p0 < last; p0 += NPG) {
-                const int64_t pc = last - p0 < NPG ? last - p0 : NPG;
+            const int64_t btiles = (mend - mb + tile_rows - 1) / tile_rows; /* this block's */
+            for (int64_t p0 = first; p0 < last; p0 += group) {
+                const int64_t pc = last - p0 < group ? last - p0 : group;
                 /* the next group's weights, fetched over the block's tiles after its first,
                  * from three tiles on (a second tile of a few rows has too little arithmetic
                  * to hide the fetch behind) */
-                const int64_t next_pc = last - p0 - pc < NPG ? last - p0 - pc : NPG;
+                const int64_t next_pc = last - p0 - pc < group ? last - p0 - pc : group;
                 const int64_t next_bytes = next_pc * k * NR * wbytes;
                 const int64_t share =
                     btiles > 2 ? (next_bytes + btiles - 2) / (btiles - 1) : 0;
                 const int64_t lines =
                     share && steps ? (share + steps * 64 - 1) / (steps * 64) : 0;
-                for (int64_t m0 = mb; m0 < mend; m0 += MR) { /* the group's weights stay in cache */
-                    const int mr = mend - m0 < MR ? (int)(mend - m0) : MR;
-                    const int64_t t = (m0 - mb) / MR, from = (t - 1) * steps * lines * 64;
-                    const int64_t u = (p0 - first) / NPG * tiles + m0 / MR; /* this unit */
+                for (int64_t m0 = mb; m0 < mend; m0 += tile_rows) { /* the group's weights stay in cache */
+                    const int mr = mend - m0 < tile_rows ? (int)(mend - m0) : (int)tile_rows;
+                    const int64_t t = (m0 - mb) / tile_rows, from = (t - 1) * steps * lines * 64;
+                    const int64_t u = (p0 - first) / group * tiles + m0 / tile_rows; /* this unit */
                     const int64_t u0 = units ? s0 + (s1 - s0) * u / units : 0;
                     const int64_t u1 = units ? s0 + (s1 - s0) * (u + 1) / units : 0;
                     Ahead ahead = {t > 0 && next_bytes > from
@@ -570,19 +593,19 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                                    u1 - u0,
                                    steps ? (u1 - u0 + steps - 1) / steps : 0};
                     for (int64_t p = p0; p < p0 + pc;) {
-                        const int np = pc == NPG ? NPG : 1;
+                        const int np = pc == group ? (int)group : 1;
                         const char* wp = (const char*)w + p * k * NR * wbytes;
                         const int64_t n0 = p * NR;
                         if (kind == 0) {
                             const float* xr = (const float*)x + m0 * xs;
                             float* yr = (float*)y + m0 * ys;
 #define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
-                            BY_SHAPE(TILE_F32)
+                            BY_SHAPE32(TILE_F32)
                         } else if (kind == 2) {
                             const float* xr = (const float*)x + m0 * xs;
                             float* yr = (float*)y + m0 * ys;
 #define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
-                            BY_SHAPE(TILE_I8)
+                            BY_SHAPE32(TILE_I8)
                         }
 #if HAVE_BF16
                         else {
