@@ -100,28 +100,67 @@ static inline float hsum1(v16f p) {
     return t[0];
 }
 
+/* hsum16's four levels: each adds lanes j and j + w (w = 8, 4, 2, 1) of two vectors, packing
+ * the pair's sums side by side. */
+static inline v16f halves8(v16f a, v16f b) { /* key 2k in lanes 0-7, 2k + 1 in 8-15 */
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
+}
+
+static inline v16f halves4(v16f a, v16f b) { /* four keys, four lanes each */
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                   27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                   31);
+}
+
+static inline v16f halves2(v16f a, v16f b) { /* eight keys, two lanes each */
+    return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                   29) +
+           __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                   31);
+}
+
+static inline v16f halves1(v16f a, v16f b) { /* sixteen keys, one lane each */
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                   30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                   31);
+}
+
+/* The scores of sixteen keys from key (each d floats apart) for nr rows of queries qv[r]
+ * (nv vectors each): lane i of row r's result is hsum1(dot_lanes(qv[r], key i)), by the
+ * pairings of hsum1 done sixteen keys at a time. The tree is walked depth first, so a row holds
+ * a few partial vectors at a time, and each key is loaded once for all the rows. nr and nv are
+ * constants at every call. */
+static inline __attribute__((always_inline)) void scores16(int nr, int nv,
+                                                           const v16f (*qv)[MAX_D / 16],
+                                                           const float* key, int d, v16f* out) {
+    v16f e[4][2];
+    for (int a = 0; a < 2; a++) {
+        v16f dd[4][2];
+        for (int b = 0; b < 2; b++) {
+            v16f c[4][2];
+            for (int k = 0; k < 2; k++) {
+                const float* k0 = key + (int64_t)(((a * 2 + b) * 2 + k) * 2) * d;
+                for (int r = 0; r < nr; r++)
+                    c[r][k] = halves8(dot_lanes(qv[r], k0, nv), dot_lanes(qv[r], k0 + d, nv));
+            }
+            for (int r = 0; r < nr; r++) dd[r][b] = halves4(c[r][0], c[r][1]);
+        }
+        for (int r = 0; r < nr; r++) e[r][a] = halves2(dd[r][0], dd[r][1]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = halves1(e[r][0], e[r][1]);
+}
+
 /* Lane i of the result: the lane sum of p[i] (hsum1's pairings), for sixteen keys at once. */
 static inline v16f hsum16(const v16f* p) {
     v16f c[8], d[4], e[2];
-    for (int k = 0; k < 8; k++) /* lanes j + (j + 8): key 2k in lanes 0-7, 2k + 1 in 8-15 */
-        c[k] = __builtin_shufflevector(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
-                                       18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
-                                       25, 26, 27, 28, 29, 30, 31);
-    for (int k = 0; k < 4; k++) /* then j + (j + 4): four keys, four lanes each */
-        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
-                                       18, 19, 24, 25, 26, 27) +
-               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20,
-                                       21, 22, 23, 28, 29, 30, 31);
-    for (int k = 0; k < 2; k++) /* j + (j + 2): eight keys, two lanes each */
-        e[k] = __builtin_shufflevector(d[2 * k], d[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
-                                       20, 21, 24, 25, 28, 29) +
-               __builtin_shufflevector(d[2 * k], d[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18,
-                                       19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                   28, 30) +
-           __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                   29, 31);
+    for (int k = 0; k < 8; k++) c[k] = halves8(p[2 * k], p[2 * k + 1]);
+    for (int k = 0; k < 4; k++) d[k] = halves4(c[2 * k], c[2 * k + 1]);
+    for (int k = 0; k < 2; k++) e[k] = halves2(d[2 * k], d[2 * k + 1]);
+    return halves1(e[0], e[1]);
 }
 
 /* Whether a row at position pos sees every key of the block of ntok keys from slot j0: none
@@ -159,6 +198,31 @@ static inline __attribute__((always_inline)) void values_rows(int nr, int nv, co
     }
 }
 
+/* The scores pass over one block for nr rows that see all of its ntok keys: each row's scores
+ * of the keys in slot order onto its packed scores (sc + r * kpad from cnt[r]), sixteen keys at
+ * a time by scores16, the block's last partial sixteen one at a time by hsum1: the bits the
+ * row-by-row loop gives. nr and nv are constants at every call. */
+static inline __attribute__((always_inline)) void scores_rows(int nr, int nv, const float* blk,
+                                                              int ntok, const float* qs, int d,
+                                                              float* sc, int kpad,
+                                                              int32_t* cnt) {
+    v16f qv[4][MAX_D / 16];
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) qv[r][v] = load16(qs + r * d + 16 * v);
+    int i = 0;
+    for (; i + 16 <= ntok; i += 16) {
+        v16f s16[4];
+        scores16(nr, nv, (const v16f(*)[MAX_D / 16])qv, blk + (int64_t)i * d, d, s16);
+        for (int r = 0; r < nr; r++) {
+            memcpy(sc + (int64_t)r * kpad + cnt[r], &s16[r], sizeof s16[r]);
+            cnt[r] += 16;
+        }
+    }
+    for (; i < ntok; i++)
+        for (int r = 0; r < nr; r++)
+            sc[(int64_t)r * kpad + cnt[r]++] = hsum1(dot_lanes(qv[r], blk + (int64_t)i * d, nv));
+}
+
 /* One (sequence, KV head) pair: its g * n query rows over the sequence's blocks.
  *
  * Two passes over the blocks. The first computes every row's scores of the keys it sees, in
@@ -171,9 +235,12 @@ static inline __attribute__((always_inline)) void values_rows(int nr, int nv, co
  * Scores: sixteen filled slots of a block at a time (hsum16), the row keeping those it sees;
  * the filled slots of a block's last partial sixteen each by itself (hsum1), with the same
  * bits. A block the row sees nothing of (past its position, before its window) is skipped.
- * The head dim is a multiple of 16 (tandem_paged_attention refuses others). Weighted values: the row's accumulator stays in
- * registers across a block's keys. Sums over the keys are vectors of sixteen partial sums in
- * key order, then hsum1: a fixed order, whatever the block layout. */
+ * The head dim is a multiple of 16 (tandem_paged_attention refuses others). Weighted values:
+ * the row's accumulator stays in registers across a block's keys. Sums over the keys are
+ * vectors of sixteen partial sums in key order, then hsum1: a fixed order, whatever the block
+ * layout. Rows that all see every key of a block (a decode's g rows, a prompt's rows past the
+ * block) take it together, each key and value loaded once for them (scores_rows, values_rows),
+ * with the arithmetic each would do alone. */
 static inline __attribute__((always_inline)) int attend_pair(
     const void* q, int64_t q_stride, const void* kv, int64_t block_stride, const int32_t* table,
     int32_t row0,
@@ -213,16 +280,21 @@ static inline __attribute__((always_inline)) int attend_pair(
             const int64_t base =
                 (int64_t)table[j] * block_stride + ((int64_t)pass * hkv + h) * chunk;
             const int ntok = ctx - j * bs < bs ? ctx - j * bs : bs;
-            if ((j + 1) * bs < ctx) { /* the next block's, while this one computes */
+            /* The next block's chunk, and in pass 0 this block's values (which pass 1 then
+             * reads from cache), asked for while this one computes: the first two lines of
+             * each, which start the hardware's stream over the chunk. Asking for every line
+             * streams no faster and costs an instruction a line. */
+            if ((j + 1) * bs < ctx) {
                 const int64_t next =
                     (int64_t)table[j + 1] * block_stride + ((int64_t)pass * hkv + h) * chunk;
                 const char* nx = (const char*)kv + next * elt;
-                for (int64_t at = 0; at < chunk * elt; at += 64) __builtin_prefetch(nx + at);
+                __builtin_prefetch(nx);
+                __builtin_prefetch(nx + 64);
             }
-            if (pass == 0) { /* and this block's values, which pass 1 then reads from cache */
+            if (pass == 0) {
                 const char* vx = (const char*)kv + (base + (int64_t)hkv * chunk) * elt;
-                for (int64_t at = 0; at < (int64_t)ntok * d * elt; at += 64)
-                    __builtin_prefetch(vx + at, 0, 2);
+                __builtin_prefetch(vx, 0, 2);
+                __builtin_prefetch(vx + 64, 0, 2);
             }
             const float* blk;
             if (bf16) {
@@ -234,12 +306,22 @@ static inline __attribute__((always_inline)) int attend_pair(
             }
             /* rows in groups: a group whose rows all see every key of the block sums its
              * values together (values_rows); the others, and every score, row by row */
-            const int rb = pass == 1 && fixed_d ? (nv <= 4 ? 4 : 2) : 1;
+            const int rb = !fixed_d ? 1 : pass == 1 ? (nv <= 4 ? 4 : 2) : (nv <= 4 ? 3 : 2);
             for (int r0 = 0; r0 < rows; r0 += rb) {
                 const int nr = rows - r0 < rb ? rows - r0 : rb;
                 int whole = nr > 1;
                 for (int r = r0; r < r0 + nr && whole; r++)
                     whole = sees_block(c0 + r / g, window, tree_base, j * bs, ntok);
+                if (whole && pass == 0) {
+                    const float* qr = qs + r0 * d;
+                    float* o = sc + (int64_t)r0 * kpad;
+                    switch (nr) {
+                        case 4: scores_rows(4, nv, blk, ntok, qr, d, o, kpad, cnt + r0); break;
+                        case 3: scores_rows(3, nv, blk, ntok, qr, d, o, kpad, cnt + r0); break;
+                        default: scores_rows(2, nv, blk, ntok, qr, d, o, kpad, cnt + r0); break;
+                    }
+                    continue;
+                }
                 if (whole) {
                     float* a = acc + r0 * d;
                     const float* w = sc + (int64_t)r0 * kpad;
