@@ -68,6 +68,7 @@
 #define MR32 8  /* the same for the fp32-arithmetic kinds, fp32 and int8 weights */
 #define NPG32 3
 #define MB 192 /* rows per block (a multiple of MR and of MR32) */
+#define FETCH_TILES 8 /* fp32: the most tiles of a block that fetch the next group ahead */
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
@@ -149,9 +150,11 @@ static inline __attribute__((always_inline)) void fetch_ahead(Ahead a, int64_t s
 }
 
 /* One tile of fp32 rows x[0 .. mr) times panels w[0 .. np) (each K * NR values apart) of fp32
- * weights, or of int8 weights times their columns' scale. mr, np and i8 are constants at every
- * call site, so the accumulators live in registers and the weight type costs no branch. */
-static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, int i8,
+ * weights, or of int8 weights times their columns' scale. mr, np, i8 and fetch are constants
+ * at every call site, so the accumulators live in registers, the weight type costs no branch,
+ * and a tile with nothing to fetch ahead (fetch 0) has no trace of it in its K loop: the
+ * fetch's bookkeeping alone, kept live across the loop, slows it by a few percent. */
+static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, int i8, int fetch,
                                                                const float* x, int64_t xs,
                                                                const void* w, const float* scale,
                                                                int64_t k_, float* y, int64_t ys,
@@ -161,7 +164,7 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = (v16f){};
     for (int64_t k = 0; k < k_; k++) {
-        fetch_ahead(ahead, k);
+        if (fetch) fetch_ahead(ahead, k);
         v16f wv[NPG32];
         for (int j = 0; j < np; j++) {
             const int64_t at = ((int64_t)j * k_ + k) * NR;
@@ -182,7 +185,8 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
 
 #if defined(__AVX512BF16__)
 #define HAVE_BF16 1
-static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, const uint16_t* x,
+static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, int fetch,
+                                                           const uint16_t* x,
                                                            int64_t xs, const uint16_t* w,
                                                            int64_t k_, uint16_t* y, int64_t ys,
                                                            int64_t n0, int64_t n, Ahead ahead) {
@@ -190,7 +194,7 @@ static inline __attribute__((always_inline)) void tile_bf16(int mr, int np, cons
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < k_; k += 2) {
-        fetch_ahead(ahead, k / 2);
+        if (fetch) fetch_ahead(ahead, k / 2);
         __m512bh wv[NPG];
         for (int j = 0; j < np; j++)
             wv[j] = (__m512bh)_mm512_loadu_si512(w + ((int64_t)j * k_ + k) * NR);
@@ -565,6 +569,11 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
         for (int64_t mb = 0; mb < m; mb += MB) {
             const int64_t mend = mb + MB < m ? mb + MB : m;
             const int64_t btiles = (mend - mb + tile_rows - 1) / tile_rows; /* this block's */
+            /* Whether the next group's weights are fetched ahead: bf16 always; fp32 for
+             * blocks of up to FETCH_TILES tiles (a decode step's rows), past which the tiles
+             * compute long enough from cache for the hardware's prefetch to keep up; int8
+             * weights (a quarter of fp32's bytes) never. */
+            const int ahead_ok = kind == 1 || (kind == 0 && btiles <= FETCH_TILES);
             for (int64_t p0 = first; p0 < last; p0 += group) {
                 const int64_t pc = last - p0 < group ? last - p0 : group;
                 /* the next group's weights, fetched over the block's tiles after its first,
@@ -573,7 +582,7 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                 const int64_t next_pc = last - p0 - pc < group ? last - p0 - pc : group;
                 const int64_t next_bytes = next_pc * k * NR * wbytes;
                 const int64_t share =
-                    btiles > 2 ? (next_bytes + btiles - 2) / (btiles - 1) : 0;
+                    btiles > 2 && ahead_ok ? (next_bytes + btiles - 2) / (btiles - 1) : 0;
                 const int64_t lines =
                     share && steps ? (share + steps * 64 - 1) / (steps * 64) : 0;
                 for (int64_t m0 = mb; m0 < mend; m0 += tile_rows) { /* the group's weights stay in cache */
@@ -582,7 +591,7 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                     const int64_t u = (p0 - first) / group * tiles + m0 / tile_rows; /* this unit */
                     const int64_t u0 = units ? s0 + (s1 - s0) * u / units : 0;
                     const int64_t u1 = units ? s0 + (s1 - s0) * (u + 1) / units : 0;
-                    Ahead ahead = {t > 0 && next_bytes > from
+                    Ahead ahead = {t > 0 && lines > 0 && next_bytes > from
                                        ? (const char*)w + (p0 + pc) * k * NR * wbytes + from
                                        : NULL,
                                    lines,
@@ -594,25 +603,42 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                                    steps ? (u1 - u0 + steps - 1) / steps : 0};
                     for (int64_t p = p0; p < p0 + pc;) {
                         const int np = pc == group ? (int)group : 1;
+                        const int fetch = ahead.base != NULL || ahead.count > 0;
                         const char* wp = (const char*)w + p * k * NR * wbytes;
                         const int64_t n0 = p * NR;
                         if (kind == 0) {
                             const float* xr = (const float*)x + m0 * xs;
                             float* yr = (float*)y + m0 * ys;
-#define TILE_F32(a, b) tile_fp32_acc(a, b, 0, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
-                            BY_SHAPE32(TILE_F32)
+#define TILE_F32(a, b) tile_fp32_acc(a, b, 0, 1, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
+#define TILE_F32_NF(a, b) tile_fp32_acc(a, b, 0, 0, xr, xs, wp, NULL, k, yr, ys, n0, n, ahead)
+                            if (fetch) {
+                                BY_SHAPE32(TILE_F32)
+                            } else {
+                                BY_SHAPE32(TILE_F32_NF)
+                            }
                         } else if (kind == 2) {
                             const float* xr = (const float*)x + m0 * xs;
                             float* yr = (float*)y + m0 * ys;
-#define TILE_I8(a, b) tile_fp32_acc(a, b, 1, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
-                            BY_SHAPE32(TILE_I8)
+#define TILE_I8(a, b) tile_fp32_acc(a, b, 1, 1, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
+#define TILE_I8_NF(a, b) tile_fp32_acc(a, b, 1, 0, xr, xs, wp, scale, k, yr, ys, n0, n, ahead)
+                            if (fetch) {
+                                BY_SHAPE32(TILE_I8)
+                            } else {
+                                BY_SHAPE32(TILE_I8_NF)
+                            }
                         }
 #if HAVE_BF16
                         else {
                             const uint16_t* xr = (const uint16_t*)x + m0 * xs;
                             uint16_t* yr = (uint16_t*)y + m0 * ys;
-#define TILE_BF16(a, b) tile_bf16(a, b, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n, ahead)
-                            BY_SHAPE(TILE_BF16)
+#define TILE_BF16(a, b) tile_bf16(a, b, 1, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n, ahead)
+#define TILE_BF16_NF(a, b) \
+    tile_bf16(a, b, 0, xr, xs, (const uint16_t*)wp, k, yr, ys, n0, n, ahead)
+                            if (fetch) {
+                                BY_SHAPE(TILE_BF16)
+                            } else {
+                                BY_SHAPE(TILE_BF16_NF)
+                            }
                         }
 #endif
                         ahead.count = 0; /* the unit's side lines went with its first tile */
