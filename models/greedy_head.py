@@ -58,6 +58,11 @@ class GreedyHead:
     residual: float  # R: max_j |w_j - bf16(w_j)|
     screen_norm: float  # S: max_j |bf16(w_j)|
     exact_norm: float  # W: max_j |w_j|
+    # The most rows a call screens; a step with more argmaxes them over the full head. Per row
+    # the screen is a bf16 matmul, which this kind of CPU runs at half its fp32 multiply-add
+    # rate: what it saves in weight bytes pays at a few rows, and by a few dozen the fp32
+    # kernel's arithmetic alone costs less (``bench.greedy_head --rows``).
+    max_rows: int = field(default=24)
     screened: int = field(default=0)
     fallbacks: int = field(default=0)
 

@@ -122,3 +122,24 @@ def test_a_models_head_computes_logits_where_asked_and_every_argmax(
     assert logits.shape == full.shape and bool(logits.isnan().all())
     logits, tokens = model.head(h, [False] * 6)
     assert tokens is None and torch.equal(logits, full)
+
+
+def test_more_rows_than_the_screen_takes_get_the_full_head(
+    embedded_folder: Path, tmp_path: Path
+) -> None:
+    """Past ``max_rows`` greedy rows a step takes the full head: every row's logits, no tokens
+    (the caller argmaxes them), the same argmax the screen gives below the limit."""
+    folder = make_tiny_checkpoint(tmp_path / "m", embedded_folder, seed=5, vocab_size=700)
+    model = ModelSpec(str(folder)).load()
+    assert model.pack_for_cpu()
+    screen = model.lm_head.greedy
+    assert screen is not None
+    h = torch.randn(9, model.cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    full = model.logits(h)  # [9, V]
+    screen.max_rows = 9
+    logits, tokens = model.head(h, [True] * 9)
+    assert tokens is not None and torch.equal(tokens, full.argmax(dim=-1))
+    assert bool(logits.isnan().all())
+    screen.max_rows = 8
+    logits, tokens = model.head(h, [True] * 9)
+    assert tokens is None and torch.equal(logits, full)
