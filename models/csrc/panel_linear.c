@@ -69,6 +69,9 @@
 #define NPG32 3
 #define MB 192 /* rows per block (a multiple of MR and of MR32) */
 #define FETCH_TILES 8 /* fp32: the most tiles of a block that fetch the next group ahead */
+#define KB 128        /* fp32 at KB_MIN_ROWS .. KB_MAX_ROWS rows: K steps per block */
+#define KB_MIN_ROWS 4
+#define KB_MAX_ROWS 64
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
@@ -181,6 +184,46 @@ static inline __attribute__((always_inline)) void tile_fp32_acc(int mr, int np, 
             if (i8) r = r * load_f32(scale + n0 + j * NR); /* padded to whole panels */
             store_f32(y + i * ys, n0 + j * NR, n, r);
         }
+}
+
+/* One tile of K-blocked fp32 (see tandem_panel_linear_side): K steps k0 .. k1 of rows x
+ * [0 .. mr) times panels w[0 .. np), from zero (k0 = 0) or on from the partial sums in y,
+ * which it leaves there: each output still sums its K products in order from zero. With
+ * fetch, K step k0 + l also asks for line l of each of npf slices pf[] (of lines lines) into
+ * L2. mr, np and fetch are constants at every call site. */
+static inline __attribute__((always_inline)) void tile_kb(int mr, int np, int fetch,
+                                                         const float* x, int64_t xs,
+                                                         const float* w, int64_t k_, int64_t k0,
+                                                         int64_t k1, float* y, int64_t ys,
+                                                         int64_t n0, int64_t n,
+                                                         const char* const* pf, int npf,
+                                                         int64_t lines) {
+    v16f acc[MR32][NPG32];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) {
+            const int64_t c0 = n0 + j * NR;
+            if (k0 == 0) {
+                acc[i][j] = (v16f){};
+            } else if (c0 + NR <= n) {
+                acc[i][j] = load_f32(y + i * ys + c0);
+            } else { /* the last panel's padding columns were never stored */
+                float t[NR] = {0};
+                for (int64_t c = 0; c0 + c < n; c++) t[c] = y[i * ys + c0 + c];
+                memcpy(&acc[i][j], t, sizeof t);
+            }
+        }
+    for (int64_t k = k0; k < k1; k++) {
+        if (fetch && k - k0 < lines)
+            for (int q = 0; q < npf; q++) __builtin_prefetch(pf[q] + (k - k0) * 64, 0, 2);
+        v16f wv[NPG32];
+        for (int j = 0; j < np; j++) wv[j] = load_f32(w + ((int64_t)j * k_ + k) * NR);
+        for (int i = 0; i < mr; i++) {
+            const v16f b = splat(x[i * xs + k]);
+            for (int j = 0; j < np; j++) acc[i][j] = acc[i][j] + b * wv[j]; /* one FMA */
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < np; j++) store_f32(y + i * ys, n0 + j * NR, n, acc[i][j]);
 }
 
 #if defined(__AVX512BF16__)
@@ -566,6 +609,53 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
         const int64_t per = (side_bytes + 63) / 64, total = nsides * per;
         const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
         const int64_t units = (last - first + group - 1) / group * tiles;
+        if (kind == 0 && m >= KB_MIN_ROWS && m <= KB_MAX_ROWS && nsides == 0) {
+            /* fp32 at a decode step's rows, K-blocked: a group's tiles take its first KB K
+             * steps, then the next KB, ... (tile_kb). A block's weights (a group's panels x KB
+             * x 64 bytes) stay in L1 over its tiles, and the tiles after the first bring the
+             * next block's (the group's next, or the next group's first) into L2, a line a K
+             * step of each panel they take: the tiles read their weights from L1, which
+             * leaves the core's line fill buffers to the fetch. (With side data to fetch, the
+             * blocks of MB rows below take it.) */
+            for (int64_t p0 = first; p0 < last; p0 += group) {
+                const int64_t pc = last - p0 < group ? last - p0 : group;
+                for (int64_t k0 = 0; k0 < k; k0 += KB) {
+                    const int64_t k1 = k0 + KB < k ? k0 + KB : k;
+                    int64_t fp0 = p0, fk0 = k1; /* the next block */
+                    if (fk0 >= k) fp0 = p0 + pc, fk0 = 0;
+                    const int64_t fnp = last - fp0 < group ? last - fp0 : group;
+                    const int64_t lines = (fk0 + KB < k ? fk0 + KB : k) - fk0;
+                    /* the tiles that fetch: those after the first (a lone tile itself) */
+                    const int64_t t0 = tiles > 1;
+                    for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
+                        const int mr = m - m0 < tile_rows ? (int)(m - m0) : (int)tile_rows;
+                        const int64_t t = m0 / tile_rows;
+                        const char* pf[NPG32];
+                        int npf = 0;
+                        if (t >= t0) /* panels t - t0, t - t0 + (tiles - t0), ... */
+                            for (int64_t j = t - t0; j < fnp; j += tiles - t0)
+                                pf[npf++] = (const char*)w + ((fp0 + j) * k + fk0) * NR * 4;
+                        for (int64_t p = p0; p < p0 + pc;) {
+                            const int np = pc == group ? (int)group : 1;
+                            const float* wp = (const float*)w + p * k * NR;
+                            const float* xr = (const float*)x + m0 * xs;
+                            float* yr = (float*)y + m0 * ys;
+                            const int64_t mine = p == p0 ? lines : 0; /* the unit's first call */
+#define TILE_KB(a, b) \
+    tile_kb(a, b, 1, xr, xs, wp, k, k0, k1, yr, ys, p * NR, n, pf, npf, mine)
+#define TILE_KB_NF(a, b) \
+    tile_kb(a, b, 0, xr, xs, wp, k, k0, k1, yr, ys, p * NR, n, pf, 0, 0)
+                            if (npf > 0) {
+                                BY_SHAPE32(TILE_KB)
+                            } else {
+                                BY_SHAPE32(TILE_KB_NF)
+                            }
+                            p += np;
+                        }
+                    }
+                }
+            }
+        } else
         for (int64_t mb = 0; mb < m; mb += MB) {
             const int64_t mend = mb + MB < m ? mb + MB : m;
             const int64_t btiles = (mend - mb + tile_rows - 1) / tile_rows; /* this block's */
