@@ -69,9 +69,9 @@
 #define NPG32 3
 #define MB 192 /* rows per block (a multiple of MR and of MR32) */
 #define FETCH_TILES 8 /* fp32: the most tiles of a block that fetch the next group ahead */
-#define KB 128        /* fp32 at KB_MIN_ROWS .. KB_MAX_ROWS rows: K steps per block */
+#define KB 128 /* fp32 at KB_MIN_ROWS .. KB_MAX_ROWS rows: K steps per block */
 #define KB_MIN_ROWS 4
-#define KB_MAX_ROWS 64
+#define KB_MAX_ROWS MB
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
@@ -126,6 +126,13 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
  * from cache and would leave the memory idle, and the next group's first tile would then wait
  * on it. base: where this tile's share starts (NULL: nothing to fetch); lines: 64-byte lines a
  * K step; left: bytes of the group from base on. Prefetches change no value. */
+/* bench.panel_matmul's baseline build compiles every fetch of weights ahead out */
+#ifdef TANDEM_NO_FETCH_AHEAD
+#define FETCHES 0
+#else
+#define FETCHES 1
+#endif
+
 typedef struct {
     const char* base;
     int64_t lines, left;
@@ -136,9 +143,7 @@ typedef struct {
 } Ahead;
 
 static inline __attribute__((always_inline)) void fetch_ahead(Ahead a, int64_t step) {
-#ifdef TANDEM_NO_FETCH_AHEAD /* bench.panel_matmul's baseline build */
-    return;
-#endif
+    if (!FETCHES) return;
     if (a.base)
         for (int64_t l = 0; l < a.lines; l++) {
             const int64_t at = (step * a.lines + l) * 64;
@@ -610,13 +615,16 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
         const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
         const int64_t units = (last - first + group - 1) / group * tiles;
         if (kind == 0 && m >= KB_MIN_ROWS && m <= KB_MAX_ROWS && nsides == 0) {
-            /* fp32 at a decode step's rows, K-blocked: a group's tiles take its first KB K
-             * steps, then the next KB, ... (tile_kb). A block's weights (a group's panels x KB
-             * x 64 bytes) stay in L1 over its tiles, and the tiles after the first bring the
-             * next block's (the group's next, or the next group's first) into L2, a line a K
-             * step of each panel they take: the tiles read their weights from L1, which
-             * leaves the core's line fill buffers to the fetch. (With side data to fetch, the
-             * blocks of MB rows below take it.) */
+            /* fp32 at a decode or verification step's rows (up to a block of MB), K-blocked:
+             * a group's tiles take its first KB K steps, then the next KB, ... (tile_kb). A
+             * block's weights (a group's panels x KB x 64 bytes) stay in L1 over its tiles,
+             * and the tiles after the first bring the next block's (the group's next, or the
+             * next group's first) into L2, a line a K step of each panel they take: the tiles
+             * read their weights from L1, which leaves the core's line fill buffers to the
+             * fetch. (With side data to fetch, the path below takes the call.) */
+            for (int64_t mb = 0; mb < m; mb += MB) {
+            const int64_t mend = mb + MB < m ? mb + MB : m;
+            const int64_t btiles = (mend - mb + tile_rows - 1) / tile_rows; /* this block's */
             for (int64_t p0 = first; p0 < last; p0 += group) {
                 const int64_t pc = last - p0 < group ? last - p0 : group;
                 for (int64_t k0 = 0; k0 < k; k0 += KB) {
@@ -626,14 +634,14 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                     const int64_t fnp = last - fp0 < group ? last - fp0 : group;
                     const int64_t lines = (fk0 + KB < k ? fk0 + KB : k) - fk0;
                     /* the tiles that fetch: those after the first (a lone tile itself) */
-                    const int64_t t0 = tiles > 1;
-                    for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
-                        const int mr = m - m0 < tile_rows ? (int)(m - m0) : (int)tile_rows;
-                        const int64_t t = m0 / tile_rows;
+                    const int64_t t0 = btiles > 1;
+                    for (int64_t m0 = mb; m0 < mend; m0 += tile_rows) {
+                        const int mr = mend - m0 < tile_rows ? (int)(mend - m0) : (int)tile_rows;
+                        const int64_t t = (m0 - mb) / tile_rows;
                         const char* pf[NPG32];
                         int npf = 0;
-                        if (t >= t0) /* panels t - t0, t - t0 + (tiles - t0), ... */
-                            for (int64_t j = t - t0; j < fnp; j += tiles - t0)
+                        if (FETCHES && t >= t0) /* panels t - t0, t - t0 + (tiles - t0), ... */
+                            for (int64_t j = t - t0; j < fnp; j += btiles - t0)
                                 pf[npf++] = (const char*)w + ((fp0 + j) * k + fk0) * NR * 4;
                         for (int64_t p = p0; p < p0 + pc;) {
                             const int np = pc == group ? (int)group : 1;
@@ -654,6 +662,7 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                         }
                     }
                 }
+            }
             }
         } else
         for (int64_t mb = 0; mb < m; mb += MB) {
