@@ -165,3 +165,20 @@ def test_single_row_chains_verify_like_verify_greedy() -> None:
                 assert final == int(ref.final_token[0]) == best[row]
         if first_row[0] == 0:  # in order: the free drafts of rows 1 and 4 pass
             assert got == [(0, best[0]), (1, None), (0, best[2]), (0, best[3]), (1, None)]
+
+
+def test_a_steps_argmax_is_torchs_on_ties_nans_and_infinities() -> None:
+    """``StepResult.argmax`` (the greedy choice) reduces by ``max``'s indices: the same token
+    ``argmax`` gives, the first of equal maxima and a NaN above everything, over slices and
+    index lists of the rows."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(-2, 3, (9, 4096), generator=gen).float()  # [9, V]: many ties
+    logits[2, 17] = logits[2, 900] = math.nan
+    logits[4, 5] = logits[4, 3000] = math.inf
+    logits[6] = -math.inf
+    out = StepResult(torch.zeros(9, 1), logits, (9,), torch.zeros(9, 1))
+    want = logits.argmax(dim=-1)  # [9]
+    assert torch.equal(out.argmax(slice(None)), want)
+    assert torch.equal(out.argmax(slice(2, 7)), want[2:7])
+    assert torch.equal(out.argmax(torch.tensor([6, 2, 4])), want[[6, 2, 4]])
+    assert out.argmax(slice(2, 3)).item() == 17 and out.argmax(slice(4, 5)).item() == 5
