@@ -44,7 +44,9 @@
  * itself uses (the library links the libgomp torch loaded); every element is computed by one
  * thread, so the split does not change its bits either. A prompt's rows go in blocks of MB: a
  * block's inputs stay in L2 beside a group's weights while its tiles run, where a whole prompt
- * chunk would come from L3 again for every group.
+ * chunk would come from L3 again for every group. fp32 from a few rows on also goes in blocks
+ * of KB input features (K steps), each tile's partial sums waiting in y between them, so that
+ * a group's weights for a block sit in L1 while its tiles run (see tandem_panel_linear_side).
  */
 #include <math.h>
 #include <omp.h>
@@ -69,9 +71,8 @@
 #define NPG32 3
 #define MB 192 /* rows per block (a multiple of MR and of MR32) */
 #define FETCH_TILES 8 /* fp32: the most tiles of a block that fetch the next group ahead */
-#define KB 128 /* fp32 at KB_MIN_ROWS .. KB_MAX_ROWS rows: K steps per block */
+#define KB 128 /* fp32 from KB_MIN_ROWS rows on: K steps per block */
 #define KB_MIN_ROWS 4
-#define KB_MAX_ROWS MB
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int8_t v16b __attribute__((vector_size(16)));
@@ -614,9 +615,9 @@ int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
         const int64_t per = (side_bytes + 63) / 64, total = nsides * per;
         const int64_t s0 = total * tid / nth, s1 = total * (tid + 1) / nth;
         const int64_t units = (last - first + group - 1) / group * tiles;
-        if (kind == 0 && m >= KB_MIN_ROWS && m <= KB_MAX_ROWS && nsides == 0) {
-            /* fp32 at a decode or verification step's rows (up to a block of MB), K-blocked:
-             * a group's tiles take its first KB K steps, then the next KB, ... (tile_kb). A
+        if (kind == 0 && m >= KB_MIN_ROWS && nsides == 0) {
+            /* fp32 from KB_MIN_ROWS rows on, K-blocked within each block of MB rows: a
+             * group's tiles take its first KB K steps, then the next KB, ... (tile_kb). A
              * block's weights (a group's panels x KB x 64 bytes) stay in L1 over its tiles,
              * and the tiles after the first bring the next block's (the group's next, or the
              * next group's first) into L2, a line a K step of each panel they take: the tiles

@@ -18,8 +18,7 @@ from tests.helpers import assert_verification_equals_decodes, make_tiny_checkpoi
 # (out, in): odd widths (a partial last panel, an odd reduction) and the embedded model's
 SHAPES = [(37, 50), (960, 576), (576, 1536), (100, 64)]
 # rows: tile edges (8 rows a tile in fp32 and int8, 6 in bf16), a verification step's rows,
-# the ends of fp32's K-blocked range (4 to 192 rows), and a prompt chunk past one block of rows
-# (192)
+# the start of fp32's K-blocked path (4 rows), and a prompt chunk past one block of rows (192)
 ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 13, 33, 64, 160, 192, 200)
 
 
