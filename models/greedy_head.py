@@ -60,9 +60,10 @@ class GreedyHead:
     exact_norm: float  # W: max_j |w_j|
     # The most rows a call screens; a step with more argmaxes them over the full head. Per row
     # the screen is a bf16 matmul, which this kind of CPU runs at half its fp32 multiply-add
-    # rate: what it saves in weight bytes pays at a few rows, and by a few dozen the fp32
-    # kernel's arithmetic alone costs less (``bench.greedy_head --rows``).
-    max_rows: int = field(default=24)
+    # rate: what it saves in weight bytes pays at a few rows (a batch-1 decode, a short
+    # verification), and a whole decode step gains nothing from it by 8 rows
+    # (``bench.greedy_head --batch``).
+    max_rows: int = field(default=6)
     screened: int = field(default=0)
     fallbacks: int = field(default=0)
 
