@@ -1,12 +1,10 @@
-"""The panel matmul kernel (``models/csrc/panel_linear.c``) with and without fetching the next
-panel group's weights ahead, over the embedded model's weights, from one row to a prompt chunk.
+"""The panel matmul kernel (``models/csrc/panel_linear.c``) with and without fetching weights
+ahead, over the embedded model's weights, from one row to a prompt chunk.
 
-The kernel multiplies a group of panels by the rows a tile at a time; the group's first tile
-streams its weights from memory and the tiles after it compute from cache. Since the tiles
-after the first fetch the next group's weights into L2, the memory streams while they compute.
-Alone, as here, fp32 calls can do as well without it (the hardware's own prefetch keeps up
-with one matmul after another); within a decode step, between attention and the other
-kernels, it is what keeps the matmuls fed, so this is not the whole verdict on it.
+The kernel multiplies a group of panels by the rows a tile at a time. fp32 from a few rows on
+goes in blocks of K steps: the tiles after a block's first fetch the next block's weights into
+L2 while they compute from L1. bf16 tiles after a group's first fetch the next group's weights
+while they compute from cache. Either way the memory streams while the tiles compute.
 The baseline is the same source built with ``-DTANDEM_NO_FETCH_AHEAD`` (the fetch compiled
 out); both builds run the same calls in turns, ``--repeats`` rounds: every decoder layer's
 four matmuls (qkv, o, gate-up, down: the 30 layers' shapes), and the ``lm_head`` apart. Reports

@@ -122,11 +122,6 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
     }
 }
 
-/* The next group of panels' weights, brought into L2 a few lines at each K step of the tiles
- * after a group's first: that tile streams the group from memory, the ones after it compute
- * from cache and would leave the memory idle, and the next group's first tile would then wait
- * on it. base: where this tile's share starts (NULL: nothing to fetch); lines: 64-byte lines a
- * K step; left: bytes of the group from base on. Prefetches change no value. */
 /* bench.panel_matmul's baseline build compiles every fetch of weights ahead out */
 #ifdef TANDEM_NO_FETCH_AHEAD
 #define FETCHES 0
@@ -134,6 +129,11 @@ static inline void store_f32(float* y, int64_t n0, int64_t n, v16f v) {
 #define FETCHES 1
 #endif
 
+/* The next group of panels' weights, brought into L2 a few lines at each K step of the tiles
+ * after a group's first: that tile streams the group from memory, the ones after it compute
+ * from cache and would leave the memory idle, and the next group's first tile would then wait
+ * on it. base: where this tile's share starts (NULL: nothing to fetch); lines: 64-byte lines a
+ * K step; left: bytes of the group from base on. Prefetches change no value. */
 typedef struct {
     const char* base;
     int64_t lines, left;
