@@ -24,8 +24,9 @@
  * decoded alone.
  *
  * Work is split over (sequence, KV head, chunk of new tokens) triples across the OpenMP threads
- * of the runtime torch itself uses (the library links the libgomp torch loaded), each thread a
- * contiguous run of triples of about equal cost, each accumulating in fp32.
+ * of the runtime torch itself uses (the library links the libgomp torch loaded), handed out one
+ * at a time (a thread the system preempts holds back no fixed share), each accumulating in
+ * fp32.
  * Head dims are multiples of 16 (a vector of floats); 64 and 128 are compiled as constants
  * (their loops unroll and the row accumulators stay in registers), others take the same code
  * with the head dim read at run time. Compiled without -fassociative-math: every sum is in the
@@ -40,7 +41,6 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#include <omp.h>
 
 #define MAX_ACC 16384 /* floats of accumulator per call of attend_pair: rows * head_dim */
 /* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
@@ -460,47 +460,24 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
         const int64_t chunks = q_len[s] > 0 ? (q_len[s] + per - 1) / per : 0;
         first_item[s + 1] = first_item[s] + chunks * hkv;
     }
-    /* Each thread takes a contiguous run of items of about equal cost (rows times the keys
-     * they see): a thread's items are the heads of a few sequences in turn, whose blocks'
-     * slabs hold all heads, rather than items handed out one at a time between threads. */
-    const int64_t items = first_item[b];
-    int64_t* cost = malloc(sizeof(int64_t) * (size_t)(items + 1)); /* [items + 1] prefix */
-    if (!cost) {
-        free(first_item);
-        return -3;
-    }
-    cost[0] = 0;
-    for (int s = 0; s < b; s++)
-        for (int64_t it = first_item[s]; it < first_item[s + 1]; it++) {
-            const int32_t t0 = (int32_t)((it - first_item[s]) / hkv) * per;
-            const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
-            cost[it + 1] = cost[it] + (int64_t)n * (cached[s] + t0 + n + bs);
-        }
     int failed = 0;
-#pragma omp parallel reduction(| : failed)
-    {
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        int64_t it = 0, end;
-        while (it < items && cost[it] < cost[items] * tid / nth) it++;
-        for (end = it; end < items && cost[end] < cost[items] * (tid + 1) / nth;) end++;
-        if (tid == nth - 1) end = items;
-        for (int s = 0; it < end; it++) {
-            while (first_item[s + 1] <= it) s++;
-            const int64_t local = it - first_item[s];
-            const int h = (int)(local % hkv);
-            const int32_t t0 = (int32_t)(local / hkv) * per;
-            const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t it = 0; it < first_item[b]; it++) {
+        int s = 0;
+        while (first_item[s + 1] <= it) s++;
+        const int64_t local = it - first_item[s];
+        const int h = (int)(local % hkv);
+        const int32_t t0 = (int32_t)(local / hkv) * per;
+        const int32_t n = q_len[s] - t0 < per ? q_len[s] - t0 : per;
 #define PAIR(B16, FD)                                                                         \
     attend_pair(q, q_stride, kv, block_stride, tables + s * nbmax, q_start[s] + t0, n,        \
                 cached[s] + t0, tree_base[s], tree_mask, tree_width, out, out_stride, h, g, hkv, \
                 d, bs, window, scale, B16, FD)
-            if (dtype == 1)
-                failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
-            else
-                failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
-        }
+        if (dtype == 1)
+            failed |= (d == 64 ? PAIR(1, 64) : d == 128 ? PAIR(1, 128) : PAIR(1, 0)) != 0;
+        else
+            failed |= (d == 64 ? PAIR(0, 64) : d == 128 ? PAIR(0, 128) : PAIR(0, 0)) != 0;
     }
-    free(cost);
     free(first_item);
     if (failed) return -3; /* out of memory */
     return 0;
