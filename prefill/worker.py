@@ -87,7 +87,10 @@ class PrefillWorker:
         self._ran_since_release = False
         self._stop = threading.Event()
         self._progress = threading.Thread(
-            target=self._progress_loop, name="tandem-kv-progress", daemon=True
+            target=_progress_loop,
+            args=(weakref.ref(self), self._stop),
+            name="tandem-kv-progress",
+            daemon=True,
         )
         self._progress.start()
         # Stop the progress thread before the interpreter tears NIXL down, even if nobody
@@ -285,15 +288,15 @@ class PrefillWorker:
 
     # ---- leases --------------------------------------------------------------------------
 
-    def _progress_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                for rid in self.transport.completed():
-                    self._completed.put(rid)
-            except Exception:  # keep serving reads; leases still end by expiry meanwhile
-                log.exception("KV transport progress failed")
-                time.sleep(0.1)
-            time.sleep(ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S)
+    def _poll_transport(self) -> float:
+        """Queue the reads the transport completed; return the seconds until the next poll."""
+        try:
+            for rid in self.transport.completed():
+                self._completed.put(rid)
+        except Exception:  # keep serving reads; leases still end by expiry meanwhile
+            log.exception("KV transport progress failed")
+            return 0.1
+        return ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S
 
     def reap(self, now: float | None = None) -> int:
         """End leases whose pull completed or that expired (``now``: a ``time.monotonic()``
@@ -341,6 +344,23 @@ class PrefillWorker:
         self.shard.close()
 
 
+def _progress_loop(ref: weakref.ref[PrefillWorker], stop: threading.Event) -> None:
+    """The progress thread: poll the worker's transport until stopped or the worker is gone.
+
+    It holds the worker only for one poll, never across the sleep: a worker dropped without
+    ``close()`` is collected and its finalizer stops this thread. (A thread that held it would
+    keep it, its KV pool and its NIXL agent alive, polling every 0.2 ms while an unpulled lease
+    remained, for the life of the process.)"""
+    while not stop.is_set():
+        worker = ref()
+        if worker is None:
+            return
+        delay = worker._poll_transport()
+        del worker  # may run the finalizer here, on this thread
+        time.sleep(delay)
+
+
 def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
     stop.set()
-    thread.join(timeout=1.0)
+    if thread is not threading.current_thread():  # the finalizer may run on the thread itself
+        thread.join(timeout=1.0)

@@ -110,7 +110,9 @@ def test_deployed_serve_config_serves_grpc(deployed: Deployed) -> None:
         request = pb.GenerateRequest(
             model=EMBEDDED_NAME,
             text="The capital of France is",
-            sampling=pb.SamplingOptions(max_tokens=4),
+            # ignore_eos: the default temperature samples, and a sampled end of text may come
+            # before the fourth token
+            sampling=pb.SamplingOptions(max_tokens=4, ignore_eos=True),
         )
         (reply,) = list(tandem_pb2_grpc.TandemStub(ch).Generate(request, timeout=60))
         assert reply.usage.completion_tokens == 4 and reply.text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,22 @@ def test_cancel_frees_queued_and_leased_blocks(specs: tuple[ModelSpec, DraftSpec
     w.cancel(leased.request_id)
     w.step()
     assert w.stats().active_leases == 0 and w.stats().free_blocks == w.cfg.num_blocks
+
+
+def test_a_worker_dropped_with_a_lease_open_stops_its_progress_thread(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """Nobody called close(): the worker, its pool and its NIXL agent are still released, and
+    its progress thread (polling every 0.2 ms while a lease is open) ends with it."""
+    w = _worker(specs)
+    w.prefill(make_request(_prompt(20, 32), SP))  # leased, never pulled
+    assert w.stats().active_leases == 1
+    thread, ref = w._progress, weakref.ref(w)
+    assert thread.is_alive()
+    del w
+    gc.collect()
+    thread.join(timeout=5)
+    assert ref() is None and not thread.is_alive()
 
 
 def test_prompt_larger_than_the_pool_is_refused(specs: tuple[ModelSpec, DraftSpec]) -> None:
