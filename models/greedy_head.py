@@ -29,6 +29,15 @@ turns into one comparison per logit. A row whose screen holds a NaN or an infini
 full head (counted in ``fallbacks``), as do the rows of a call where an exact logit overflowed.
 The bf16 instruction also flushes subnormals to zero; the bound adds what that can lose.
 
+**Two screens.** Up to ``max_rows`` rows the panel kernel's bf16 kind screens (it streams
+the half-size table once, which is what a few rows cost). Past that, on a CPU with AMX tiles,
+oneDNN's bf16 matmul screens (over a copy of the table reordered once for it, ``dense_table``):
+its tiles multiply at many times the vector instruction's rate, where the panel kernel's bf16
+screen costs a many-row step more than the full fp32 head. The bound above holds for it as
+written: its inputs are the same bf16 values, its products are exact in fp32, and it adds
+them in fp32 (in some order: ``g`` bounds any order of K additions) with subnormals flushed,
+then rounds to bf16. Without AMX a step with more rows takes the full head.
+
 TP > 1 shards the vocabulary over ranks whose logits are gathered collectively; there the
 head stays whole (``VocabParallelEmbedding`` builds a screen for one rank only).
 """
@@ -58,11 +67,14 @@ class GreedyHead:
     residual: float  # R: max_j |w_j - bf16(w_j)|
     screen_norm: float  # S: max_j |bf16(w_j)|
     exact_norm: float  # W: max_j |w_j|
-    # The most rows a call screens; a step with more argmaxes them over the full head. Per row
-    # the screen is a bf16 matmul, which this kind of CPU runs at half its fp32 multiply-add
-    # rate: what it saves in weight bytes pays at a few rows (a batch-1 decode, a short
-    # verification), and a whole decode step gains nothing from it by 8 rows
-    # (``bench.greedy_head --batch``).
+    # ``screen``'s table reordered for oneDNN's matmul (``dense_table``), on CPUs with AMX
+    # tiles (else None): the screen of calls of more than ``max_rows`` rows
+    dense: torch.Tensor | None = None
+    # The most rows the panel kernel's screen takes; a call with more goes to ``dense``, or
+    # without it to the full head. Per row the panel screen is a bf16 matmul, which the
+    # vector instruction runs at half the fp32 multiply-add rate: what it saves in weight
+    # bytes pays at a few rows (a batch-1 decode, a short verification), and a whole decode
+    # step gains nothing from it by 8 rows (``bench.greedy_head --batch``).
     max_rows: int = field(default=6)
     screened: int = field(default=0)
     fallbacks: int = field(default=0)
@@ -91,7 +103,22 @@ class GreedyHead:
             residual=(w64 - v64).norm(dim=1).max().item() * _UP,
             screen_norm=v64.norm(dim=1).max().item() * _UP,
             exact_norm=w64.norm(dim=1).max().item() * _UP,
+            dense=dense_table(low) if amx_tiles() else None,
         )
+
+    def takes(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows is screened (else the caller takes the full head)."""
+        return rows <= self.max_rows or self.dense is not None
+
+    def _screen(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, K] float32 -> [N, V] bf16, every screened logit."""
+        if hidden.shape[0] > self.max_rows and self.dense is not None:
+            x = hidden.to(torch.bfloat16)
+            s: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x, self.dense, None, "none", [], ""
+            )
+            return s
+        return self.screen.matmul(hidden)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, K] float32 -> [N] int64, each row's ``logits.argmax(-1)`` exactly."""
@@ -100,7 +127,7 @@ class GreedyHead:
         if n == 0:
             return out
         self.screened += n
-        s = self.screen.matmul(hidden)  # [N, V] bf16
+        s = self._screen(hidden)  # [N, V] bf16
         best = s.amax(dim=1).float()  # [N]
         finite = torch.isfinite(best)
         if not bool(finite.all()):
@@ -145,6 +172,21 @@ class GreedyHead:
         # s < 0: the lower of the two covers both.
         low = torch.minimum(t / (1 + _ROUND), t / (1 - _ROUND))
         return (low - low.abs() * 2.0**-22).float()  # float32 rounding cannot raise it
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bf16 matmul then runs on them) and this torch
+    has oneDNN."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return supported is not None and bool(supported()) and torch.backends.mkldnn.is_available()
+
+
+def dense_table(low: torch.Tensor) -> torch.Tensor:
+    """low [V, K] bf16 -> the same table reordered once for oneDNN's matmul (sized for a
+    decode step's rows): a plain ``F.linear`` reorders it on every call, which costs more than
+    the multiplication."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(low.contiguous(), 32)
+    return packed
 
 
 def _first_argmax(

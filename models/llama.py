@@ -279,11 +279,11 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden] -> float32 logits [N, vocab], and [N] int64 each row's
         ``argmax(-1)`` when some row asked for no more (``argmax_only``) and the head has a
         screen for it (``models.greedy_head``; else None). Those rows' logits are not
-        computed: they read NaN. More such rows than the screen takes (``max_rows``): the
-        full head for every row, and None."""
+        computed: they read NaN. More such rows than the screen takes (``GreedyHead.takes``):
+        the full head for every row, and None."""
         screen = self.lm_head.greedy
         n = hidden.shape[0]
-        if screen is None or not any(argmax_only) or sum(argmax_only) > screen.max_rows:
+        if screen is None or not any(argmax_only) or not screen.takes(sum(argmax_only)):
             return self.logits(hidden), None
         only = torch.tensor(list(argmax_only), dtype=torch.bool)  # [N]
         tokens = torch.empty(n, dtype=torch.long)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from models.cpu_linear import CpuLinear, CpuPacker, PanelKind, PanelWeight
-from models.greedy_head import GreedyHead
+from models.greedy_head import GreedyHead, dense_table
 from models.spec import ModelSpec
 from tests.helpers import make_tiny_checkpoint
 
@@ -22,18 +23,29 @@ def test_this_cpu_screens() -> None:
     assert CpuLinear().kind_for(torch.bfloat16) is PanelKind.BF16
 
 
-def _head(w: torch.Tensor) -> tuple[PanelWeight, GreedyHead]:
+SCREENS = ("panel", "dense")  # the panel kernel's bf16 screen; oneDNN's bf16 matmul
+
+
+def _head(w: torch.Tensor, which: str = "panel") -> tuple[PanelWeight, GreedyHead]:
+    """The fp32 head of ``w`` and a screen that screens every call with ``which`` (the dense
+    table is set whether or not this CPU has AMX: oneDNN multiplies bf16 on any CPU, and the
+    bound must hold for its arithmetic wherever it runs)."""
     exact = CpuPacker().pack(w)
     assert isinstance(exact, PanelWeight)
     screen = GreedyHead.build(w, exact)
     assert screen is not None
+    if which == "dense":
+        screen.dense, screen.max_rows = dense_table(w.to(torch.bfloat16)), 0
+    else:
+        screen.dense, screen.max_rows = None, 1 << 30
     return exact, screen
 
 
-def test_the_screen_gives_the_full_heads_argmax_on_random_rows() -> None:
+@pytest.mark.parametrize("which", SCREENS)
+def test_the_screen_gives_the_full_heads_argmax_on_random_rows(which: str) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1001, 64, generator=g) * 0.2  # [V, K]: a partial last panel
-    exact, screen = _head(w)
+    exact, screen = _head(w, which)
     for scale in (0.1, 1.0, 10.0):  # flat to peaked distributions
         h = torch.randn(300, 64, generator=g) * scale  # [N, K]
         want = exact.matmul(h).argmax(dim=-1)
@@ -41,7 +53,8 @@ def test_the_screen_gives_the_full_heads_argmax_on_random_rows() -> None:
     assert screen.screened == 900 and screen.fallbacks == 0
 
 
-def test_winners_below_bf16_resolution_and_exact_ties() -> None:
+@pytest.mark.parametrize("which", SCREENS)
+def test_winners_below_bf16_resolution_and_exact_ties(which: str) -> None:
     """Rows that bf16 cannot tell apart: the screen keeps them all and the exact logits pick
     the winner; equal rows tie, and the lowest index wins, as in ``argmax``."""
     g = torch.Generator().manual_seed(1)
@@ -57,22 +70,23 @@ def test_winners_below_bf16_resolution_and_exact_ties() -> None:
     h[1, 0] = -50.0  # component 0 negative: row 90's step down wins
     h[2, 0] = 50.0  # positive: row 250's step up wins
     h[3, 0] = 0.0  # no difference: 17, 250, 90 and 300 tie, and 17 comes first
-    exact, screen = _head(w)
+    exact, screen = _head(w, which)
     full = exact.matmul(h)  # [4, V]
     assert torch.equal(screen.argmax(h), full.argmax(dim=-1))
     assert full[1].argmax() == 90 and full[2].argmax() == 250 and full[3].argmax() == 17
     assert bf16_equal(w[17], w[250]) and bf16_equal(w[17], w[90])  # the screen saw ties
 
 
-def test_a_winner_the_screen_ranks_below_another() -> None:
+@pytest.mark.parametrize("which", SCREENS)
+def test_a_winner_the_screen_ranks_below_another(which: str) -> None:
     """Rounding the weights to bf16 reverses two tokens: the screen's best is not the head's,
     and the bound keeps the head's."""
     w = torch.zeros(40, 2)
     w[7] = torch.tensor([100.2, 100.0])  # exact 0.2 (bf16: 100.0, 100.0 -> 0.0)
     w[30] = torch.tensor([100.3, 100.2])  # exact 0.1 (bf16: 100.5, 100.0 -> 0.5)
     h = torch.tensor([[1.0, -1.0]])
-    exact, screen = _head(w)
-    assert screen.screen.matmul(h).float().argmax() == 30
+    exact, screen = _head(w, which)
+    assert screen._screen(h).float().argmax() == 30
     assert exact.matmul(h).argmax() == 7
     assert screen.argmax(h).tolist() == [7]
 
@@ -81,10 +95,11 @@ def bf16_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.to(torch.bfloat16), b.to(torch.bfloat16))
 
 
-def test_rows_that_are_not_finite_take_the_full_head() -> None:
+@pytest.mark.parametrize("which", SCREENS)
+def test_rows_that_are_not_finite_take_the_full_head(which: str) -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(200, 16, generator=g)
-    exact, screen = _head(w)
+    exact, screen = _head(w, which)
     h = torch.randn(5, 16, generator=g)
     h[1, 3] = math.nan
     h[3, 0] = math.inf
@@ -128,7 +143,8 @@ def test_more_rows_than_the_screen_takes_get_the_full_head(
     embedded_folder: Path, tmp_path: Path
 ) -> None:
     """Past ``max_rows`` greedy rows a step takes the full head: every row's logits, no tokens
-    (the caller argmaxes them), the same argmax the screen gives below the limit."""
+    (the caller argmaxes them), the same argmax the screen gives below the limit; with the
+    dense table (AMX tiles) the screen takes them too."""
     folder = make_tiny_checkpoint(tmp_path / "m", embedded_folder, seed=5, vocab_size=700)
     model = ModelSpec(str(folder)).load()
     assert model.pack_for_cpu()
@@ -141,5 +157,10 @@ def test_more_rows_than_the_screen_takes_get_the_full_head(
     assert tokens is not None and torch.equal(tokens, full.argmax(dim=-1))
     assert bool(logits.isnan().all())
     screen.max_rows = 8
+    screen.dense = None  # a CPU without AMX tiles: no screen for 9 rows
     logits, tokens = model.head(h, [True] * 9)
     assert tokens is None and torch.equal(logits, full)
+    screen.dense = dense_table(model.lm_head.weight.to(torch.bfloat16))  # a CPU with them
+    logits, tokens = model.head(h, [True] * 9)
+    assert tokens is not None and torch.equal(tokens, full.argmax(dim=-1))
+    assert screen.screened == 18
