@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: serve test lint typecheck unit install clean proto
+.PHONY: serve test test-fast test-gpu lint typecheck unit install clean proto
 
 $(STAMP): pyproject.toml tools/install_torch.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
-	$(BIN)/pytest
+unit: $(STAMP)  # every tier but `gpu` (markers in pyproject.toml)
+	$(BIN)/pytest -m "not gpu"
 
 test: lint typecheck unit
+
+test-fast: $(STAMP)  # quick local iteration: no Ray cluster, no GPU, nothing slow
+	$(BIN)/pytest -m "not gpu and not ray and not slow"
+
+test-gpu: $(STAMP)  # on a machine with a CUDA GPU
+	$(BIN)/pytest -m gpu tests/gpu
 
 proto: $(STAMP)  # regenerate the committed gRPC stubs (tests/cluster/test_grpc_stubs.py checks them)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. \

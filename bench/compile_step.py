@@ -3,7 +3,8 @@
 The embedded model, fp32, decode steps of ``--batches`` sequences after 128 cached tokens each,
 median of ``--repeats`` after warm-up (compilation is reported apart):
 
-- ``eager``: the served path (weights packed for the CPU, ``models.cpu_linear``);
+- ``eager``: the served path (``models.cpu.backend.CpuBackend``: weights packed for the CPU,
+  ``models.cpu.linear``);
 - ``eager_plain``: eager on the plain weights, the baseline of what inductor compiles;
 - ``compiled_layers``: every decoder layer's MLP and norms through ``torch.compile``
   (``dynamic=True``; attention stays eager: its metadata is Python);
@@ -24,21 +25,24 @@ from typing import Any
 
 import torch
 
+from models.cpu.row_ops import CpuRowOps
 from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
-from runtime.runner import SeqInput, run_step
+from runtime.backends import model_backend
+from runtime.runner import LocalRunner, SeqInput
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("eager", "eager_plain", "compiled_layers", "compiled_model")
 
 
 def _model(mode: str) -> LlamaModel:
-    model = ModelSpec(str(resolve_checkpoint("embedded"))).load()
-    if mode == "eager":
-        model.pack_for_cpu()
-    elif mode == "compiled_layers":
+    """The model of ``mode``; ``eager``'s with the CPU row ops it is served with (``_measure``
+    packs it)."""
+    ops = CpuRowOps() if mode == "eager" else None
+    model = ModelSpec(str(resolve_checkpoint("embedded"))).load(ops=ops)
+    if mode == "compiled_layers":
         layers: list[Any] = list(model.layers)
         for layer in layers:
             layer.mlp = torch.compile(layer.mlp, dynamic=True)
@@ -46,8 +50,10 @@ def _model(mode: str) -> LlamaModel:
             layer.post_attention_layernorm = torch.compile(
                 layer.post_attention_layernorm, dynamic=True
             )
-    elif mode == "compiled_model":
-        model.forward = torch.compile(model.forward, dynamic=True)  # type: ignore[method-assign]
+    elif mode == "compiled_model":  # what the step calls (``TorchBackend.forward``)
+        model.forward_with_features = torch.compile(  # type: ignore[method-assign]
+            model.forward_with_features, dynamic=True
+        )
     return model
 
 
@@ -57,13 +63,16 @@ def _measure(mode: str, batches: list[int], repeats: int) -> dict[str, Any]:
     pool = torch.zeros(
         kv_pool_shape(16 * max(batches), c.num_kv_heads, c.num_layers, 16, c.head_dim)
     )
+    # ``eager`` as a CPU replica serves it (weights packed, ``CpuBackend.apply``); the others
+    # run the model's own modules around the same attention backend
+    runner = LocalRunner(model, pool, 16, model_backend(model, pool, 16, mode == "eager"))
     out: dict[str, Any] = {}
     for b in batches:
         tables = [list(range(i * 16, i * 16 + 16)) for i in range(b)]
-        run_step(model, pool, 16, [SeqInput(t, 0, [1] * 128, []) for t in tables])  # the prompts
+        runner.run([SeqInput(t, 0, [1] * 128, []) for t in tables])  # the prompts
 
         def step(tables: list[list[int]] = tables) -> None:
-            run_step(model, pool, 16, [SeqInput(t, 128, [5], [0]) for t in tables])
+            runner.run([SeqInput(t, 128, [5], [0]) for t in tables])
 
         t0 = time.perf_counter()
         step()

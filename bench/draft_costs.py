@@ -14,7 +14,7 @@ import torch
 from models.eagle import load_eagle
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
-from runtime.runner import EagleRunner, SeqInput, run_step
+from runtime.runner import EagleRunner, LocalRunner, SeqInput
 
 HEAD = Path(__file__).parent.parent / "models" / "drafts" / "smollm2-135m-eagle"
 
@@ -41,14 +41,12 @@ def costs(folder: Path, draft_folder: Path, context: int = 512) -> dict[str, flo
         model = spec.load()
         c = model.cfg
         pool = torch.zeros(kv_pool_shape(len(table), c.num_kv_heads, c.num_layers, 16, c.head_dim))
-        run_step(model, pool, 16, [SeqInput(table, 0, [5] * context, [])])
-        out[name] = _median_ms(
-            lambda m=model, p=pool: run_step(m, p, 16, [SeqInput(table, context, [7], [0])])
-        )
+        step = LocalRunner(model, pool, 16)  # its modules, the attention chosen for the CPU
+        step.run([SeqInput(table, 0, [5] * context, [])])
+        out[name] = _median_ms(lambda r=step: r.run([SeqInput(table, context, [7], [0])]))
         if name == "draft_lm_token_ms":
             out["draft_lm_prompt_prefill_ms"] = _median_ms(
-                lambda m=model, p=pool: run_step(m, p, 16, [SeqInput(table, 0, [5] * context, [])]),
-                5,
+                lambda r=step: r.run([SeqInput(table, 0, [5] * context, [])]), 5
             )
     head = load_eagle(HEAD, folder, torch.float32, "cpu")
     c = head.cfg.layer

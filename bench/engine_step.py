@@ -28,6 +28,7 @@ import resource
 import statistics
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftSpec, ModelSpec
 from models.weights import resolve_checkpoint
-from runtime.runner import SeqInput, run_step
+from runtime.backends import model_backend, row_ops_for
+from runtime.runner import LocalRunner, SeqInput
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 128
@@ -109,38 +111,38 @@ def hf_tokens_per_s(hf: Any, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0 - t_prefill)
 
 
-def _runtime_model(spec: ModelSpec) -> Any:
-    """The target as a worker runs it (weights packed for the panel kernel on a CPU)."""
-    model = spec.load()
-    model.pack_for_cpu()
-    return model
+def _runtime_model(spec: ModelSpec, blocks: int) -> LocalRunner:
+    """The target as a worker runs it (``runtime.shard``: its row ops, and on a CPU the CPU
+    backend, weights packed for the panel kernel), over a pool of ``blocks``."""
+    model = spec.load(ops=row_ops_for("cpu"))
+    c = model.cfg
+    pool = new_kv_pool(blocks, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype)
+    return LocalRunner(model, pool, 16, model_backend(model, pool, 16))
 
 
 def verify_curve(spec: ModelSpec, batch: int, ks: range, rounds: int = 9) -> dict[int, float]:
     """Median ms of one target forward with k + 1 new tokens per sequence (context 200); the
     ks are interleaved round by round, so a burst of load from another process lands on one
     sample of many ks, not on every sample of one k."""
-    model = _runtime_model(spec)
-    c = model.cfg
-    pool = new_kv_pool(batch * 16, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype)
+    runner = _runtime_model(spec, batch * 16)
     tables = [list(range(i * 16, i * 16 + 16)) for i in range(batch)]
-    run_step(model, pool, 16, [SeqInput(t, 0, list(range(200)), [199]) for t in tables])
+    runner.run([SeqInput(t, 0, list(range(200)), [199]) for t in tables])
     cases = {
         str(k): [SeqInput(t, 200, list(range(k + 1)), list(range(k + 1))) for t in tables]
         for k in ks
     }
-    return {int(k): v for k, v in _median_ms(cases, model, pool, rounds).items()}
+    return {int(k): v for k, v in _median_ms(cases, runner, rounds).items()}
 
 
 def _median_ms(
-    cases: dict[str, list[SeqInput]], model: Any, pool: torch.Tensor, rounds: int
+    cases: dict[str, list[SeqInput]], runner: LocalRunner, rounds: int
 ) -> dict[str, float]:
     """Median ms of one forward per case, the cases interleaved round by round."""
     times: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(rounds):
         for name, batch in cases.items():
             t0 = time.perf_counter()
-            run_step(model, pool, 16, batch)
+            runner.run(batch)
             times[name].append(time.perf_counter() - t0)
     return {k: 1000 * statistics.median(v) for k, v in times.items()}
 
@@ -153,9 +155,7 @@ def mixed_cost(spec: ModelSpec, rounds: int = 7) -> dict[str, dict[str, float]]:
     - 32 decodes over contexts spread from 100 to 900 tokens against 32 decodes all at their
       mean context (the KV is not filled: timing does not depend on its values).
     """
-    model = _runtime_model(spec)
-    c = model.cfg
-    pool = new_kv_pool(33 * 64, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype)
+    runner = _runtime_model(spec, 33 * 64)
     tables = [list(range(i * 64, i * 64 + 64)) for i in range(33)]
 
     def dec(t: list[int], width: int, ctx: int = 200) -> SeqInput:
@@ -177,8 +177,7 @@ def mixed_cost(spec: ModelSpec, rounds: int = 7) -> dict[str, dict[str, float]]:
             "spread": [dec(t, 1, n) for t, n in zip(tables, spread, strict=False)],
             "mean": [dec(t, 1, mean_ctx) for t in tables[:32]],
         },
-        model,
-        pool,
+        runner,
         rounds,
     )
     out = {
@@ -308,20 +307,30 @@ def main() -> None:
 
 
 def _baseline_engine(spec: ModelSpec, kind: str) -> DecodeEngine:
-    """The same engine with its weights left for plain ``F.linear`` (``plain``), or reordered
-    for oneDNN in row-invariant chunks (``onednn``, ``models.onednn``), instead of packed for
-    the panel kernel the runtime uses on a CPU (``models.cpu_linear``)."""
-    from models.cpu_linear import CpuLinear
-    from models.llama import LlamaModel
+    """The same engine with its weights left for plain ``F.linear`` (``plain``: the model's own
+    modules and row ops around the same attention backend, no CPU backend), or reordered for
+    oneDNN in row-invariant chunks (``onednn``, ``models.cpu.onednn``), instead of packed for
+    the panel kernel the runtime uses on a CPU (``models.cpu.linear``)."""
+    import runtime.shard
+    from models.cpu.linear import CpuLinear
+    from models.layers import RowOps
 
-    owner: Any = LlamaModel if kind == "plain" else CpuLinear
-    name = "pack_for_cpu" if kind == "plain" else "ready"
-    original = getattr(owner, name)
-    setattr(owner, name, lambda self: False)
+    patches: list[tuple[Any, str, Any]] = (
+        [  # the worker builds its target with these (``runtime.shard.rank_target``)
+            (runtime.shard, "row_ops_for", lambda device: RowOps()),
+            (runtime.shard, "model_backend", partial(model_backend, serve_cpu=False)),
+        ]
+        if kind == "plain"
+        else [(CpuLinear, "ready", lambda self: False)]
+    )
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         return DecodeEngine(DecodeEngineConfig("m", spec, DraftSpec(), num_blocks=1024))
     finally:
-        setattr(owner, name, original)
+        for owner, name, value in originals:
+            setattr(owner, name, value)
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

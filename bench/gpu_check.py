@@ -37,13 +37,16 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from runtime.runner import synchronize
+
+if TYPE_CHECKING:
+    from models.attention.flex_kernel import FlexKernel
+    from models.backend import ModelBackend
 
 
 def _tiny(
@@ -89,7 +92,7 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
 
     from models.kv_layout import new_kv_pool
     from models.spec import ModelSpec
-    from runtime.runner import SeqInput, run_step
+    from runtime.runner import LocalRunner, SeqInput
 
     out: dict[str, Any] = {}
     ids = torch.randint(3, 4000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -99,8 +102,9 @@ def check_forward(folder: Path, dev: str) -> dict[str, Any]:
         ref = ref.to(dev).eval()
         c = ours.cfg
         pool = new_kv_pool(16, c.num_kv_heads, c.num_layers, 16, c.head_dim, ours.dtype, dev)
-        a = run_step(ours, pool, 16, [SeqInput([3, 1, 7, 2, 9], 0, ids[:60], list(range(60)))])
-        b = run_step(ours, pool, 16, [SeqInput([3, 1, 7, 2, 9], 60, ids[60:], list(range(10)))])
+        runner = LocalRunner(ours, pool, 16)  # its modules, the attention chosen for the device
+        a = runner.run([SeqInput([3, 1, 7, 2, 9], 0, ids[:60], list(range(60)))])
+        b = runner.run([SeqInput([3, 1, 7, 2, 9], 60, ids[60:], list(range(10)))])
         mine = torch.cat([a.logits, b.logits])
         with torch.no_grad():
             theirs = ref(torch.tensor([ids], device=dev)).logits[0].float()
@@ -184,7 +188,25 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
     return res
 
 
-def _cached_pool(model: Any, batch: int, nb: int, dev: str) -> tuple[torch.Tensor, list[list[int]]]:
+def _backend(model: Any, pool: torch.Tensor, flex: FlexKernel) -> ModelBackend:
+    """The model's own modules around the attention backend chosen for its device
+    (``runtime.backends.attention_for``, what ``LocalRunner`` picks unless given one), with
+    ``flex`` as the flex backend's kernel on a GPU: one kernel per model, whatever the pool, so
+    its compiled shapes, ``failed`` and ``fallbacks`` are the model's."""
+    from models.attention.flex import FlexBackend
+    from models.backend import TorchBackend
+    from runtime.backends import attention_for, exact_attention, model_attention_spec
+
+    spec = model_attention_spec(model, pool, 16)
+    attention = attention_for(spec, model.dtype, exact_attention(model))
+    if isinstance(attention, FlexBackend):
+        attention = FlexBackend(spec, flex)
+    return TorchBackend(model, attention)
+
+
+def _cached_pool(
+    model: Any, batch: int, nb: int, dev: str, flex: FlexKernel
+) -> tuple[torch.Tensor, list[list[int]]]:
     """A pool of ``batch`` sequences of ``nb`` blocks each, 1,000 tokens of each already cached
     (two 500-token prompt chunks), and their block tables."""
     from models.kv_layout import new_kv_pool
@@ -193,29 +215,33 @@ def _cached_pool(model: Any, batch: int, nb: int, dev: str) -> tuple[torch.Tenso
     c = model.cfg
     pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype, dev)
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
+    backend = _backend(model, pool, flex)
     for i in range(0, 1000, 500):
-        run_step(model, pool, 16, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
+        run_step(backend, pool, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
     return pool, tables
 
 
 def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     """The ragged step's cost of verifying k + 1 tokens over one token, after 1,000 cached."""
+    from models.attention.flex_kernel import FlexKernel
     from models.spec import ModelSpec
-    from runtime.runner import SeqInput, run_step
+    from runtime.runner import LocalRunner, SeqInput
 
     model = ModelSpec(str(folder), "bfloat16").load(dev)
+    flex = FlexKernel()
     out: dict[str, Any] = {"decode_ms": {}, "verify_ratio": {}}
     for batch in (1, 8, 32):
         nb = 66  # 1,056 tokens a sequence: 1,000 cached and up to 41 verified
-        pool, tables = _cached_pool(model, batch, nb, dev)
+        pool, tables = _cached_pool(model, batch, nb, dev, flex)
+        runner = LocalRunner(model, pool, 16, _backend(model, pool, flex))
 
-        def timed(k: int, pool: torch.Tensor = pool, tables: list[list[int]] = tables) -> float:
+        def timed(k: int, runner: LocalRunner = runner, tables: list[list[int]] = tables) -> float:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
             times = []
             for _ in range(7):
                 synchronize(dev)
                 t0 = time.perf_counter()
-                run_step(model, pool, 16, batch_in)
+                runner.run(batch_in)
                 synchronize(dev)
                 times.append(time.perf_counter() - t0)
             return 1000 * statistics.median(times)
@@ -316,26 +342,34 @@ def graph_steps(
     """One decode step (and k = 4 verifications) per sequence after 1,000 cached tokens, as
     ``runtime.bucketed`` runs it (a CUDA graph per bucket on a GPU, attention reading the pool
     in place through ``flex_attention``; the step's host work, input copy and logits included);
-    with ``compare``, against the same buckets gathering the context and the ragged eager step
-    (``run_step``) on the same pool. Median of 15 after warm-up; greedy agreement with the
-    ragged step reported."""
+    with ``compare``, against the same buckets gathering the context (the reference backend,
+    ``models.attention.reference``) and the ragged eager step (``LocalRunner``) on the same
+    pool. Median of 15 after warm-up; greedy agreement with the ragged step reported."""
+    from models.attention.flex import FlexBackend
+    from models.attention.flex_kernel import FlexKernel
+    from models.attention.reference import ReferenceBackend
+    from models.backend import TorchBackend
     from models.spec import ModelSpec
+    from runtime.backends import exact_attention, model_attention_spec
     from runtime.bucketed import BucketedRunner
-    from runtime.runner import SeqInput, run_step
+    from runtime.runner import LocalRunner, SeqInput
 
     model = ModelSpec(str(folder), "bfloat16", quantization).load(dev)
+    flex = FlexKernel()  # the model's one flex kernel, for every runner and pool below
     nb = 64  # blocks of 16: 1,024 tokens of context per sequence
     out: dict[str, Any] = {"context": 1000, "quantization": quantization, "batches": {}}
     graphs = dev == "cuda"
+    bucketed: BucketedRunner | None = None
     for batch in batches:
-        pool, tables = _cached_pool(model, batch, nb, dev)
-        steps: dict[str, Callable[[list[SeqInput]], Any]] = {
-            "bucketed": BucketedRunner(model, pool, 16, 64, 8, nb, graphs).run
-        }
+        pool, tables = _cached_pool(model, batch, nb, dev, flex)
+        bucketed = BucketedRunner(model, pool, 16, 64, 8, nb, graphs, _backend(model, pool, flex))
+        steps: dict[str, Callable[[list[SeqInput]], Any]] = {"bucketed": bucketed.run}
         if compare:
-            gather = BucketedRunner(model, pool, 16, 64, 8, nb, graphs, in_place_attention=False)
+            spec = model_attention_spec(model, pool, 16)
+            gathering = TorchBackend(model, ReferenceBackend(spec, exact_attention(model)))
+            gather = BucketedRunner(model, pool, 16, 64, 8, nb, graphs, gathering)
             steps["bucketed_gather"] = gather.run
-            steps["ragged"] = partial(run_step, model, pool, 16)
+            steps["ragged"] = LocalRunner(model, pool, 16, _backend(model, pool, flex)).run
         row: dict[str, Any] = {}
         for k in ks:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
@@ -359,8 +393,11 @@ def graph_steps(
                 }
             row[f"k{k}"] = got
         out["batches"][batch] = row
-    out["flex_failed"] = model.paged_flex.failed
-    out["flex_fallbacks"] = model.paged_flex.fallbacks
+    # the flex kernel of the model's bucketed runner (on a GPU; elsewhere none ran)
+    attention = None if bucketed is None else bucketed.backend.attention
+    kernel = attention.kernel if isinstance(attention, FlexBackend) else None
+    out["flex_failed"] = None if kernel is None else kernel.failed
+    out["flex_fallbacks"] = 0 if kernel is None else kernel.fallbacks
     b = out["batches"]
     if 1 in b and 64 in b:  # the goal: at most 2
         out["batch64_over_batch1"] = b[64]["k0"]["bucketed_ms"] / b[1]["k0"]["bucketed_ms"]

@@ -1,4 +1,4 @@
-"""What the bf16 screen of the LM head (``models.greedy_head``) saves: the head alone, and a
+"""What the bf16 screen of the LM head (``models.cpu.greedy_head``) saves: the head alone, and a
 whole decode step, each against the full fp32 head in the same run, taking turns.
 
 The head: the embedded model's final hidden states at every position of ShareGPT chat prompts
@@ -6,7 +6,7 @@ The head: the embedded model's final hidden states at every position of ShareGPT
 ``argmax`` against the screen's; it also reports how many 16-column panels the screen kept per
 row and checks the tokens are identical. The step: ``run_step`` over ``--batch`` sequences of
 ``--context`` tokens with every row greedy (``argmax_only``) against the same step with the
-screen taken away (the full head, then ``argmax``).
+screen taken away (the CPU backend's ``screen`` unset: the full head, then ``argmax``).
 
     .venv/bin/python -m bench.greedy_head [--rows 1 8 32] [--batch 1 32] [--context 150]
         [--repeats 30] [--out bench/results/greedy_head.json]
@@ -23,10 +23,13 @@ from typing import Any
 
 import torch
 
+from bench.cpu_serving import serve_on_cpu
 from bench.load_report import write_json
 from bench.sharegpt import chat_prompts, first_prompts
-from models.cpu_linear import PANEL
-from models.greedy_head import GreedyHead
+from models.cpu.backend import CpuBackend
+from models.cpu.greedy_head import GreedyHead
+from models.cpu.linear import PANEL
+from models.cpu.row_ops import CpuRowOps
 from models.kv_layout import new_kv_pool
 from models.llama import LlamaModel
 from models.spec import ModelSpec
@@ -38,15 +41,16 @@ RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 
 
-def _hidden_states(model: LlamaModel, prompts: list[list[int]], limit: int) -> torch.Tensor:
+def _hidden_states(served: CpuBackend, prompts: list[list[int]], limit: int) -> torch.Tensor:
     """[N, hidden] the final hidden states at every position of ``prompts``, up to ``limit``."""
+    model = served.model
     c = model.cfg
     rows: list[torch.Tensor] = []
     for p in prompts:
         nb = -(-len(p) // BLOCK)
         pool = new_kv_pool(nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim, model.dtype)
         seq = SeqInput(list(range(nb)), 0, p, list(range(len(p))))
-        rows.append(run_step(model, pool, BLOCK, [seq]).hidden)
+        rows.append(run_step(served, pool, [seq]).hidden)
         if sum(r.shape[0] for r in rows) >= limit:
             break
     return torch.cat(rows)[:limit]
@@ -92,24 +96,24 @@ def _panels_kept(screen: GreedyHead, h: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _step(model: LlamaModel, screen: GreedyHead, batch: int, context: int, repeats: int) -> Any:
+def _step(served: CpuBackend, screen: GreedyHead, batch: int, context: int, repeats: int) -> Any:
+    model = served.model
     c = model.cfg
     nb = -(-(context + 1) // BLOCK)
     pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim, model.dtype)
     pool.normal_(generator=torch.Generator().manual_seed(0))
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     steps = [SeqInput(t, context, [5 + i], [0], argmax_only=True) for i, t in enumerate(tables)]
-    head = model.lm_head
     times: dict[str, list[float]] = {"full": [], "screen": []}
     tokens: dict[str, torch.Tensor] = {}
     for _ in range(repeats + 1):  # the first round warms up
         for name, kept in times.items():
-            head.greedy = screen if name == "screen" else None
+            served.screen = screen if name == "screen" else None
             t0 = time.perf_counter()
-            out = run_step(model, pool, BLOCK, steps)
+            out = run_step(served, pool, steps)
             tokens[name] = out.argmax(slice(None))
             kept.append(time.perf_counter() - t0)
-    head.greedy = screen
+    served.screen = screen
     ms = {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
     return {
         "batch": batch,
@@ -132,13 +136,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     folder = resolve_checkpoint("embedded")
-    model = ModelSpec(str(folder), "float32").load()
-    model.pack_for_cpu()
-    screen = model.lm_head.greedy
+    model = ModelSpec(str(folder), "float32").load(ops=CpuRowOps())
+    served = serve_on_cpu(model, BLOCK)
+    screen = served.screen
     if screen is None:
         raise SystemExit("this CPU gives the fp32 head no screen (no bf16 dot product)")
     prompts = chat_prompts(Tokenizer(folder), first_prompts(64))
-    h = _hidden_states(model, prompts, 1024)
+    h = _hidden_states(served, prompts, 1024)
     report: dict[str, Any] = {
         "benchmark": "greedy_head",
         "model": "embedded SmolLM2-135M, float32",
@@ -146,7 +150,7 @@ def main() -> None:
         "hidden_rows": h.shape[0],
         "panels_kept_per_row": _panels_kept(screen, h),
         "head": [_head(model, screen, h, m, args.repeats) for m in args.rows],
-        "step": [_step(model, screen, b, args.context, args.repeats) for b in args.batch],
+        "step": [_step(served, screen, b, args.context, args.repeats) for b in args.batch],
     }
     print(json.dumps(report, indent=1), flush=True)
     write_json(args.out, report)

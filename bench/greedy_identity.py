@@ -15,6 +15,8 @@ the report counts the outputs identical to off.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,12 @@ def _greedy(spec: ModelSpec, draft: DraftSpec, prompts: list[list[int]], tokens:
     return out
 
 
+def _digest(outputs: list[Any]) -> str:
+    """A digest of every prompt's greedy tokens: equal digests across code changes mean
+    bit-identical outputs."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=8)
@@ -90,11 +98,13 @@ def main() -> None:
         drafts = _drafts(dtype, quant)
         off = _greedy(spec, drafts.pop("off"), prompts, args.max_tokens)
         row = {}
+        digests = {"off": _digest(off)}
         for draft_name, draft in drafts.items():
             got = _greedy(spec, draft, prompts, args.max_tokens)
             row[draft_name] = sum(a == b for a, b in zip(off, got, strict=True))
+            digests[draft_name] = _digest(got)
             print(f"{name} {draft_name}: {row[draft_name]} of {len(prompts)} identical", flush=True)
-        report["formats"][name] = {"identical_to_off": row}
+        report["formats"][name] = {"identical_to_off": row, "outputs_sha256": digests}
     write_json(args.out, report)
 
 

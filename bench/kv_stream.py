@@ -1,6 +1,6 @@
 """What reading the KV from memory costs a decode step on this CPU, and what the layer program's
-optional fetch of the next layer's KV during the MLP (``models/csrc/layer_program.c``, off as
-served) does to it.
+optional fetch of the next layer's KV during the MLP (``models/cpu/csrc/layer_program.c``, off
+as served) does to it.
 
 For each (batch, context), the embedded model's decode step (every sequence one greedy token
 after ``context`` cached ones, ``run_step``) runs twice over the same pool, taking turns for
@@ -9,8 +9,8 @@ own (``batch x context`` tokens of KV streamed from memory every step), and once
 sequence's context in the same blocks (only the last, written, block its own), so the KV a
 layer reads is a few hundred kilobytes that stay in cache. The arithmetic is the same in both:
 the same rows, matmuls and attention lengths. The difference is what the memory traffic of the
-KV adds to the step. The served step also runs with the fetch on (``fetch``), so the report
-gives the KV stream's cost both ways.
+KV adds to the step. The served step also runs with the fetch on (``fetch``: the CPU backend's
+program's ``fetch_next_kv``), so the report gives the KV stream's cost both ways.
 
     .venv/bin/python -m bench.kv_stream [--shapes 8x150 32x150 32x512] [--repeats 25]
         [--out bench/results/kv_stream.json]
@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
+from bench.cpu_serving import serve_on_cpu
 from bench.load_report import write_json
+from models.cpu.backend import CpuBackend
+from models.cpu.row_ops import CpuRowOps
 from models.kv_layout import new_kv_pool
-from models.llama import LlamaModel
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from runtime.runner import SeqInput, run_step
@@ -38,7 +40,8 @@ RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 
 
-def _measure(model: LlamaModel, batch: int, context: int, repeats: int) -> dict[str, Any]:
+def _measure(served: CpuBackend, batch: int, context: int, repeats: int) -> dict[str, Any]:
+    model = served.model
     c = model.cfg
     nb = -(-(context + 1) // BLOCK)
     pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim, model.dtype)
@@ -49,7 +52,7 @@ def _measure(model: LlamaModel, batch: int, context: int, repeats: int) -> dict[
         name: [SeqInput(t, context, [5 + i], [0], argmax_only=True) for i, t in enumerate(ts)]
         for name, ts in (("own_blocks", own), ("fetch", own), ("shared_blocks", shared))
     }
-    program = model.program
+    program = served.program
     assert program is not None
     times: dict[str, list[float]] = {name: [] for name in steps}
     tokens: dict[str, torch.Tensor] = {}
@@ -57,7 +60,7 @@ def _measure(model: LlamaModel, batch: int, context: int, repeats: int) -> dict[
         for name, seqs in steps.items():
             program.fetch_next_kv = name == "fetch"
             t0 = time.perf_counter()
-            tokens[name] = run_step(model, pool, BLOCK, seqs).argmax(slice(None))
+            tokens[name] = run_step(served, pool, seqs).argmax(slice(None))
             times[name].append(time.perf_counter() - t0)
     program.fetch_next_kv = False
     ms = {k: 1e3 * statistics.median(v[1:]) for k, v in times.items()}
@@ -86,12 +89,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_stream.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = ModelSpec(str(resolve_checkpoint("embedded")), "float32").load()
-    model.pack_for_cpu()
+    model = ModelSpec(str(resolve_checkpoint("embedded")), "float32").load(ops=CpuRowOps())
+    served = serve_on_cpu(model, BLOCK)
     rows = []
     for shape in args.shapes:
         batch, context = (int(x) for x in shape.split("x"))
-        rows.append(_measure(model, batch, context, args.repeats))
+        rows.append(_measure(served, batch, context, args.repeats))
     write_json(
         args.out,
         {

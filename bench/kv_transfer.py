@@ -114,16 +114,17 @@ def prefill_seconds_1k() -> float:
     from models.kv_layout import kv_pool_shape
     from models.spec import ModelSpec
     from models.weights import resolve_checkpoint
-    from runtime.runner import SeqInput, run_step
+    from runtime.runner import LocalRunner, SeqInput
 
     torch.set_num_threads(2)
     model = ModelSpec(str(resolve_checkpoint("embedded"))).load()
     c = model.cfg
     pool = torch.zeros(kv_pool_shape(64, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim))
     batch = [SeqInput(list(range(64)), 0, list(range(100, 1124)), [1023])]
-    run_step(model, pool, BLOCK, batch)
+    runner = LocalRunner(model, pool, BLOCK)  # its modules, the attention chosen for the CPU
+    runner.run(batch)
     t0 = time.perf_counter()
-    run_step(model, pool, BLOCK, batch)
+    runner.run(batch)
     return time.perf_counter() - t0
 
 

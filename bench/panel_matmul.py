@@ -1,4 +1,4 @@
-"""The panel matmul kernel (``models/csrc/panel_linear.c``) with and without fetching weights
+"""The panel matmul kernel (``models/cpu/csrc/panel_linear.c``) with and without fetching weights
 ahead, over the embedded model's weights, from one row to a prompt chunk.
 
 The kernel multiplies a group of panels by the rows a tile at a time. fp32 from a few rows on
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from models import native
-from models.cpu_linear import FLAGS, SOURCE, PanelKind, pack_panels
+from models.cpu import native
+from models.cpu.linear import FLAGS, SOURCE, PanelKind, pack_panels
 
 RESULTS = Path(__file__).parent / "results"
 CEILING = Path(__file__).parent / "csrc" / "fma_ceiling.c"

@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from bench.cpu_serving import serve_on_cpu
+from models.cpu.backend import CpuBackend
+from models.cpu.row_ops import CpuRowOps
 from models.host_memory import huge_page_mapping
 from models.kv_layout import kv_pool_shape, new_kv_pool
 from models.spec import ModelSpec
@@ -35,7 +38,8 @@ RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 
 
-def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, Any]:
+def _measure(served: CpuBackend, batch: int, context: int, repeats: int) -> dict[str, Any]:
+    model = served.model
     c = model.cfg
     nb = (context + 1 + BLOCK - 1) // BLOCK
     shape = (batch * nb, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim)
@@ -58,11 +62,11 @@ def _measure(model: Any, batch: int, context: int, repeats: int) -> dict[str, An
     times: dict[str, list[float]] = {k: [] for k in pools}
     logits: dict[str, torch.Tensor] = {}
     for name, pool in pools.items():
-        logits[name] = run_step(model, pool, BLOCK, steps).logits  # warm-up
+        logits[name] = run_step(served, pool, steps).logits  # warm-up
     for _ in range(repeats):
         for name, pool in pools.items():
             t0 = time.perf_counter()
-            run_step(model, pool, BLOCK, steps)
+            run_step(served, pool, steps)
             times[name].append(time.perf_counter() - t0)
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     base = ms["layer_major"]
@@ -89,11 +93,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for dtype in args.dtypes:
-        model = ModelSpec(str(resolve_checkpoint("embedded")), dtype).load()
-        model.pack_for_cpu()
+        model = ModelSpec(str(resolve_checkpoint("embedded")), dtype).load(ops=CpuRowOps())
+        served = serve_on_cpu(model, BLOCK)
         for shape in args.shapes:
             batch, context = (int(x) for x in shape.split("x"))
-            rows.append(_measure(model, batch, context, args.repeats))
+            rows.append(_measure(served, batch, context, args.repeats))
     report = {"benchmark": "pool_layout", "threads": args.threads, "steps": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

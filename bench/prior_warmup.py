@@ -1,5 +1,5 @@
 """How fast a decode replica started mid-traffic plans with the right acceptance estimates:
-seeded from its pool's calibration cells (``cluster.shared_priors``) against from the default.
+seeded from its pool's calibration cells (``serving.shared_priors``) against from the default.
 
 The embedded SmolLM2-135M with n-gram lookup, in-process (the seeding itself is the engine's
 ``SpeculationPolicy.seed``; the Ray path that reads the pool's board is tested in

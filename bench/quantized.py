@@ -33,7 +33,9 @@ from bench.engine_step import engine_tokens_per_s
 from bench.sharegpt import chat_prompts
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
-from models.cpu_linear import PanelWeight
+from models.cpu.linear import PanelWeight
+from models.cpu.onednn import PackedWeight
+from models.quant import QuantizedWeight
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftSpec, ModelSpec
@@ -69,12 +71,13 @@ def weight_bytes(engine: DecodeEngine) -> int:
     total = 0
     for m in runner.model.modules():
         tensors: list[torch.Tensor] = list(m.parameters(recurse=False))
-        packed, quantized = getattr(m, "packed", None), getattr(m, "quantized", None)
-        if isinstance(packed, PanelWeight):
-            tensors += [packed.data] + ([packed.scale] if packed.scale is not None else [])
-        elif packed is not None:
-            tensors += list(packed.chunks)
-        tensors += [quantized.data, quantized.scale] if quantized is not None else []
+        kernel = getattr(m, "kernel", None)  # a served linear's or the LM head's weight kernel
+        if isinstance(kernel, PanelWeight):
+            tensors += [kernel.data] + ([kernel.scale] if kernel.scale is not None else [])
+        elif isinstance(kernel, PackedWeight):
+            tensors += list(kernel.chunks)
+        elif isinstance(kernel, QuantizedWeight):
+            tensors += [kernel.data, kernel.scale]
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))

@@ -1,14 +1,15 @@
 """Where a CPU decode forward's time goes, by taking its kernels away one at a time.
 
-The embedded model, packed as a CPU replica serves it (``LlamaModel.pack_for_cpu``), one
+The embedded model, readied as a CPU replica serves it (``models.cpu.backend.CpuBackend``), one
 sequence after a 200-token prompt, one-token decode forwards (``run_step``, logits included),
 median of ``--steps``:
 
-1. the forward as served: the decoder layers in one C call (``models.cpu_program``);
-2. the same forward with the layers run as modules (the program off), alternated with 1;
-3. the modules with the panel matmul kernel's calls made no-ops (``models.cpu_linear``): what
+1. the forward as served: the decoder layers in one C call (``models.cpu.program``);
+2. the same forward with the layers run as modules (the backend's program off), alternated
+   with 1;
+3. the modules with the panel matmul kernel's calls made no-ops (``models.cpu.linear``): what
    is left is everything but the matmuls' arithmetic and weight stream;
-4. the same with the CPU attention kernel's calls made no-ops too (``models.cpu_paged``): what
+4. the same with the CPU attention kernel's calls made no-ops too (``models.cpu.paged``): what
    is left is the modules' host work (module calls, views, the KV write, norms, rotation,
    residual adds, sampling-free logits plumbing).
 
@@ -30,8 +31,10 @@ from typing import Any
 
 import torch
 
-from models.cpu_linear import CpuLinear
-from models.cpu_paged import CpuPagedAttention
+from bench.cpu_serving import serve_on_cpu
+from models.cpu.linear import CpuLinear
+from models.cpu.paged import CpuPagedAttention
+from models.cpu.row_ops import CpuRowOps
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
@@ -53,24 +56,25 @@ def _median_ms(step: Any, steps: int) -> float:
 
 
 def breakdown(dtype: str, steps: int) -> dict[str, float]:
-    model = ModelSpec(str(resolve_checkpoint("embedded")), dtype).load()
-    assert model.pack_for_cpu(), "this benchmark measures the CPU's packed path"
+    model = ModelSpec(str(resolve_checkpoint("embedded")), dtype).load(ops=CpuRowOps())
+    backend = serve_on_cpu(model, BLOCK)
+    assert backend.packed, "this benchmark measures the CPU's packed path"
     c = model.cfg
     shape = kv_pool_shape(64, c.num_kv_heads, c.num_layers, BLOCK, c.head_dim)
     pool = torch.zeros(shape, dtype=model.dtype)
     table = list(range(64))
-    run_step(model, pool, BLOCK, [SeqInput(table, 0, list(range(100, 300)), [199])])
+    run_step(backend, pool, [SeqInput(table, 0, list(range(100, 300)), [199])])
 
     def step(i: int) -> None:
-        run_step(model, pool, BLOCK, [SeqInput(table, 200 + i % 400, [5], [0])])
+        run_step(backend, pool, [SeqInput(table, 200 + i % 400, [5], [0])])
 
-    program = model.program
+    program = backend.program
     assert program is not None, "this benchmark measures the layer program"
     served, modules = [], []
     for _ in range(5):  # alternated: this machine's speed drifts
-        model.program = program
+        backend.program = program
         served.append(_median_ms(step, max(steps // 5, 3)))
-        model.program = None
+        backend.program = None  # the layers as modules from here on
         modules.append(_median_ms(step, max(steps // 5, 3)))
     out = {"served_ms": statistics.median(served), "modules_ms": statistics.median(modules)}
     out["program_saves_ms"] = out["modules_ms"] - out["served_ms"]
@@ -87,6 +91,7 @@ def breakdown(dtype: str, steps: int) -> dict[str, float]:
     finally:
         setattr(CpuLinear, "run", linear_run)  # noqa: B010
         setattr(CpuPagedAttention, "attend", attend)  # noqa: B010
+        backend.program = program
     out["matmuls_ms"] = out["modules_ms"] - out["without_matmuls_ms"]
     out["attention_ms"] = out["without_matmuls_ms"] - out["host_work_ms"]
     return out

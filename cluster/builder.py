@@ -13,7 +13,6 @@ from ray.serve import Application
 from cluster.auth import load_keys
 from cluster.config import PoolConfig, TandemConfig
 from cluster.guard import GuardPolicy
-from cluster.health_board import board_actor_config
 from cluster.ingress import OpenAIIngress
 from cluster.routing.deploy import decode_router_options, prefill_router_options
 from cluster.service import ServiceSettings
@@ -25,6 +24,7 @@ from models.spec import DraftKind, DraftSpec, ModelSpec
 from models.weights import resolve_checkpoint
 from prefill.config import PrefillWorkerConfig
 from prefill.server import PrefillServer
+from serving.health_board import board_actor_config
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ Ray Serve counts a deployment's policy and its arguments in the application's co
 changing the utilization bands restarts the pool's replicas; the fallback target is read from
 the deployment's own autoscaling config at each call, so resizing the pool does not.
 
-Runs in the Serve controller: it imports nothing beyond the standard library and Ray.
+Runs in the Serve controller: it imports nothing beyond the standard library, Ray and the
+metric names it shares with the replicas (``serving.autoscaling_metrics``).
 """
 
 from __future__ import annotations
@@ -41,13 +42,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger(__name__)
+from serving.autoscaling_metrics import CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS
 
-STREAMS = "streams"  # running plus queued requests on the replica
-CAPACITY = "capacity_streams"  # streams of the current mix it can hold within the SLO
-CAPACITY_TOK_S = "capacity_tok_s"  # goodput it can deliver within the SLO (>= one stream's)
-HEADROOM_TOK_S = "headroom_tok_s"  # goodput it could add within the SLO
-GOODPUT_TOK_S = "goodput_tok_s"  # tokens per second it delivered
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ from typing import Any
 from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 
-from cluster.serving_metrics import RequestClock, RequestMetrics
 from decode.outputs import SpecUsage
 from kvtransfer.handoff import KVHandoff
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
+from serving.serving_metrics import RequestClock, RequestMetrics
 
 log = logging.getLogger(__name__)
 NO_SPEC = SpecUsage(0, 0, 0, 0)

@@ -16,11 +16,11 @@ from cluster.api import build_api
 from cluster.generation import Generation
 from cluster.grpc_api import GrpcAPI
 from cluster.guard import Admission, AdmissionState
-from cluster.health_board import pool_health
-from cluster.replica_logs import route_to_serve
 from cluster.service import OpenAIService, ServiceSettings
-from cluster.serving_metrics import RequestMetrics
 from models.tokenizer import Tokenizer
+from serving.health_board import pool_health
+from serving.replica_logs import route_to_serve
+from serving.serving_metrics import RequestMetrics
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -64,7 +64,7 @@ class OpenAIIngress:
 
     async def health(self) -> dict[str, Any]:
         """The answering replica's full stats per pool, and every replica's summary
-        (``cluster.health_board``); a pool that cannot answer makes the app unhealthy (503),
+        (``serving.health_board``); a pool that cannot answer makes the app unhealthy (503),
         one whose handoffs fail past ``kv.degraded_fraction`` makes it ``degraded``."""
         decode = await asyncio.wait_for(self.decode.stats.remote(), HEALTH_TIMEOUT_S)
         body: dict[str, Any] = {

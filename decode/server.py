@@ -9,17 +9,6 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 from typing import Any
 
-from cluster.capacity_policy import (
-    CAPACITY,
-    CAPACITY_TOK_S,
-    GOODPUT_TOK_S,
-    HEADROOM_TOK_S,
-    STREAMS,
-)
-from cluster.health_board import BoardPublisher, pool_board
-from cluster.replica_logs import route_to_serve
-from cluster.serving_metrics import ReplicaGauges
-from cluster.shared_priors import drafter_version, seed_from_pool
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.loop import EngineLoop
@@ -31,6 +20,17 @@ from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
 from models.host_memory import onednn_cache_capacity
 from models.request import Request, choice_id
+from serving.autoscaling_metrics import (
+    CAPACITY,
+    CAPACITY_TOK_S,
+    GOODPUT_TOK_S,
+    HEADROOM_TOK_S,
+    STREAMS,
+)
+from serving.health_board import BoardPublisher, pool_board
+from serving.replica_logs import route_to_serve
+from serving.serving_metrics import ReplicaGauges
+from serving.shared_priors import drafter_version, seed_from_pool
 from speculation.capacity import capacity_within_slo
 
 
@@ -59,7 +59,10 @@ class DecodeServer:
         self.loop = EngineLoop(lambda: DecodeEngine(cfg, kv_metrics), self._deliver)
         self.engine = self.loop.start()
         kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
-        self.drafter_version = drafter_version(cfg)
+        draft = cfg.draft.model.fingerprint() if cfg.draft.model is not None else None
+        self.drafter_version = drafter_version(
+            cfg.draft.kind.value, draft, cfg.target.fingerprint()
+        )
         spec = self.engine.speculation
         # before it serves (the engine thread is idle): start from what the pool has learned
         in_serve = BoardPublisher.in_replica()
@@ -111,7 +114,7 @@ class DecodeServer:
         return self.snapshot()
 
     async def health_board(self) -> Any:
-        """The handle of this pool's ``cluster.health_board.HealthBoard``."""
+        """The handle of this pool's ``serving.health_board.HealthBoard``."""
         return pool_board()
 
     def snapshot(self) -> dict[str, Any]:
@@ -121,9 +124,7 @@ class DecodeServer:
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
-        out["attention"], out["attention_fallbacks"] = self.engine.target.attention_path()
-        out["matmul"] = self.engine.target.matmul_path()
-        out["layers"] = self.engine.target.layers_path()
+        out.update(self.engine.target.describe())  # attention, its fallbacks, matmul, layers
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)

@@ -14,8 +14,7 @@ compacted into place at the start of the request's next step.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,11 +37,47 @@ class Emission:
     num_drafted: int  # draft tokens tested (a tree: its depth, the positions it offered)
     num_accepted: int
     num_fed: int  # tokens the target computed for this request in this step
-    rows: tuple[int, ...] = ()  # each token's row among the request's logit rows
+    rows: tuple[int, ...] = ()  # each token's row in the step's logits (the one it came from)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asks for them
 
 
 NO_DRAFT = DraftProposal((), None)
+
+
+@dataclass(frozen=True, eq=False)
+class SeqStep:
+    """One request's part in a step, built once before the forward: what the target computes
+    for it, and where its rows lie in the step's outputs."""
+
+    req: Request
+    pending: tuple[int, ...]  # its known tokens not yet in the KV cache
+    proposal: DraftProposal  # NO_DRAFT unless it samples
+    width: int  # output positions it verifies, one logit row each (0: mid-prompt, no sample)
+    first_row: int  # its first row in the step's logits
+    offset: int  # its first token among the step's new tokens (rows of ``all_hidden``)
+
+    @property
+    def samples(self) -> bool:
+        return self.width > 0
+
+    @property
+    def is_tree(self) -> bool:
+        return self.proposal.parents is not None
+
+    @property
+    def fed_drafts(self) -> tuple[int, ...]:
+        """The drafts the target computes: a tree's every node, a chain's first ``w - 1``."""
+        tokens = self.proposal.tokens
+        return tokens if self.is_tree else tokens[: max(self.width - 1, 0)]
+
+    @property
+    def tested(self) -> tuple[int, ...]:
+        """A chain's drafts the rejection rule tests: ``w`` or ``w - 1`` (``decode.rejection``)."""
+        return self.proposal.tokens[: self.width]
+
+    @property
+    def num_fed(self) -> int:
+        return len(self.pending) + len(self.fed_drafts)
 
 
 def _propose(
@@ -76,6 +111,38 @@ def _propose(
     return out
 
 
+def _seq_steps(
+    drafter: Drafter | None,
+    reqs: Sequence[Request],
+    new_tokens: Sequence[int],
+    ks: Sequence[int],
+) -> list[SeqStep]:
+    """Each request's part in the step, its drafts proposed and its rows laid out in order."""
+    pending = [
+        r.token_slice(r.num_computed, r.num_computed + n)
+        for r, n in zip(reqs, new_tokens, strict=True)
+    ]
+    samples = [r.num_computed + n == r.num_tokens for r, n in zip(reqs, new_tokens, strict=True)]
+    proposals = _propose(drafter, reqs, samples, ks)
+    steps: list[SeqStep] = []
+    row = offset = 0
+    for r, pend, sample, prop, k in zip(reqs, pending, samples, proposals, ks, strict=True):
+        width = _width(prop, k) if sample else 0
+        s = SeqStep(r, tuple(pend), prop, width, row, offset)
+        steps.append(s)
+        row += width
+        offset += s.num_fed
+    return steps
+
+
+def _width(prop: DraftProposal, k: int) -> int:
+    """Rows a sampling request's verification reads: a chain's first ``min(m, k)`` drafts and
+    the position after them; a tree's root and every node."""
+    if prop.parents is not None:
+        return len(prop.tokens) + 1
+    return min(len(prop.tokens), k) + 1
+
+
 def decode_step(
     target: ModelRunner,
     drafter: Drafter | None,
@@ -84,79 +151,41 @@ def decode_step(
     ks: Sequence[int],
 ) -> list[Emission]:
     """Advance every request by one step; ``ks[i]`` extra positions may be verified for it."""
-    pending = [
-        r.token_slice(r.num_computed, r.num_computed + n)
-        for r, n in zip(reqs, new_tokens, strict=True)
-    ]
-    samples = [r.num_computed + n == r.num_tokens for r, n in zip(reqs, new_tokens, strict=True)]
-    proposals = _propose(drafter, reqs, samples, ks)
-    widths = [
-        min(len(p.tokens), k) + 1 if p.parents is None else len(p.tokens) + 1
-        for p, k in zip(proposals, ks, strict=True)
-    ]
-    batch = [
-        _seq_input(r, pend, prop, w, sample)
-        for r, pend, prop, w, sample in zip(reqs, pending, proposals, widths, samples, strict=True)
-    ]
+    steps = _seq_steps(drafter, reqs, new_tokens, ks)
+    batch = [_seq_input(s) for s in steps]
     for r in reqs:
         r.kv_moves = ()  # owed compaction travels with this step (runtime.runner.run_step)
     out = target.run(batch)
 
-    emissions = [Emission((), 0, 0, len(b.token_ids)) for b in batch]
-    offsets = [0]
-    for b in batch:
-        offsets.append(offsets[-1] + len(b.token_ids))
-    sampled = [i for i, s in enumerate(samples) if s]
-    for i, s in enumerate(samples):
-        if not s:
-            _observe(drafter, reqs[i], out.all_hidden[offsets[i] : offsets[i] + new_tokens[i]])
-            reqs[i].num_computed += new_tokens[i]
-    if not sampled:
-        return emissions
-    # row of each sampled sequence's first distribution in out.logits
-    starts = itertools.accumulate((widths[i] for i in sampled), initial=0)
-    first_row = dict(zip(sampled, starts, strict=False))  # starts has one more: the end
-    chains = [i for i in sampled if proposals[i].parents is None]
-    trees = [i for i in sampled if proposals[i].parents is not None]
-    verdicts = _verify_chains(out, reqs, proposals, widths, chains, first_row)
-    for i in trees:
-        best = out.argmax(slice(first_row[i], first_row[i] + widths[i]))  # [w_i]
-        emissions[i] = _accept_tree(
-            drafter, reqs[i], proposals[i], best, out, offsets[i], pending[i]
-        )
-    for i, (n, final) in zip(chains, verdicts, strict=True):
-        r = reqs[i]
-        toks = proposals[i].tokens[: widths[i]]
-        emitted = toks[:n] + ((final,) if final is not None else ())
-        # KV now holds the pending tokens and the accepted drafts that were fed.
-        valid = len(pending[i]) + min(n, widths[i] - 1)
-        _observe(drafter, r, out.all_hidden[offsets[i] : offsets[i] + valid])
-        r.num_computed += valid
-        r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
-        produced = tuple(range(len(emitted)))  # a chain's token j comes from its row j
-        emissions[i] = Emission(emitted, len(toks), n, len(batch[i].token_ids), produced)
-    return _with_logprobs(out.logits, reqs, emissions, first_row)
+    for s in steps:
+        if not s.samples:  # mid-prompt: its chunk is computed, nothing sampled
+            _observe(drafter, s.req, out.all_hidden[s.offset : s.offset + len(s.pending)])
+            s.req.num_computed += len(s.pending)
+    chains = [s for s in steps if s.samples and not s.is_tree]
+    verdicts = _verify_chains(out, chains)
+    got = {s: _accept_tree(drafter, s, out) for s in steps if s.samples and s.is_tree}
+    for s, (n, final) in zip(chains, verdicts, strict=True):
+        got[s] = _accept_chain(drafter, s, out, n, final)
+    emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in steps]
+    return _with_logprobs(out.logits, steps, emissions)
 
 
 def _with_logprobs(
-    logits: torch.Tensor,
-    reqs: Sequence[Request],
-    emissions: list[Emission],
-    first_row: Mapping[int, int],
+    logits: torch.Tensor, steps: Sequence[SeqStep], emissions: list[Emission]
 ) -> list[Emission]:
     """``emissions`` with the target's log-probabilities of each emitted token, for the
     requests that ask for them, read from the rows that produced the tokens (logits: [rows, V])
     in one batch."""
     asks = [
         i
-        for i, (r, em) in enumerate(zip(reqs, emissions, strict=True))
-        if em.tokens and r.sampling.logprobs is not None
+        for i, (s, em) in enumerate(zip(steps, emissions, strict=True))
+        if em.tokens and s.req.sampling.logprobs is not None
     ]
     if not asks:
         return emissions
-    rows = [first_row[i] + row for i in asks for row in emissions[i].rows]
+    rows = [row for i in asks for row in emissions[i].rows]
     tokens = [t for i in asks for t in emissions[i].tokens]
-    tops = [reqs[i].sampling.logprobs or 0 for i in asks for _ in emissions[i].tokens]
+    tops = [steps[i].req.sampling.logprobs or 0 for i in asks for _ in emissions[i].tokens]
     index = torch.tensor(rows, device=logits.device)
     got = iter(token_logprobs(logits[index], tokens, tops))
     for i in asks:
@@ -165,63 +194,55 @@ def _with_logprobs(
     return emissions
 
 
-def _verify_chains(
-    out: StepResult,
-    reqs: Sequence[Request],
-    proposals: Sequence[DraftProposal],
-    widths: Sequence[int],
-    chains: Sequence[int],
-    first_row: Mapping[int, int],
-) -> list[tuple[int, int | None]]:
+def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int, int | None]]:
     """Per chain: the drafts accepted and the recovered or bonus token after them (None when
     every position was a draft that passed), read from the device in one copy.
 
-    ``out``'s rows are the target's rows of every sampling sequence (``first_row``). Greedy
-    chains compare drafts with the argmax (``verify_greedy``, ``StepResult.argmax``); sampled
-    ones run the rejection rule over their distributions, and draw the final token at its
-    position's uniform.
+    Greedy chains compare drafts with the argmax (``verify_greedy``, ``StepResult.argmax``);
+    sampled ones run the rejection rule over their distributions, and draw the final token at
+    its position's uniform.
     """
     if not chains:
         return []
     logits = out.logits  # [rows, V]
     dev = logits.device
-    greedy = [i for i in chains if reqs[i].sampling.greedy]
-    sampled = [i for i in chains if not reqs[i].sampling.greedy]
+    greedy = [s for s in chains if s.req.sampling.greedy]
+    sampled = [s for s in chains if not s.req.sampling.greedy]
     counts: list[torch.Tensor] = []  # [B] per group: accepted, has final, final token
     for group in (greedy, sampled):
         if not group:
             continue
-        if group is greedy and all(widths[i] == 1 for i in group):
+        if group is greedy and all(s.width == 1 for s in group):
             # One row a chain (no draft verified; at most a free draft tested against the
             # target's token, ``_propose``): ``verify_greedy`` reduces to comparing each row's
             # argmax with that draft, without its ragged layout.
-            rows_of = [first_row[i] for i in group]
+            rows_of = [s.first_row for s in group]
             every = rows_of == list(range(logits.shape[0]))
             final = out.argmax(slice(None) if every else rows_of)  # [B]
-            free = [proposals[i].tokens[0] if proposals[i].tokens else -1 for i in group]
+            free = [s.proposal.tokens[0] if s.proposal.tokens else -1 for s in group]
             n = (final == torch.tensor(free, device=dev)).long()  # [B] the free draft passed
             counts.append(torch.stack([n, 1 - n, final]))
             continue
         rows = torch.tensor(
-            [first_row[i] + j for i in group for j in range(widths[i])], device=dev
+            [s.first_row + j for s in group for j in range(s.width)], device=dev
         )  # [sum w_i]
-        tested = [proposals[i].tokens[: widths[i]] for i in group]
-        drafts = torch.tensor([t for toks in tested for t in toks], dtype=torch.long, device=dev)
-        ws, ts = [widths[i] for i in group], [len(t) for t in tested]
+        drafts = torch.tensor(
+            [t for s in group for t in s.tested], dtype=torch.long, device=dev
+        )  # [sum t_i]
+        ws, ts = [s.width for s in group], [len(s.tested) for s in group]
         if group is greedy:
             g = verify_greedy(out.argmax(rows), ws, drafts, ts)
             counts.append(torch.stack([g.num_accepted, g.has_final.long(), g.final_token]))
             continue
-        members = [reqs[i] for i in group]
+        members = [s.req for s in group]
         p = probs_from_logits(logits[rows], _positions(members, ws)[0])  # [sum w_i, V]
         u = torch.from_numpy(uniforms(*_positions(members, ts), Stream.ACCEPT))  # [sum t_i]
-        ver = rejection_sample(p, ws, drafts, ts, _draft_probs(group, proposals, tested, p), u)
+        ver = rejection_sample(p, ws, drafts, ts, _draft_probs(group, p), u)
         final = _draw_finals(ver.final_dist, ver.num_accepted, members, ws)
         counts.append(torch.stack([ver.num_accepted, ver.has_final.long(), final]))
     n, has, final = torch.cat(counts, dim=1).tolist()  # the step's one device->host copy
-    order = greedy + sampled
-    got = {i: (n[j], final[j] if has[j] else None) for j, i in enumerate(order)}
-    return [got[i] for i in chains]
+    got = {s: (n[j], final[j] if has[j] else None) for j, s in enumerate(greedy + sampled)}
+    return [got[s] for s in chains]
 
 
 def _draw_finals(
@@ -249,74 +270,71 @@ def _positions(
     return params, positions
 
 
-def _draft_probs(
-    group: Sequence[int],
-    proposals: Sequence[DraftProposal],
-    tested: Sequence[Sequence[int]],
-    p: torch.Tensor,
-) -> torch.Tensor | None:
+def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | None:
     """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot. A
     batch mixing both (lookup-first drafting) gives its one-hot drafts one-hot rows."""
-    props = [proposals[i] for i in group]
-    if all(prop.probs is None for prop in props):
+    if all(s.proposal.probs is None for s in group):
         return None
     rows = []
-    for prop, t in zip(props, tested, strict=True):
-        if prop.probs is not None:
-            rows.append(prop.probs[: len(t)].to(p.device))
-        elif t:
-            ids = torch.tensor(list(t), dtype=torch.long, device=p.device)
+    for s in group:
+        probs, tested = s.proposal.probs, s.tested
+        if probs is not None:
+            rows.append(probs[: len(tested)].to(p.device))
+        elif tested:
+            ids = torch.tensor(list(tested), dtype=torch.long, device=p.device)
             rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
     return torch.cat(rows) if rows else None
 
 
-def _seq_input(
-    r: Request, pend: Sequence[int], prop: DraftProposal, width: int, sample: bool
-) -> SeqInput:
-    """What the target computes for ``r``: its pending tokens, then the drafts it verifies.
+def _seq_input(s: SeqStep) -> SeqInput:
+    """What the target computes for ``s``: its pending tokens, then the drafts it verifies.
     A greedy request that reports no logprobs reads only its rows' argmax."""
-    n = len(pend)
+    r, n = s.req, len(s.pending)
     only = r.sampling.greedy and r.sampling.logprobs is None
-    if prop.parents is None:
-        logit_rows = list(range(n - 1, n - 1 + width)) if sample else []
+    logit_rows = list(range(n - 1, n - 1 + s.width))
+    tokens = [*s.pending, *s.fed_drafts]
+    if s.proposal.parents is None:
         return SeqInput(
-            r.block_table,
-            r.num_computed,
-            [*pend, *prop.tokens[: width - 1]],
-            logit_rows,
-            kv_moves=r.kv_moves,
-            argmax_only=only,
+            r.block_table, r.num_computed, tokens, logit_rows, kv_moves=r.kv_moves, argmax_only=only
         )
     # The pending tokens as a chain, the draft tree hanging from the last of them.
-    parents = chain_parents(n) + tuple(n - 1 if q < 0 else n + q for q in prop.parents)
+    parents = chain_parents(n) + tuple(n - 1 if q < 0 else n + q for q in s.proposal.parents)
     return SeqInput(
         r.block_table,
         r.num_computed,
-        [*pend, *prop.tokens],
-        list(range(n - 1, n - 1 + width)),
+        tokens,
+        logit_rows,
         TreeSpan(r.num_computed, parents),
         r.kv_moves,
         only,
     )
 
 
-def _accept_tree(
-    drafter: Drafter | None,
-    r: Request,
-    prop: DraftProposal,
-    best: torch.Tensor,
-    out: StepResult,
-    offset: int,
-    pend: Sequence[int],
+def _accept_chain(
+    drafter: Drafter | None, s: SeqStep, out: StepResult, n: int, final: int | None
 ) -> Emission:
+    """Keep a chain's ``n`` accepted drafts and the token after them (``final``)."""
+    r, tested = s.req, s.tested
+    emitted = tested[:n] + ((final,) if final is not None else ())
+    # KV now holds the pending tokens and the accepted drafts that were fed.
+    valid = len(s.pending) + min(n, s.width - 1)
+    _observe(drafter, r, out.all_hidden[s.offset : s.offset + valid])
+    r.num_computed += valid
+    r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
+    rows = tuple(range(s.first_row, s.first_row + len(emitted)))  # token j: the chain's row j
+    return Emission(emitted, len(tested), n, s.num_fed, rows)
+
+
+def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emission:
     """Verify a greedy request's draft tree (``decode.tree_verify``) and keep the accepted
-    path's KV, compacted into the chain layout at the start of its next step.
-    best: [1 + nodes] the target's argmax after the root and after each node."""
+    path's KV, compacted into the chain layout at the start of its next step."""
+    r, prop = s.req, s.proposal
     assert prop.parents is not None
     # A greedy request's token is the argmax of its logits (models.sampling.sample_rows).
+    best = out.argmax(slice(s.first_row, s.first_row + s.width))  # [1 + nodes]
     path, final = accept_greedy_path(best.tolist(), prop.tokens, prop.parents)
-    n = len(pend)
-    rows = list(range(offset, offset + n)) + [offset + n + node for node in path]
+    n = len(s.pending)
+    rows = list(range(s.offset, s.offset + n)) + [s.offset + n + node for node in path]
     _observe(drafter, r, out.all_hidden[torch.tensor(rows, device=out.all_hidden.device)])
     r.kv_moves = path_moves(r.num_computed + n, path)
     r.num_computed += n + len(path)
@@ -324,8 +342,8 @@ def _accept_tree(
     depth = max(TreeSpan(0, prop.parents).depths()) + 1
     emitted = (*(prop.tokens[node] for node in path), final)
     # a token comes from the row after its parent: the root (row 0) or the node before it
-    produced = (0, *(1 + node for node in path))
-    return Emission(emitted, depth, len(path), n + len(prop.tokens), produced)
+    produced = tuple(s.first_row + row for row in (0, *(1 + node for node in path)))
+    return Emission(emitted, depth, len(path), s.num_fed, produced)
 
 
 def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:

@@ -23,11 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from distill.sharegpt import Conversation, held_out, iter_conversations
-from models.attention import SeqSlice, build_attention_metadata
+from models.attention.metadata import SeqSlice
+from models.attention.reference import ReferenceBackend
 from models.eagle import EagleHead
 from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.tokenizer import Tokenizer
+from runtime.backends import model_attention_spec
 
 BLOCK = 16  # block size of the scratch KV pool the target prefills into
 
@@ -154,13 +156,8 @@ def target_features(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, to
         dtype=model.dtype,
         device=model.device,
     )
-    meta = build_attention_metadata(
-        [SeqSlice(list(range(nb)), 0, len(ids))],
-        BLOCK,
-        model.device,
-        model.rope.cos,
-        model.rope.sin,
-    )
+    gather = ReferenceBackend(model_attention_spec(model, pool, BLOCK))
+    meta = gather.plan([SeqSlice(list(range(nb)), 0, len(ids))])
     x = torch.tensor(ids, dtype=torch.long, device=model.device)
     final, aux = model.forward_with_features(x, pool, meta)
     return final, (aux if model.feature_layers else None)

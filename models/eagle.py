@@ -38,14 +38,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from models.attention import StepMetadata
+from models.attention.metadata import StepMetadata
 from models.config import LlamaConfig
-from models.cpu_linear import CpuPacker, CpuWeight
-from models.cpu_rowops import CpuRowOps, attach
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
-from models.parallel import ServedLinear, TPContext, linear
-from models.quant import Quant, QuantizedWeight, quantize, row_absmax
+from models.parallel import TPContext, WeightKernel, linear
+from models.quant import Quant, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -158,16 +156,22 @@ class Eagle3Layer(nn.Module):
     (twice the width), the residual ``g`` (or its norm), then the MLP as in Llama."""
 
     def __init__(
-        self, cfg: EagleConfig, dtype: torch.dtype, device: torch.device, tp: TPContext
+        self,
+        cfg: EagleConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPContext,
+        ops: RowOps | None = None,
     ) -> None:
         super().__init__()
         c = cfg.layer
+        h, eps = c.hidden_size, c.rms_norm_eps
         self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(c, tp, dtype, device, in_features=2 * c.hidden_size)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(c, tp, dtype, device)
+        self.input_layernorm = RMSNorm(h, eps, dtype, device, ops)
+        self.hidden_norm = RMSNorm(h, eps, dtype, device, ops)
+        self.self_attn = LlamaAttention(c, tp, dtype, device, in_features=2 * h, ops=ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype, device, ops)
+        self.mlp = LlamaMLP(c, tp, dtype, device, ops)
 
     def forward(
         self,
@@ -217,7 +221,11 @@ class Eagle3Layer(nn.Module):
 
 class EagleHead(nn.Module):
     def __init__(
-        self, cfg: EagleConfig, dtype: torch.dtype = torch.float32, device: str = "cpu"
+        self,
+        cfg: EagleConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        ops: RowOps | None = None,
     ) -> None:
         super().__init__()
         c = cfg.layer
@@ -230,15 +238,17 @@ class EagleHead(nn.Module):
         fc_in = cfg.feature_width + (0 if cfg.eagle3 else c.hidden_size)
         self.fc = nn.Linear(fc_in, c.hidden_size, bias=cfg.fc_bias, dtype=dtype, device=dev)
         self.layer: LlamaDecoderLayer | Eagle3Layer = (
-            Eagle3Layer(cfg, dtype, dev, TPContext())
+            Eagle3Layer(cfg, dtype, dev, TPContext(), ops)
             if cfg.eagle3
-            else LlamaDecoderLayer(c, TPContext(), dtype, dev, input_norm=False)
+            else LlamaDecoderLayer(c, TPContext(), dtype, dev, input_norm=False, ops=ops)
         )
         self.norm: nn.Module = (
-            RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, dev) if cfg.final_norm else nn.Identity()
+            RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, dev, ops)
+            if cfg.final_norm
+            else nn.Identity()
         )
         self.rope = RotaryEmbedding(
-            c.head_dim, c.max_position_embeddings, c.rope_theta, dev, c.rope_scaling
+            c.head_dim, c.max_position_embeddings, c.rope_theta, dev, c.rope_scaling, ops
         )
         self.lm_head = nn.Linear(
             c.hidden_size, cfg.draft_vocab_size, bias=False, dtype=dtype, device=dev
@@ -247,38 +257,18 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         for p in self.parameters():
             p.requires_grad_(False)
-        # quantized copies (quantize) of fc and the LM head, or those (or the plain weights)
-        # packed for the CPU (pack_for_cpu), for inference; the nn.Linear weights stay, for
-        # checkpoints and training
-        self._packed_fc: CpuWeight | None = None
-        self._packed_head: CpuWeight | None = None
-        self._quant_fc: QuantizedWeight | None = None
-        self._quant_head: QuantizedWeight | None = None
+        # what serves fc and the LM head for inference when not their plain weights
+        # (quantized, or packed for a device); the nn.Linear weights stay, for checkpoints
+        # and training
+        self.fc_kernel: WeightKernel | None = None
+        self.head_kernel: WeightKernel | None = None
 
     def quantize(self, kind: Quant) -> None:
         """Quantize the head's matmuls (``models.quant``) for drafting, after loading."""
         quantize_layers(self.layer, kind, None)
         fc, head = self.fc.weight.data, self.lm_head.weight.data
-        self._quant_fc = quantize(fc, kind, row_absmax(fc))
-        self._quant_head = quantize(head, kind, row_absmax(head))
-
-    def pack_for_cpu(self) -> bool:
-        """Pack the head's matmul weights for the CPU (``models.cpu_linear``), for drafting on a
-        CPU after loading (and quantizing; the head can then no longer be saved). False where
-        the CPU has no such path."""
-        if self.device.type != "cpu":
-            return False
-        packer = CpuPacker()
-        attach(self, CpuRowOps())  # norms and rotary embedding in one call each
-        served = [m for m in self.layer.modules() if isinstance(m, ServedLinear)]
-        layer = all([m.pack_for_cpu(packer) for m in served])  # noqa: C419 (pack every one)
-        if self._quant_fc is not None and self._quant_head is not None:
-            self._packed_fc = packer.pack_quantized(self._quant_fc)
-            self._packed_head = packer.pack_quantized(self._quant_head)
-            return layer  # without the kernel, the quantized matmuls serve
-        self._packed_fc = packer.pack(self.fc.weight.data)
-        self._packed_head = packer.pack(self.lm_head.weight.data)
-        return layer and self._packed_fc is not None and self._packed_head is not None
+        self.fc_kernel = quantize(fc, kind, row_absmax(fc))
+        self.head_kernel = quantize(head, kind, row_absmax(head))
 
     def forward(
         self,
@@ -303,15 +293,13 @@ class EagleHead(nn.Module):
         return h
 
     def _fc(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.fc.weight, self._packed_fc, quantized=self._quant_fc)
+        y = linear(x, self.fc.weight, self.fc_kernel)
         return y if self.fc.bias is None else y + self.fc.bias
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
         normed = self.norm(hidden)
-        small = linear(
-            normed, self.lm_head.weight, self._packed_head, quantized=self._quant_head
-        ).float()  # [N, V_draft]
+        small = linear(normed, self.lm_head.weight, self.head_kernel).float()  # [N, V_draft]
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             return small
         full = small.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"))
@@ -475,9 +463,10 @@ def load_eagle(
     dtype: torch.dtype,
     device: str,
     quant: Quant = Quant.NONE,
+    ops: RowOps | None = None,
 ) -> EagleHead:
     cfg = EagleConfig.from_folder(folder).for_target(LlamaConfig.from_folder(target_folder))
-    head = EagleHead(cfg, dtype, device)
+    head = EagleHead(cfg, dtype, device, ops)
     head.load(load_state_dict(folder), open_checkpoint(target_folder))
     if quant is not Quant.NONE:
         head.quantize(quant)

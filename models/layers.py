@@ -1,48 +1,68 @@
-"""Small building blocks of the Llama decoder: RMSNorm and rotary position embedding."""
+"""Small building blocks of the Llama decoder: RMSNorm, rotary position embedding, and the
+row ops they and the MLP run through."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from models.config import RopeScaling
 
-if TYPE_CHECKING:
-    from models.cpu_rowops import CpuRowOps
+
+class RowOps:
+    """The per-row arithmetic of a layer in PyTorch ops. A model is built with one instance,
+    handed to every norm, rotary embedding and MLP; a device wing may subclass it with
+    kernels that give the same values (``models.cpu.row_ops``)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [..., H] -> ``x / rms(x) * weight``, in float32 as the reference computes it."""
+        if x.dtype == torch.float32:
+            return nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [..., T, heads, head_dim] at the positions of ``cos``, ``sin``
+        [T, 1, 2, head_dim / 2] (``rotary_tables``), in float32: ``(x1, x2) -> (x1 cos - x2
+        sin, x2 cos + x1 sin)`` as one multiply-add over both halves and their swap, four ops
+        where the textbook form takes nine, bit-identical to it."""
+        halves = x.float().unflatten(-1, (2, -1))  # [..., T, heads, 2, head_dim / 2]
+        out: torch.Tensor = halves * cos + halves.flip(-2) * sin
+        return out.flatten(-2).to(x.dtype)
+
+    def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        """gate_up: [T, 2 * inter], the gate then the up projection -> silu(gate) * up."""
+        gate, up = gate_up.split(inter, dim=-1)
+        act: torch.Tensor = nn.functional.silu(gate) * up
+        return act
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32 as the reference implementation does; on a
-    CPU model in one call of ``models.cpu_rowops`` (``native``, set when the model is packed
-    for the CPU)."""
+    """``x / rms(x) * weight`` through the model's row ops."""
 
-    native: CpuRowOps | None = None
-
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: RowOps | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops or RowOps()
         self.weight = nn.Parameter(
             torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
-        if self.native is not None and x.dim() == 2 and self.native.takes(x):
-            return self.native.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" convention used by HF Llama checkpoints;
-    on a CPU model in one call of ``models.cpu_rowops`` (``native``), bit-identical."""
-
-    native: CpuRowOps | None = None
+    """Rotary position embedding in the "rotate half" convention of HF Llama checkpoints."""
 
     def __init__(
         self,
@@ -51,8 +71,10 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         device: torch.device,
         scaling: RopeScaling | None = None,
+        ops: RowOps | None = None,
     ) -> None:
         super().__init__()
+        self.ops = ops or RowOps()
         inv_freq = (scaling or RopeScaling()).inv_freq(head_dim, theta).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
@@ -62,19 +84,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` [..., T, heads, head_dim] (a strided view is fine) at the positions of
-        ``cos``, ``sin`` [T, 1, 2, head_dim / 2] (``rotary_tables``), in float32.
-
-        ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)`` as one multiply-add over both
-        halves and their swap: four ops where the textbook form takes nine, and the query and
-        key heads of a layer can go through it in one call. Bit-identical to the textbook form
-        (``a - b`` is ``a + (-b)`` in IEEE arithmetic)."""
-        native = self.native
-        if native is not None and x.dim() == 3 and x.stride(1) == x.shape[2] and native.takes(x):
-            return native.rope(cos, sin, x)  # [T, heads, head_dim]
-        halves = x.float().unflatten(-1, (2, -1))  # [..., T, heads, 2, head_dim / 2]
-        out: torch.Tensor = halves * cos + halves.flip(-2) * sin
-        return out.flatten(-2).to(x.dtype)
+        """``x`` [..., T, heads, head_dim] (a strided view is fine) rotated (``RowOps.rope``)."""
+        return self.ops.rope(cos, sin, x)
 
 
 def rotary_tables(

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from models.cpu_linear import CpuPacker, CpuWeight, PanelWeight
-from models.greedy_head import GreedyHead
-from models.quant import Quant, QuantizedWeight, quantize, row_absmax
+from models.quant import Quant, quantize, row_absmax
 from models.weights import Sliceable, whole
 
 
@@ -56,21 +54,24 @@ class TPContext:
         return w.narrow(dim, self.rank * n, n)
 
 
+class WeightKernel(Protocol):
+    """A matmul weight served in another form than the plain tensor: quantized
+    (``models.quant``) or packed for a device's own kernel."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out], ``x @ weight^T (+ bias)``."""
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: CpuWeight | None,
+    kernel: WeightKernel | None,
     bias: torch.Tensor | None = None,
-    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    """``x @ weight^T (+ bias)``: through the weight ``packed`` for the CPU
-    (``models.cpu_linear``) when there is one, else the ``quantized`` weight when there is one,
-    else the plain one. x: [T, in] -> [T, out]; bias: [out]."""
-    if packed is not None:
-        return packed.matmul(x, bias)
-    if quantized is not None:
-        y = quantized.matmul(x)
-        return y if bias is None else y + bias
+    """``x @ weight^T (+ bias)`` through ``kernel`` when the weight is served by one.
+    x: [T, in] -> [T, out]; bias: [out]."""
+    if kernel is not None:
+        return kernel.matmul(x, bias)
     return nn.functional.linear(x, weight, bias)
 
 
@@ -80,40 +81,25 @@ def tp_group(tp: TPContext) -> Any:
 
 
 class ServedLinear(nn.Module):
-    """A layer whose ``weight`` [out, in] is served plain, quantized (``quantize``), or packed
-    for the CPU (``pack_for_cpu``, after quantizing if at all); quantizing or packing drops the
-    weight it replaces."""
+    """A layer whose ``weight`` [out, in] is served plain or by a ``kernel`` (``serve``:
+    quantized, or packed for a device), which drops the plain weight."""
 
     weight: nn.Parameter
-    packed: CpuWeight | None = None
-    quantized: QuantizedWeight | None = None
+    kernel: WeightKernel | None = None
+
+    def serve(self, kernel: WeightKernel) -> None:
+        self.kernel = kernel
+        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def quantize(self, kind: Quant, group: Any = None) -> None:
         """Quantize the loaded weight per output channel, over whole rows (``group``: the TP
         ranks holding the other columns of each row)."""
         w = self.weight.data
-        self.quantized = quantize(w, kind, row_absmax(w, group))
-        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
-
-    def pack_for_cpu(self, packer: CpuPacker) -> bool:
-        """Pack the loaded (or quantized) weight for the CPU (``models.cpu_linear``); False
-        where this CPU has no such path for a plain weight's dtype (a quantized weight the
-        kernel does not take keeps its own matmul)."""
-        if self.quantized is not None:
-            packed_q = packer.pack_quantized(self.quantized)
-            if packed_q is not None:
-                self.packed, self.quantized = packed_q, None
-            return True
-        packed = packer.pack(self.weight.data)
-        if packed is None:
-            return False
-        self.packed = packed
-        self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
-        return True
+        self.serve(quantize(w, kind, row_absmax(w, group)))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
-        return linear(x, self.weight, self.packed, bias, self.quantized)
+        return linear(x, self.weight, self.kernel, bias)
 
 
 class ColumnParallelLinear(ServedLinear):
@@ -205,10 +191,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.packed: CpuWeight | None = None  # the table packed for logits on a CPU
-        # greedy rows' argmax through a bf16 screen (models.greedy_head): fp32 on a CPU, TP = 1
-        self.greedy: GreedyHead | None = None
-        self.quantized: QuantizedWeight | None = None  # a quantized copy for logits
+        self.kernel: WeightKernel | None = None  # serves the logits; the table stays
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
         self.weight = nn.Parameter(
@@ -228,28 +211,19 @@ class VocabParallelEmbedding(nn.Module):
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
-    def pack_for_cpu(self, packer: CpuPacker) -> bool:
-        """Keep the table packed for ``logits`` on a CPU (``models.cpu_linear``; the table
-        itself stays: the embedding lookup reads it), or its quantized copy packed."""
-        if self.quantized is not None:
-            packed_q = packer.pack_quantized(self.quantized)
-            if packed_q is not None:
-                self.packed, self.quantized = packed_q, None
-            return True
-        self.packed = packer.pack(self.weight.data)
-        if isinstance(self.packed, PanelWeight) and self.tp.world_size == 1:
-            self.greedy = GreedyHead.build(self.weight.data, self.packed)
-        return self.packed is not None
+    def serve_logits(self, kernel: WeightKernel) -> None:
+        """Compute ``logits`` through ``kernel`` (the table stays for the lookup)."""
+        self.kernel = kernel
 
     def quantize(self, kind: Quant, keep_table: bool) -> None:
         """Quantize the table for ``logits`` (its rows are whole on every rank). With
         ``keep_table`` the plain table stays for the embedding lookup (tied embeddings)."""
         w = self.weight.data
-        self.quantized = quantize(w, kind, row_absmax(w))
+        self.kernel = quantize(w, kind, row_absmax(w))
         if not keep_table:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> [N, vocab] (full vocabulary on every rank)
-        local = linear(hidden, self.weight, self.packed, quantized=self.quantized)
+        local = linear(hidden, self.weight, self.kernel)
         return self.tp.all_gather_last(local)

@@ -76,8 +76,12 @@ class QuantizedWeight:
     scale: torch.Tensor  # [out]: the int8 kernel's activation dtype (int8), float32 (fp8)
     out_dtype: torch.dtype  # what the layer returns: the model's dtype
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out] in ``out_dtype``, ``x @ (data * scale)^T``."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> [T, out] in ``out_dtype``, ``x @ (data * scale)^T (+ bias)``."""
+        y = self._product(x)
+        return y if bias is None else y + bias
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind is Quant.INT8:
             a = x.to(self.scale.dtype)
             y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(a, self.data, self.scale)

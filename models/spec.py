@@ -12,6 +12,7 @@ import torch
 
 from models.config import DTYPES, LlamaConfig
 from models.host_memory import large_blocks_mapped
+from models.layers import RowOps
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import Quant, check_supported
@@ -52,12 +53,19 @@ class ModelSpec:
     def config(self) -> LlamaConfig:
         return LlamaConfig.from_folder(Path(self.folder))
 
-    def load(self, device: torch.device | str = "cpu", tp: TPContext | None = None) -> LlamaModel:
+    def load(
+        self,
+        device: torch.device | str = "cpu",
+        tp: TPContext | None = None,
+        ops: RowOps | None = None,
+    ) -> LlamaModel:
+        """The model with its weights; ``ops``: its row ops (``models.layers.RowOps``)."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_supported(self.quant, device)
         with large_blocks_mapped():  # what a layer-by-layer quantization frees is returned
-            model = LlamaModel(self.config(), tp=tp, dtype=DTYPES[self.dtype], device=device)
+            dtype = DTYPES[self.dtype]
+            model = LlamaModel(self.config(), tp=tp, dtype=dtype, device=device, ops=ops)
             model.load_weights(open_checkpoint(Path(self.folder)), quant=self.quant)
         return model.eval()
 

@@ -10,8 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from cluster.health_board import BoardPublisher, pool_board
-from cluster.replica_logs import route_to_serve
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
@@ -19,6 +17,8 @@ from models.host_memory import onednn_cache_capacity
 from models.request import Request
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
+from serving.health_board import BoardPublisher, pool_board
+from serving.replica_logs import route_to_serve
 
 
 class PrefillServer:
@@ -93,7 +93,7 @@ class PrefillServer:
         return self.snapshot()
 
     async def health_board(self) -> Any:
-        """The handle of this pool's ``cluster.health_board.HealthBoard``."""
+        """The handle of this pool's ``serving.health_board.HealthBoard``."""
         return pool_board()
 
     def snapshot(self) -> dict[str, Any]:

@@ -5,10 +5,9 @@ Python they cost the GPU more time than they compute (the host is the bottleneck
 rebuilding every index tensor on the host each step adds to it. ``BucketedRunner`` runs the
 steps that ``runtime.step_buffers`` can lay out in a bucket (decodes and chain verifications)
 through persistent buffers filled in place, with metadata computed on the device
-(``models.attention.bucket_metadata``). On a GPU it captures the whole forward once per bucket
-as a CUDA graph and replays it (``graphs=True``); elsewhere the same bucketed forward runs
-eagerly. On a GPU a bucket over a long context reads the KV pool in place through
-``flex_attention`` inside its graph (``models.flex_paged``), a short one gathers its blocks.
+(``AttentionBackend.plan_bucket``). On a GPU it captures the whole forward once per bucket as a
+CUDA graph and replays it (``graphs=True``); elsewhere the same bucketed forward runs eagerly.
+What attention does inside a bucket is its backend's (``models.attention``).
 Prompt chunks, draft trees and steps beyond the buffers run the ragged path
 (``runtime.runner.run_step``), counted in ``ragged_steps``.
 
@@ -26,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import bucket_metadata
+from models.attention.metadata import BucketInputs
+from models.backend import ModelBackend
 from models.llama import LlamaModel
 from models.tree import move_slots
 from runtime.runner import LocalRunner, SeqInput, StepResult, head_outputs, run_step
@@ -54,33 +54,27 @@ class BucketedRunner(LocalRunner):
         max_query: int,
         max_blocks: int,
         graphs: bool = False,
-        in_place_attention: bool | None = None,
+        backend: ModelBackend | None = None,
     ) -> None:
-        super().__init__(model, kv_pool, block_size)
+        super().__init__(model, kv_pool, block_size, backend)
         self.buffers = StepBuffers(max_seqs, max_query, max_blocks, block_size, model.device)
         self.graphs = graphs and model.device.type == "cuda"
         self._captured: dict[Bucket, _Captured] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        # ``in_place_attention`` None: on a GPU a bucket's attention reads the pool in place
-        # through flex_attention, while a CPU bucket takes the CPU kernel (``models.cpu_paged``);
-        # False: the gather path everywhere (to compare against); True: flex on any device.
-        if in_place_attention is None:
-            in_place_attention = model.device.type == "cuda"
-        self._flex = model.flex_pool(kv_pool) if in_place_attention else None
         self.bucketed_steps = 0
         self.ragged_steps = 0
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
         if not self.buffers.fits(batch):
             self.ragged_steps += 1
-            return run_step(self.model, self.kv_pool, self.block_size, batch)
+            return run_step(self.backend, self.kv_pool, batch)
         self.bucketed_steps += 1
         for s in batch:  # compaction owed by an accepted tree path: before the step's reads
             move_slots(self.kv_pool, s.block_table, s.kv_moves, self.block_size)
         filled = self.buffers.fill(batch)
         hidden, features = self._forward(filled.bucket)  # [b * q, H], [b * q, F]
         picked = hidden[self.buffers.logit_rows(filled)]  # [N, H]
-        logits, tokens = head_outputs(self.model, picked, batch)
+        logits, tokens = head_outputs(self.backend, picked, batch)
         return StepResult(
             hidden=picked,
             logits=logits,
@@ -100,40 +94,28 @@ class BucketedRunner(LocalRunner):
 
     def _static_forward(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.buffers.views(bucket)
-        m = self.model
-        meta = bucket_metadata(
-            v.positions,
-            v.slot_blocks,
-            v.slot_offsets,
-            v.write_rows,
-            v.tables,
-            v.cached,
-            v.num_new,
-            self.block_size,
-            m.rope.cos,
-            m.rope.sin,
-            m.cfg.sliding_window,
-            m.invariant_attention,
-            m.paged_native,
-            self._flex,
+        meta = self.backend.attention.plan_bucket(
+            BucketInputs(
+                positions=v.positions,
+                slot_blocks=v.slot_blocks,
+                slot_offsets=v.slot_offsets,
+                write_rows=v.write_rows,
+                tables=v.tables,
+                cached=v.cached,
+                num_new=v.num_new,
+            )
         )
-        return m.forward_with_features(v.ids, self.kv_pool, meta)
+        return self.backend.forward(v.ids, self.kv_pool, meta)
 
     def _capture(self, bucket: Bucket) -> _Captured:
-        """``_capture_once``; where in-place attention breaks the capture (an op that waits
-        for the device, in a torch where ``flex_attention`` does), this runner's buckets
-        gather from then on, logged and counted in the kernel's fallbacks, and the bucket is
+        """``_capture_once``; where the attention backend's path breaks the capture and it
+        switches to one that captures (``AttentionBackend.capture_failed``), the bucket is
         captured again."""
         try:
             return self._capture_once(bucket)
         except RuntimeError as e:
-            if self._flex is None:
+            if not self.backend.attention.capture_failed(e):
                 raise
-            log.error("graph capture with in-place attention failed, buckets gather: %s", e)
-            kernel = self._flex.kernel
-            kernel.failed = kernel.failed or f"graph capture: {e}"[:500]
-            kernel.fallbacks += 1
-            self._flex = None
             torch.cuda.synchronize(self.model.device)
             return self._capture_once(bucket)
 

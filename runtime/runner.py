@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import SeqSlice, build_attention_metadata
-from models.cpu_paged import DTYPES as CPU_DTYPES
-from models.cpu_paged import CpuPagedAttention
+from models.attention.backend import AttentionBackend
+from models.attention.metadata import SeqSlice
+from models.backend import ModelBackend
 from models.eagle import EagleHead
-from models.flex_paged import FlexPagedAttention, FlexPool
-from models.kv_layout import block_chunks
 from models.llama import LlamaModel
 from models.tree import TreeSpan, move_slots
+from runtime.backends import attention_for, head_attention_spec, model_backend
 
 
 @dataclass(frozen=True)
@@ -61,45 +60,42 @@ class StepResult:
 
 
 def head_outputs(
-    model: LlamaModel, picked: torch.Tensor, batch: Sequence[SeqInput]
+    backend: ModelBackend, picked: torch.Tensor, batch: Sequence[SeqInput]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The logits and argmax tokens of the rows ``batch`` asked for (picked: [N, hidden], in
-    batch order): ``LlamaModel.head`` with each row's ``argmax_only``."""
+    batch order): ``ModelBackend.head`` with each row's ``argmax_only``."""
     only = [s.argmax_only for s in batch for _ in s.logit_positions]
-    return model.head(picked, only)
+    return backend.head(picked, only)
 
 
-def run_step(
-    model: LlamaModel, kv_pool: torch.Tensor, block_size: int, batch: Sequence[SeqInput]
-) -> StepResult:
-    """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
-
-    kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, head_dim]. Each sequence's
-    ``kv_moves`` (the compaction of a path accepted from a tree) are applied first.
-    """
-    dev = model.device
-    for s in batch:
-        move_slots(kv_pool, s.block_table, s.kv_moves, block_size)
-    meta = build_attention_metadata(
-        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
-        block_size,
-        dev,
-        model.rope.cos,
-        model.rope.sin,
-        model.flex_pool(kv_pool),
-        model.cfg.sliding_window,
-        model.invariant_attention,
-        model.paged_native,
-    )
-    ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
-    hidden, features = model.forward_with_features(ids, kv_pool, meta)  # [T, hidden], [T, F]
+def logit_rows(batch: Sequence[SeqInput], device: torch.device) -> torch.Tensor:
+    """[N] the step's rows whose logits the batch asked for, in batch order."""
     rows: list[int] = []
     start = 0
     for s in batch:
         rows.extend(start + p for p in s.logit_positions)
         start += len(s.token_ids)
-    picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]  # [N, hidden], N may be 0
-    logits, tokens = head_outputs(model, picked, batch)
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqInput]) -> StepResult:
+    """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
+
+    kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, head_dim]. Each sequence's
+    ``kv_moves`` (the compaction of a path accepted from a tree) are applied first.
+    """
+    model = backend.model
+    dev = model.device
+    block_size = backend.attention.spec.block_size
+    for s in batch:
+        move_slots(kv_pool, s.block_table, s.kv_moves, block_size)
+    meta = backend.attention.plan(
+        [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
+    )
+    ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
+    hidden, features = backend.forward(ids, kv_pool, meta)  # [T, hidden], [T, F]
+    picked = hidden[logit_rows(batch, dev)]  # [N, hidden], N may be 0
+    logits, tokens = head_outputs(backend, picked, batch)
     return StepResult(
         hidden=picked,
         logits=logits,
@@ -128,59 +124,48 @@ class ModelRunner(ABC):
         """One forward step over ``batch``."""
 
     @abstractmethod
-    def attention_path(self) -> tuple[str, int]:
-        """What runs decode attention here, and the steps it fell back to gathering
-        (``LlamaModel.attention_path``; a TP group: rank 0's)."""
-
-    @abstractmethod
-    def matmul_path(self) -> str:
-        """What runs the matmuls here (``LlamaModel.matmul_path``; a TP group: rank 0's)."""
-
-    @abstractmethod
-    def layers_path(self) -> str:
-        """What runs the decoder layers here (``LlamaModel.layers_path``; a TP group: rank
-        0's)."""
+    def describe(self) -> dict[str, str | int]:
+        """What runs the step here (``ModelBackend.describe``; a TP group: rank 0's)."""
 
 
 class LocalRunner(ModelRunner):
-    """The whole model in this process (TP = 1), its pool a local tensor."""
+    """The whole model in this process (TP = 1), its pool a local tensor. ``backend``: unless
+    given, the model's own modules around the attention backend chosen for it here."""
 
-    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        backend: ModelBackend | None = None,
+    ) -> None:
         self.model = model
         self.kv_pool = kv_pool  # [num_layers, num_blocks, 2, Hkv, block_size, head_dim]
         self.block_size = block_size
+        self.backend = backend or model_backend(model, kv_pool, block_size, serve_cpu=False)
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        return run_step(self.model, self.kv_pool, self.block_size, batch)
+        return run_step(self.backend, self.kv_pool, batch)
 
-    def attention_path(self) -> tuple[str, int]:
-        return self.model.attention_path()
-
-    def matmul_path(self) -> str:
-        return self.model.matmul_path()
-
-    def layers_path(self) -> str:
-        return self.model.layers_path()
+    def describe(self) -> dict[str, str | int]:
+        return self.backend.describe()
 
 
 class EagleRunner:
     """Runs an EAGLE head over its paged KV: like ``LocalRunner``, plus the target's features."""
 
-    def __init__(self, head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_pool: torch.Tensor,
+        block_size: int,
+        attention: AttentionBackend | None = None,
+    ) -> None:
         self.head = head
         self.kv_pool = kv_pool  # [1, num_blocks, 2, Hkv, block_size, head_dim]
         self.block_size = block_size
-        c = head.cfg.layer
-        self.flex = FlexPool(  # long-context drafting reads the head's pool in place too
-            FlexPagedAttention(),
-            num_kv_heads=kv_pool.shape[3],
-            num_blocks=kv_pool.shape[1],
-            group_size=c.num_heads // c.num_kv_heads,
-            block_chunks=block_chunks(kv_pool[0]),
-        )
-        on_cpu = head.device.type == "cpu" and head.dtype in CPU_DTYPES
-        self.native = (  # and on a CPU, every drafting step does (models.cpu_paged)
-            CpuPagedAttention(c.num_heads // c.num_kv_heads, c.head_dim) if on_cpu else None
+        self.attention = attention or attention_for(
+            head_attention_spec(head, kv_pool, block_size), head.dtype
         )
 
     @torch.inference_mode()
@@ -190,23 +175,12 @@ class EagleRunner:
         """features: [T, F], one per new token of the batch, in batch order: the target's
         (``from_target``) or the head's own predictions (``EagleHead.forward``)."""
         dev = self.head.device
-        meta = build_attention_metadata(
-            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch],
-            self.block_size,
-            dev,
-            self.head.rope.cos,
-            self.head.rope.sin,
-            self.flex,
-            native=self.native,
+        meta = self.attention.plan(
+            [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
         )
         ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
         hidden = self.head(ids, features.to(dev), self.kv_pool, meta, from_target)  # [T, H]
-        rows: list[int] = []
-        start = 0
-        for s in batch:
-            rows.extend(start + p for p in s.logit_positions)
-            start += len(s.token_ids)
-        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+        picked = hidden[logit_rows(batch, dev)]
         return StepResult(
             hidden=picked,
             logits=self.head.logits(picked),

@@ -19,12 +19,14 @@ import torch
 
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
+from models.backend import ModelBackend
 from models.config import DTYPES
-from models.eagle import EagleConfig, EagleHead, load_eagle
-from models.llama import LlamaModel
+from models.cpu.backend import CpuBackend, pack_eagle_head
+from models.eagle import EagleConfig, load_eagle
 from models.parallel import TPContext
 from models.quant import check_supported
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from runtime.backends import model_backend, row_ops_for
 from runtime.bucketed import BucketedRunner
 from runtime.runner import EagleRunner, LocalRunner, ModelRunner
 
@@ -110,22 +112,24 @@ def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
 
 
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
-    """This rank's shard of the target (``tp`` None: the whole model) over its pool, its
-    weights packed for the matmul kernel on a CPU, returning the features its drafter reads."""
-    model = spec.target.load(spec.device, tp)
+    """This rank's shard of the target (``tp`` None: the whole model) over its pool, with its
+    backends chosen once (``runtime.backends``), returning the features its drafter reads."""
+    model = spec.target.load(spec.device, tp, row_ops_for(spec.device))
     model.feature_layers = feature_layers(spec)
-    _pack(model, "target")
+    kv = pool.tensor("target")
+    backend = _served(model_backend(model, kv, spec.block_size), "target")
     b = spec.buckets
     if b is None:
-        return LocalRunner(model, pool.tensor("target"), spec.block_size)
+        return LocalRunner(model, kv, spec.block_size, backend)
     return BucketedRunner(
         model,
-        pool.tensor("target"),
+        kv,
         spec.block_size,
         b.max_seqs,
         b.max_query,
         b.max_blocks,
         b.graphs,
+        backend,
     )
 
 
@@ -134,6 +138,8 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
     d = spec.draft
     if d.model is None:
         return None
+    ops = row_ops_for(spec.device)
+    kv = pool.tensor("draft")
     if d.kind is DraftKind.EAGLE:
         check_supported(d.model.quant, spec.device)
         head = load_eagle(
@@ -142,16 +148,24 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
             DTYPES[d.model.dtype],
             spec.device,
             d.model.quant,
+            ops,
         )
-        _pack(head, "EAGLE head")
-        return EagleRunner(head, pool.tensor("draft"), spec.block_size)
-    model = d.model.load(spec.device)
-    _pack(model, "draft")
-    return LocalRunner(model, pool.tensor("draft"), spec.block_size)
+        if head.device.type == "cpu" and not pack_eagle_head(head):
+            _no_packed_matmul("EAGLE head", head.dtype)
+        return EagleRunner(head, kv, spec.block_size)
+    model = d.model.load(spec.device, ops=ops)
+    return LocalRunner(
+        model, kv, spec.block_size, _served(model_backend(model, kv, spec.block_size), "draft")
+    )
 
 
-def _pack(model: LlamaModel | EagleHead, what: str) -> None:
-    """Pack a CPU model's weights for row-invariant matmuls (``models.cpu_linear``); where the
-    CPU has no such path for the dtype, say so once: the model then runs on the plain matmul."""
-    if model.device.type == "cpu" and not model.pack_for_cpu():
-        log.warning("%s: no packed matmul for %s on this CPU; plain matmuls", what, model.dtype)
+def _served(backend: ModelBackend, what: str) -> ModelBackend:
+    """``backend``, having said once where a CPU has no packed matmul for the model's dtype
+    (it then runs on the plain matmul)."""
+    if isinstance(backend, CpuBackend) and not backend.packed:
+        _no_packed_matmul(what, backend.model.dtype)
+    return backend
+
+
+def _no_packed_matmul(what: str, dtype: torch.dtype) -> None:
+    log.warning("%s: no packed matmul for %s on this CPU; plain matmuls", what, dtype)

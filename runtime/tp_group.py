@@ -179,14 +179,8 @@ class TPRunner(ModelRunner):
         self.channel.send(batch)
         return self.local.run(batch)
 
-    def attention_path(self) -> tuple[str, int]:
-        return self.local.attention_path()
-
-    def matmul_path(self) -> str:
-        return self.local.matmul_path()
-
-    def layers_path(self) -> str:
-        return self.local.layers_path()
+    def describe(self) -> dict[str, str | int]:
+        return self.local.describe()
 
     def stop(self) -> None:
         """End the ranks' step loops (before the group is torn down)."""

@@ -9,6 +9,22 @@ from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from tests.helpers import make_tiny_checkpoint
 
+GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `gpu` tier is the tests/gpu/ folder: a test in one and not the other fails collection."""
+    wrong = [
+        item.nodeid
+        for item in items
+        if (item.get_closest_marker("gpu") is not None) != item.path.is_relative_to(GPU_TESTS)
+    ]
+    if wrong:
+        raise pytest.UsageError(
+            "tests under tests/gpu/ must be marked gpu, and only they: " + ", ".join(wrong)
+        )
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads() -> None:

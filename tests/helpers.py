@@ -2,14 +2,75 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import shutil
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
+    from models.backend import ModelBackend
+    from models.cpu.backend import CpuBackend
     from models.llama import LlamaModel
+
+T = TypeVar("T")
+
+
+def wait_until(
+    check: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.1,
+    ignoring: tuple[type[Exception], ...] = (),
+) -> T:
+    """Call ``check`` every ``interval_s`` until it returns a truthy value, and return that value.
+
+    A check may also assert: an AssertionError (or one of ``ignoring``) counts as not yet.
+    Past ``timeout_s``, an AssertionError names ``what`` and the last failure, chained."""
+    deadline = time.monotonic() + timeout_s
+    retry: tuple[type[Exception], ...] = (AssertionError, *ignoring)
+    while True:
+        last: Exception | None = None
+        try:
+            if got := check():
+                return got
+        except retry as e:
+            last = e
+        if time.monotonic() > deadline:
+            detail = f": {last}" if last is not None else ""
+            raise AssertionError(f"not within {timeout_s:g} s: {what}{detail}") from last
+        time.sleep(interval_s)  # the poll's own pace, not synchronisation
+
+
+async def wait_until_async(
+    check: Callable[[], Awaitable[T] | T],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+    ignoring: tuple[type[Exception], ...] = (),
+) -> T:
+    """``wait_until`` inside an event loop: ``check`` may be a coroutine function, and the loop
+    runs other tasks between polls."""
+    deadline = time.monotonic() + timeout_s
+    retry: tuple[type[Exception], ...] = (AssertionError, *ignoring)
+    while True:
+        last: Exception | None = None
+        try:
+            got = check()
+            if inspect.isawaitable(got):
+                got = await got
+            if got:
+                return got
+        except retry as e:
+            last = e
+        if time.monotonic() > deadline:
+            detail = f": {last}" if last is not None else ""
+            raise AssertionError(f"not within {timeout_s:g} s: {what}{detail}") from last
+        await asyncio.sleep(interval_s)  # the poll's own pace, not synchronisation
 
 
 def make_tiny_checkpoint(
@@ -58,12 +119,29 @@ def make_tiny_checkpoint(
     return folder
 
 
-def assert_verification_equals_decodes(model: LlamaModel, n: int, k: int, blocks: int) -> None:
+def serve_on_cpu(model: LlamaModel, blocks: int = 8, block_size: int = 16) -> CpuBackend:
+    """``model`` readied as a CPU replica serves it (``CpuBackend.apply``), for pools of
+    ``blocks``; load it with ``ops=CpuRowOps()`` for the row ops and the layer program."""
+    from models.cpu.backend import CpuBackend
+    from models.kv_layout import kv_pool_shape
+    from runtime.backends import model_backend
+
+    c = model.cfg
+    shape = kv_pool_shape(blocks, model.num_kv_heads_local, c.num_layers, block_size, c.head_dim)
+    served = model_backend(model, torch.zeros(shape, dtype=model.dtype), block_size)
+    assert isinstance(served, CpuBackend)
+    return served
+
+
+def assert_verification_equals_decodes(
+    model: LlamaModel, n: int, k: int, blocks: int, backend: ModelBackend | None = None
+) -> None:
     """Verifying ``k`` tokens after an ``n``-token prompt gives each row the logits a one-token
     decode gives it, bit for bit: what keeps greedy speculation token-identical to plain
-    decoding. ``blocks`` of 16 tokens must hold ``n + k``."""
+    decoding. ``blocks`` of 16 tokens must hold ``n + k``; ``backend``: how the model runs
+    (its modules unless given)."""
     from models.kv_layout import kv_pool_shape
-    from runtime.runner import SeqInput, run_step
+    from runtime.runner import LocalRunner, SeqInput
 
     bs, c = 16, model.cfg
     g = torch.Generator().manual_seed(3)
@@ -71,18 +149,16 @@ def assert_verification_equals_decodes(model: LlamaModel, n: int, k: int, blocks
     tokens = torch.randint(3, c.vocab_size, (k,), generator=g).tolist()
     table = list(range(blocks))
 
-    def fresh() -> torch.Tensor:
+    def fresh() -> LocalRunner:
         shape = kv_pool_shape(blocks, c.num_kv_heads, c.num_layers, bs, c.head_dim)
-        pool = torch.zeros(shape, dtype=model.dtype)
-        run_step(model, pool, bs, [SeqInput(table, 0, prompt, [n - 1])])
-        return pool
+        runner = LocalRunner(model, torch.zeros(shape, dtype=model.dtype), bs, backend)
+        runner.run([SeqInput(table, 0, prompt, [n - 1])])
+        return runner
 
-    pool = fresh()
+    runner = fresh()
     one_by_one = [
-        run_step(model, pool, bs, [SeqInput(table, n + i, [t], [0])]).logits[0]
-        for i, t in enumerate(tokens)
+        runner.run([SeqInput(table, n + i, [t], [0])]).logits[0] for i, t in enumerate(tokens)
     ]
-    pool = fresh()
-    verified = run_step(model, pool, bs, [SeqInput(table, n, tokens, list(range(k)))]).logits
+    verified = fresh().run([SeqInput(table, n, tokens, list(range(k)))]).logits
     for i in range(k):
         assert torch.equal(verified[i], one_by_one[i]), f"row {i} of {k}"

@@ -9,7 +9,7 @@ import time
 import torch
 
 from bench.panel_matmul import fma_ceiling
-from models.cpu_linear import CpuLinear, CpuPacker, PanelKind
+from models.cpu.linear import CpuLinear, CpuPacker, PanelKind
 
 
 def test_the_fp32_ceiling_is_above_the_kernel() -> None:

@@ -23,6 +23,8 @@ CFG = TandemConfig.model_validate(
 )
 
 
+@pytest.mark.ray
+@pytest.mark.slow
 def test_serve_benchmark_writes_a_report_of_real_requests(
     embedded_folder: Path, tmp_path: Path
 ) -> None:

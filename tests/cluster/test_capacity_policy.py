@@ -11,8 +11,9 @@ from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster.capacity_policy import CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS, GoodputPolicy, decide
+from cluster.capacity_policy import GoodputPolicy, decide
 from cluster.config import TandemConfig
+from serving.autoscaling_metrics import CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS
 
 DEPLOYMENT = DeploymentID(name="decode", app_name="tandem")
 

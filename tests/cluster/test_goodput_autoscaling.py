@@ -7,12 +7,11 @@ capacity in tokens per second. Four greedy streams deliver more than that, so th
 out, where Serve's request-count rule with the same traffic (four streams, a target of eight
 per replica) would keep one replica. The replica it
 adds starts mid-traffic and seeds its acceptance calibration from the first one's
-(``cluster.shared_priors``)."""
+(``serving.shared_priors``)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +20,12 @@ import pytest
 from ray import serve
 from ray.serve._private.common import ReplicaState
 
-from cluster.capacity_policy import CAPACITY, CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS
 from cluster.config import TandemConfig
+from serving.autoscaling_metrics import CAPACITY, CAPACITY_TOK_S, GOODPUT_TOK_S, STREAMS
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +85,17 @@ def test_replicas_report_capacity_and_the_pool_scales_on_it(app: str) -> None:
         t.start()
     try:
         decode = serve.get_deployment_handle("decode", app_name="tandem")
-        report: dict[str, float] = {}
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (report.get(STREAMS) and report[GOODPUT_TOK_S]):
-            report = decode.record_autoscaling_stats.remote().result(timeout_s=30)
-            time.sleep(0.2)
+
+        def reporting() -> dict[str, float]:
+            report: dict[str, float] = decode.record_autoscaling_stats.remote().result(timeout_s=30)
+            assert report.get(STREAMS) and report[GOODPUT_TOK_S], report
+            return report
+
+        report = wait_until(reporting, 60, "decode reporting streams and goodput", interval_s=0.2)
         # what Serve's controller receives: streams in flight, a capacity, delivered goodput
         assert report[STREAMS] >= 1 and report[CAPACITY] == 0.0 and report[GOODPUT_TOK_S] > 0
         assert report[CAPACITY_TOK_S] > 0  # one stream's goodput
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and _decode_replicas() < 2:
-            time.sleep(1)
+        wait_until(lambda: _decode_replicas() >= 2, 120, "a second decode replica", interval_s=1)
         assert _decode_replicas() == 2
     finally:
         stop.set()

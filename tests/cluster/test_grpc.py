@@ -4,7 +4,6 @@ its blocks."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,9 @@ from cluster.config import TandemConfig
 from cluster.proto import tandem_pb2 as pb
 from cluster.proto import tandem_pb2_grpc
 from tests.cluster.conftest import running_app_ports
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 KEY = "sk-tandem-grpc-test-key-0001"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -169,10 +171,10 @@ def test_a_cancelled_stream_frees_its_blocks(stub: Any, app: tuple[str, int]) ->
     during = httpx.get(f"{app[0]}/health", timeout=30).json()["decode"]
     assert during["running"] == 1 and during["free_blocks"] < BLOCKS
     call.cancel()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def freed() -> bool:
         h = httpx.get(f"{app[0]}/health", timeout=30).json()["decode"]
-        if h["free_blocks"] == BLOCKS and h["running"] == 0:
-            break
-        time.sleep(0.2)
-    assert h["free_blocks"] == BLOCKS and h["running"] == 0
+        assert h["free_blocks"] == BLOCKS and h["running"] == 0, h
+        return True
+
+    wait_until(freed, 30, "the cancelled stream's blocks freed", interval_s=0.2)

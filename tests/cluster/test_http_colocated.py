@@ -4,7 +4,6 @@ it exports, scraped from Ray's metrics port."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +82,16 @@ def test_the_standard_serving_metrics_are_exported(app: str) -> None:
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
     want_generation = total(before, "ray_tandem_generation_tokens_total") + 18
-    deadline = time.monotonic() + 120
-    while True:  # Ray exports every few seconds
+
+    def exported() -> dict[str, list[tuple[dict[str, str], float]]]:
         got = _scrape(port)
-        done = total(got, "ray_tandem_generation_tokens_total") >= want_generation
-        if (done and all(n in got for n in STANDARD)) or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    missing = [n for n in STANDARD if n not in got]
-    assert not missing, missing
+        missing = [n for n in STANDARD if n not in got]
+        assert not missing, missing
+        assert total(got, "ray_tandem_generation_tokens_total") >= want_generation
+        return got
+
+    # Ray exports every few seconds
+    got = wait_until(exported, 120, "the three requests' metrics exported", interval_s=1)
     assert total(got, "ray_tandem_generation_tokens_total") == want_generation
     prompt = total(got, "ray_tandem_prompt_tokens_total") - total(
         before, "ray_tandem_prompt_tokens_total"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,9 @@ from models.embedded import EMBEDDED_NAME
 from models.sampling import choice_seed
 from models.tokenizer import Tokenizer
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 MODEL = EMBEDDED_NAME
 CFG = TandemConfig.model_validate(
@@ -60,24 +62,25 @@ def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
     client: openai.OpenAI, base: str
 ) -> None:
     client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=4)
-    deadline = time.monotonic() + 30
-    while True:  # the replica gives memory back at most once a second, once idle
-        prefill = _health(base)["pools"]["prefill"]["replicas"]
-        if any(r["heap_releases"] >= 1 for r in prefill.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert any(r["heap_releases"] >= 1 for r in prefill.values()), prefill
+
+    def released() -> dict[str, Any]:
+        prefill: dict[str, Any] = _health(base)["pools"]["prefill"]["replicas"]
+        assert any(r["heap_releases"] >= 1 for r in prefill.values()), prefill
+        return prefill
+
+    # the replica gives memory back at most once a second, once idle
+    prefill = wait_until(released, 30, "idle prefill giving heap back", interval_s=0.5)
     assert all(r["onednn_cache_capacity"] == 64 for r in prefill.values()), prefill  # the default
     decode = _health(base)["pools"]["decode"]["replicas"]
     assert all(r["onednn_cache_capacity"] is None for r in decode.values()), decode
-    # decode attention read the pool in place (models.cpu_paged), with no step gathering
+    # decode attention read the pool in place (models.cpu.paged), with no step gathering
     assert all(r["attention"] == "cpu_paged" for r in decode.values()), decode
     assert all(r["attention_fallbacks"] == 0 for r in decode.values()), decode
-    # and its matmuls took the row-invariant panel kernel (models.cpu_linear)
-    # (and greedy rows' argmax through the LM head's bf16 screen, models.greedy_head)
+    # and its matmuls took the row-invariant panel kernel (models.cpu.linear)
+    # (and greedy rows' argmax through the LM head's bf16 screen, models.cpu.greedy_head)
     screen = "cpu_panel; greedy rows' argmax by a bf16 screen"
     assert all(r["matmul"].startswith(screen) for r in decode.values()), decode
-    # and its decoder layers ran as one C call a step (models.cpu_program)
+    # and its decoder layers ran as one C call a step (models.cpu.program)
     assert all(r["layers"] == "program" for r in decode.values()), decode
     for pool in (prefill, decode):  # the pools' default reached each replica's interpreter
         assert all(r["switch_interval_s"] == pytest.approx(2e-4) for r in pool.values()), pool
@@ -263,12 +266,13 @@ def test_abandoned_stream_frees_decode_blocks(base: str) -> None:
         during = _health(base)["decode"]
     assert all('"finish_reason": null' in e for e in got)  # still generating when we left
     assert during["running"] == 1 and during["free_blocks"] < total
-    for _ in range(100):
+
+    def freed() -> dict[str, Any]:
         h = _health(base)
-        if h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0:
-            break
-        time.sleep(0.1)
-    assert h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0
+        assert h["decode"]["free_blocks"] == total and h["decode"]["running"] == 0, h["decode"]
+        return h
+
+    h = wait_until(freed, 30, "the abandoned stream's blocks freed")
     assert h["prefill"]["free_blocks"] == CFG.prefill.num_blocks
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,13 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types import Completion
 
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 KEYS = tuple(f"sk-tandem-test-key-{i}-000{i}" for i in range(4))
 
@@ -128,22 +131,35 @@ def test_a_full_decode_queue_answers_429(app: str) -> None:
         )
         next(iter(s))
         streams.append(s)
-    queued = threading.Thread(  # its one queue place: waits for a slot, so in a thread
-        target=lambda: _client(app, KEYS[2]).completions.create(
-            model="tiny", prompt="hi", max_tokens=2
-        ),
-        daemon=True,
-    )
-    queued.start()
-    time.sleep(1.5)
-    with pytest.raises(openai.RateLimitError) as e:
-        _client(app, KEYS[3]).completions.create(model="tiny", prompt="hi", max_tokens=2)
-    assert "decode.max_queued_requests" in e.value.message
-    assert e.value.response.headers["retry-after"] == "1"
+    # Two more at once, each in a thread: whichever comes first takes the queue's one place
+    # and waits for a slot, the other finds the queue full (no wait for either to get there).
+    outcomes: dict[str, Completion | openai.RateLimitError] = {}
+
+    def send(key: str) -> None:
+        try:
+            outcomes[key] = _client(app, key).completions.create(
+                model="tiny", prompt="hi", max_tokens=2
+            )
+        except openai.RateLimitError as e:
+            outcomes[key] = e
+
+    pair = [threading.Thread(target=send, args=(key,), daemon=True) for key in KEYS[2:]]
+    for t in pair:
+        t.start()
+
+    def refused() -> list[openai.RateLimitError]:
+        return [o for o in outcomes.values() if isinstance(o, openai.RateLimitError)]
+
+    (e,) = wait_until(refused, 60, "one of the two refused")
+    assert "decode.max_queued_requests" in e.message
+    assert e.response.headers["retry-after"] == "1"
     for s in streams:
         s.close()
-    queued.join(60)
-    assert not queued.is_alive()
+    for t in pair:
+        t.join(60)
+    assert not any(t.is_alive() for t in pair)
+    served = [o for o in outcomes.values() if isinstance(o, Completion)]
+    assert len(served) == 1 and served[0].usage is not None  # the queued one, once a slot freed
     ok = _client(app, KEYS[3]).completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert ok.usage is not None
 

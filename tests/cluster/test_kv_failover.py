@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,9 @@ import ray
 
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until, wait_until_async
+
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +42,14 @@ def _health(base: str) -> dict[str, Any]:
     return body
 
 
-def _serves_again(base: str, within_s: float = 90) -> bool:
-    """Whether a request succeeds within ``within_s`` (Serve replaces a killed replica)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        r = httpx.post(
-            f"{base}/v1/completions",
-            json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
-            timeout=60,
-        )
-        if r.status_code == 200:
-            return True
-        time.sleep(1)
-    return False
+def _serves(base: str) -> bool:
+    """Whether a short request succeeds."""
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": [9, 8, 7, 6] * 5, "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    return r.status_code == 200
 
 
 async def _request(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
@@ -83,7 +80,12 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
     async def load() -> list[tuple[int, str]]:
         async with httpx.AsyncClient(base_url=app) as client:
             tasks = [asyncio.create_task(_request(client, i)) for i in range(16)]
-            await asyncio.sleep(0.3)
+
+            async def holding() -> bool:  # prompts waiting or mid-prefill on the replica
+                r = await client.get("/health", timeout=30)
+                return int(r.json()["prefill"]["queued"]) >= 1
+
+            await wait_until_async(holding, 60, "the prefill replica to hold prompts")
             await asyncio.get_running_loop().run_in_executor(None, _kill_replica, "prefill")
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)  # nothing hangs
 
@@ -100,17 +102,20 @@ def test_killing_the_prefill_replica_mid_load(app: str) -> None:
 
     assert asyncio.run(again()) == answers  # greedy: no wrong output anywhere
     # The replica comes back (Serve replaces it) and serves; decode reads from its new agent.
-    assert _serves_again(app), "the app did not recover"
+    wait_until(lambda: _serves(app), 90, "the app to serve again", interval_s=1)
     h = _health(app)
     assert h["decode"]["running"] == 0
     assert h["decode"]["free_blocks"] == 256  # nothing leaked on decode
     assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0
+
+    def one_prefill_replica() -> dict[str, Any]:
+        h = _health(app)
+        assert len(h["pools"]["prefill"]["replicas"]) == 1, h["pools"]["prefill"]
+        return h
+
     # /health shows every replica: the dead prefill replica drops out of its pool's board, and
     # the handoffs it failed are counted on decode, the pool degraded past kv.degraded_fraction
-    deadline = time.monotonic() + 30
-    while len(h["pools"]["prefill"]["replicas"]) != 1 and time.monotonic() < deadline:
-        time.sleep(1)
-        h = _health(app)
+    h = wait_until(one_prefill_replica, 30, "the dead replica off the prefill board", interval_s=1)
     # board entries are what each replica published up to a second ago: compared with each
     # other and with the pool's summary of them, not with the live stats above
     (prefill,) = h["pools"]["prefill"]["replicas"].values()
@@ -163,10 +168,16 @@ def test_killing_the_decode_replica_mid_stream(app: str) -> None:
     async def load() -> list[list[dict[str, Any]]]:
         started = [asyncio.Event() for _ in range(3)]
         tasks = [asyncio.create_task(_stream_events(app, i, started[i])) for i in range(3)]
-        async with asyncio.timeout(60):
-            while sum(s.is_set() for s in started) < 2:
-                await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # the third is queued on the replica by now
+        await wait_until_async(
+            lambda: sum(s.is_set() for s in started) >= 2, 60, "two streams decoding"
+        )
+
+        async def all_three_on_the_replica() -> bool:  # two decoding, the third queued
+            async with httpx.AsyncClient(base_url=app) as client:
+                d = (await client.get("/health", timeout=30)).json()["decode"]
+            return int(d["running"] + d["waiting"] + d["pulling"]) == 3
+
+        await wait_until_async(all_three_on_the_replica, 60, "the third stream queued on decode")
         await asyncio.get_running_loop().run_in_executor(None, _kill_replica, "decode")
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=150)  # nothing hangs
 
@@ -181,13 +192,13 @@ def test_killing_the_decode_replica_mid_stream(app: str) -> None:
     assert _health(app)["retries"]["decode"] >= 1
     again = asyncio.run(_stream_events(app, retried[0], asyncio.Event()))
     assert _text(retried[1]) == _text(again)  # greedy: the same tokens as a request never cut
-    assert _serves_again(app), "the app did not recover"
-    # Leases of handoffs the dead replica never pulled expire; every prefill block comes back.
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    wait_until(lambda: _serves(app), 90, "the app to serve again", interval_s=1)
+
+    def prefill_whole() -> dict[str, Any]:
         h = _health(app)
-        if h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0:
-            break
-        time.sleep(2)
-    assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0
+        assert h["prefill"]["free_blocks"] == 128 and h["prefill"]["active_leases"] == 0, h
+        return h
+
+    # Leases of handoffs the dead replica never pulled expire; every prefill block comes back.
+    h = wait_until(prefill_whole, 60, "every prefill block back", interval_s=1)
     assert h["decode"]["free_blocks"] == 256 and h["decode"]["running"] == 0

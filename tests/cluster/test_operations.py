@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,9 @@ from cluster.config import TandemConfig
 from cluster.routing.observe import RouterMetrics
 from kvtransfer.metrics import KVMetrics
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 DASHBOARD = Path(__file__).parents[2] / "deploy/kuberay/monitoring/tandem-dashboard.json"
 
@@ -98,14 +100,14 @@ def test_one_request_id_from_the_client_through_every_deployment(app: str) -> No
     r = _complete(app, [5, 6, 7, 8, 9], **{"X-Request-Id": rid})
     assert r.status_code == 200
     assert r.headers["x-request-id"] == rid
-    deadline = time.monotonic() + 30  # Serve writes access lines as each call ends
-    found: dict[str, list[dict[str, object]]] = {}
-    while time.monotonic() < deadline:
+
+    def logged() -> dict[str, list[dict[str, object]]]:
         found = _serve_log_lines(rid)
-        if {"ingress", "prefill", "decode"} <= set(found):
-            break
-        time.sleep(0.5)
-    assert {"ingress", "prefill", "decode"} <= set(found), sorted(found)
+        assert {"ingress", "prefill", "decode"} <= set(found), sorted(found)
+        return found
+
+    # Serve writes access lines as each call ends
+    found = wait_until(logged, 30, "the request's lines in every deployment's log", interval_s=0.5)
     for records in found.values():
         assert all(rec["replica"] and rec["levelname"] for rec in records)
     made = _complete(app, [5, 6, 7]).headers.get("x-request-id")
@@ -117,13 +119,14 @@ def test_tandem_log_lines_carry_the_request_id(app: str) -> None:
     through the replica's Serve handlers: JSON, stamped with the request id."""
     rid = f"trace-{uuid.uuid4().hex}"
     assert _complete(app, [9, 8, 7, 6], max_tokens=5, **{"X-Request-Id": rid}).status_code == 200
-    deadline = time.monotonic() + 30
-    mine: list[str] = []
-    while time.monotonic() < deadline and len(mine) < 2:
+
+    def logged() -> list[str]:
         records = _serve_log_lines(rid).get("ingress", [])
         mine = [str(r["message"]) for r in records if str(r["message"]).startswith("request ")]
-        time.sleep(0.5)
-    assert len(mine) == 2, mine
+        assert len(mine) == 2, mine
+        return mine
+
+    mine = wait_until(logged, 30, "tandem's two lines for the request", interval_s=0.5)
     assert "4 prompt tokens, max_tokens 5" in mine[0]
     assert "finished (length): 5 tokens" in mine[1]
 
@@ -160,14 +163,15 @@ def test_every_dashboard_query_names_exported_metrics_and_labels(app: str) -> No
     for i in range(3):  # traffic that moves every healthy-path metric
         assert _complete(app, [7, 8, 9, 7, 8, 9, 7, 8] * (i + 1), max_tokens=32).status_code == 200
     port = int(ray.nodes()[0]["MetricsExportPort"])
-    deadline = time.monotonic() + 120
-    while True:  # Ray exports every few seconds
+
+    def exported() -> dict[str, set[str]]:
         got = _scrape(port)
         missing = sorted(wanted - set(got) - set(ON_FAILURE_ONLY))
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert not missing, missing
+        assert not missing, missing
+        return got
+
+    # Ray exports every few seconds
+    got = wait_until(exported, 120, "every healthy-path metric exported", interval_s=1)
     kv, router = KVMetrics("decode"), RouterMetrics("decode", "p")
     declared = (kv._failures, kv._recomputed, router._rejected)
     assert [f"ray_{m._name}_total" for m in declared] == list(ON_FAILURE_ONLY)

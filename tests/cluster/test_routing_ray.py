@@ -16,7 +16,7 @@ import ray
 from ray import serve
 from ray.serve._private.build_app import build_app as serve_build_app
 
-from bench.router_metrics import scrape
+from bench.router_metrics import Samples, scrape
 from cluster.builder import build_app
 from cluster.config import TandemConfig
 from cluster.routing.deploy import decode_router_options, prefill_router_options
@@ -26,6 +26,7 @@ from speculation.calibration import calibration_key
 from speculation.goodput import GUARD_MAX_LOSS
 from speculation.routing_stats import RoutingStats
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
 
 
 def config(model: Path) -> TandemConfig:
@@ -141,6 +142,7 @@ async def _chat(
     return out
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -169,10 +171,8 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     # this handle placed only those four calls, none of them a generate
     assert router.metrics.totals.decisions.get("other_call", 0) >= 4
     assert set(router.metrics.totals.decisions) == {"other_call"}
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and router._table.has_stats.sum() < 2:
-        time.sleep(0.2)
     table = router._table
+    wait_until(lambda: table.has_stats.sum() >= 2, 15, "both replicas' stats", interval_s=0.2)
     # a replica that refined its step-time model from its own steps (speculation.step_time)
     # publishes its own; replicas publishing equal models share one entry
     assert table.size == 2 and table.has_stats.all() and 1 <= len(table.models) <= 2
@@ -182,12 +182,12 @@ def test_requests_flow_through_the_acceptance_aware_router(base: str) -> None:
     usages: list[Any] = [r["usage"] for r in replies]
     drafted = sum(u.get("speculative", {}).get("draft_tokens", 0) for u in usages)
     assert drafted > 0
-    while time.monotonic() < deadline and not router._calibration.keys():
-        time.sleep(0.2)
+    wait_until(router._calibration.keys, 15, "the replicas' acceptance cells", interval_s=0.2)
     assert router._calibration.keys() <= {calibration_key(None, 0.0), calibration_key(None, 1.0)}
     assert router._calibration.keys()  # colocated: no probe, so cells by temperature alone
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_the_router_reports_its_decisions_to_prometheus(base: str) -> None:
     """Three greedy and one sampled request, placed while every replica's stats are fresh:
@@ -195,7 +195,17 @@ def test_the_router_reports_its_decisions_to_prometheus(base: str) -> None:
     taken on the replicas' stats."""
     port = int(ray.nodes()[0]["MetricsExportPort"])
     model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-    time.sleep(1.5)  # stats published every 0.5 s: every replica's snapshot is fresh now
+    # Every replica's snapshot is fresh: Serve's controller hands each one to the ingress's
+    # router as it does to this process's handle (whose router starts on a first call).
+    decode = serve.get_deployment_handle("decode", app_name="tandem")
+    decode.record_routing_stats.remote().result()
+    handle_router: Any = decode._router
+    table = handle_router._asyncio_router._request_router._table
+
+    def fresh() -> bool:
+        return table.size == 2 and bool(table.fresh(time.time(), 5.0).all())
+
+    wait_until(fresh, 30, "every decode replica's routing stats fresh", interval_s=0.2)
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=base) as client:
@@ -207,15 +217,17 @@ def test_the_router_reports_its_decisions_to_prometheus(base: str) -> None:
 
     asyncio.run(run())
     estimates = "ray_tandem_router_acceptance_estimate_count"
-    deadline = time.monotonic() + 60
-    while True:  # Ray exports every few seconds; earlier tests in this module placed 4 + 4
+
+    def exported() -> Samples:
         got = scrape(port, "decode")
         greedy = got.get((estimates, "", "greedy"), 0.0)
-        sampled = got.get((estimates, "", "sampled"), 0.0)
-        if (greedy >= 3 and greedy - sampled == 2) or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
-    assert greedy >= 3 and greedy - sampled == 2, got
+        assert greedy >= 3 and greedy - got.get((estimates, "", "sampled"), 0.0) == 2, got
+        return got
+
+    # Ray exports every few seconds; earlier tests in this module placed 4 + 4
+    got = wait_until(exported, 60, "the four requests' estimates exported", interval_s=1)
+    greedy = got.get((estimates, "", "greedy"), 0.0)
+    sampled = got.get((estimates, "", "sampled"), 0.0)
     decisions = "ray_tandem_router_decisions_total"
     assert got.get((decisions, "stats", ""), 0.0) >= 4, got
     assert got.get((decisions, "fallback", ""), 0.0) <= greedy + sampled - 4, got

@@ -15,6 +15,8 @@ import pytest
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
 
+pytestmark = pytest.mark.ray
+
 BLOCKS = 24  # of 16 tokens: 384 slots
 
 # A: 20 prompt tokens and 300 outputs, 321 slots: it fits alone and grows into 21 blocks.

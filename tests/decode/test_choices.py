@@ -76,7 +76,7 @@ def _run_choices(
     assert len(done) == req.sampling.n, "not every choice finished"
     while engine.has_work and time.monotonic() < deadline:
         engine.step()
-        time.sleep(0.001)
+        time.sleep(0.001)  # the pace of a loop that waits on has_work, not synchronisation
     if prefill is not None:
         prefill.reap()
     return out

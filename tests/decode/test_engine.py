@@ -69,7 +69,7 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     assert drafted > 0 and accepted > 0  # speculation really ran, and really accepted
     for engine in (spec_engine, plain_engine):  # the greedy rows' argmax came by the screen
         screened = re.search(
-            r"bf16 screen \((\d+) rows, 0 fell back\)", engine.target.matmul_path()
+            r"bf16 screen \((\d+) rows, 0 fell back\)", str(engine.target.describe()["matmul"])
         )
         assert screened is not None and int(screened.group(1)) > 0
 

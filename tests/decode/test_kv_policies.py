@@ -24,6 +24,8 @@ from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray() -> Iterator[None]:
@@ -177,13 +179,16 @@ def test_no_block_leaks_after_completed_cancelled_and_expired_handoffs(
         PrefillWorkerConfig("t", target, draft, num_blocks=32, lease_seconds=30)
     )
     done, cancelled, expired = (make_request(p, GREEDY) for p in _prompts())
+    t0 = time.perf_counter()
     run_all(engine, [done], prefill=prefill)  # completed
+    served_s = time.perf_counter() - t0  # a whole request: prefill, pull, decode
     h = prefill.prefill(cancelled)
     engine.add(cancelled, h)
     engine.step()
     t0 = time.perf_counter()
     engine.abort(cancelled.request_id)  # cancelled mid-pull or mid-decode
-    assert time.perf_counter() - t0 < 0.05  # never waits for the read on the engine thread
+    # never waits for the read on the engine thread: a small part of serving a request here
+    assert time.perf_counter() - t0 < served_s / 10
     prefill.cancel(cancelled.request_id)
     h2 = prefill.prefill(expired)
     prefill.step()
@@ -232,7 +237,7 @@ def test_a_read_still_in_flight_lands_only_in_its_quarantined_blocks(
     engine.step()  # the pull starts; the source makes no progress, so its read cannot end
     if how == "cancel":
         engine.abort(reqs[0].request_id)
-    time.sleep(0.1)
+    time.sleep(0.1)  # past pull_timeout_s: the timeout under test, not synchronisation
     for r in reqs[1:]:
         engine.add(r, None)  # computed here, into blocks the late read cannot reach
     deadline = time.monotonic() + 120

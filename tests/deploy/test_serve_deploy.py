@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,9 @@ from cluster.proto import tandem_pb2_grpc
 from models.embedded import EMBEDDED_NAME
 from runtime.ports import free_port
 from tests.deploy.paths import DEPLOY, load_yaml
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.ray
 
 SERVE_FILE = DEPLOY / "serve" / "local-colocated.yaml"
 
@@ -38,19 +40,11 @@ class Deployed:
     grpc: str  # the gRPC API's address
 
 
-def _wait_healthy(base: str, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            r = httpx.get(f"{base}/health", timeout=5)
-            if r.status_code == 200:
-                body: dict[str, Any] = r.json()
-                return body
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{base}/health did not answer 200 within {timeout_s:.0f} s")
-        time.sleep(0.5)
+def _healthy(base: str) -> dict[str, Any]:
+    r = httpx.get(f"{base}/health", timeout=5)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +68,9 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
         address = f"http://127.0.0.1:{dashboard}"
         subprocess.run([serve_cli, "deploy", str(path), "-a", address], check=True, timeout=120)
         base = f"http://127.0.0.1:{port}"
-        health = _wait_healthy(base, timeout_s=300)
+        health = wait_until(
+            lambda: _healthy(base), 300, "the app healthy", ignoring=(httpx.HTTPError,)
+        )
         assert health["mode"] == "colocated"
         yield Deployed(base, address, f"127.0.0.1:{grpc_port}")
     finally:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from kvtransfer.allocator import BlockAllocator, OutOfBlocksError, block_hashes
 from kvtransfer.leases import Lease, LeaseTable
-from kvtransfer.nixl_transport import block_runs
+from kvtransfer.read_plan import block_runs
 
 OPS = st.sampled_from(["alloc", "fork", "free", "cache", "lookup"])
 

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from kvtransfer.handoff import KVCompat, KVCompatError, KVHandoff, check_compat
-from kvtransfer.nixl_transport import (
-    NixlTransport,
-    _descs,
-    _rows,
-    _Slice,
-    block_runs,
-    run_descs,
-)
+from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+from kvtransfer.read_plan import Slice, block_runs, run_descs, slice_descs, slice_rows
 from kvtransfer.transport import KVTransferError, PullState
 
 SPEC = KVPoolSpec(
@@ -102,9 +96,9 @@ def test_a_block_is_one_descriptor_or_two_a_layer_for_a_run_of_heads() -> None:
     region = NixlTransport(pool, "check").regions[0]
     elem = t.element_size()
     for first, count, whole in ((0, 4, True), (1, 2, False), (3, 1, False)):
-        sl = _Slice("target", first, count, whole)
-        descs = _descs(region, sl)
-        rows = _rows(region, sl, np.array([5]), 0)
+        sl = Slice("target", first, count, whole)
+        descs = slice_descs(region, sl)
+        rows = slice_rows(region, sl, np.array([5]), 0)
         assert len(rows) == (1 if whole else 6)
         got = sorted(
             (int(a), int(a) + int(n)) for a, n, _dev in descs[rows]

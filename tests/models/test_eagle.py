@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from models.config import LlamaConfig
+from models.cpu.backend import pack_eagle_head
+from models.cpu.row_ops import CpuRowOps
 from models.eagle import EagleConfig, EagleHead, load_eagle, save_eagle
 from models.kv_layout import kv_pool_shape
 from models.quant import Quant
@@ -60,12 +62,14 @@ def test_checkpoint_round_trip_and_paged_consistency(tiny_folder: Path, tmp_path
     finite = torch.isfinite(whole)
     assert (run(again, [12])[finite] - whole[finite]).abs().max() <= 1e-5  # layout round-trips
     assert (run(head, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4  # KV consistent
-    packed = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu")
-    assert packed.pack_for_cpu()  # as a CPU runtime loads it: weights packed for the CPU
+    packed = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu", ops=CpuRowOps())
+    assert pack_eagle_head(packed)  # as a CPU runtime loads it: weights packed for the CPU
     assert (run(packed, [5, 1, 6])[finite] - whole[finite]).abs().max() <= 1e-4
     # int8 weights (models.quant): near the float32 head's logits, and not equal to them
-    int8 = load_eagle(tmp_path / "eagle", tiny_folder, torch.float32, "cpu", Quant.INT8)
-    assert int8.pack_for_cpu()
+    int8 = load_eagle(
+        tmp_path / "eagle", tiny_folder, torch.float32, "cpu", Quant.INT8, CpuRowOps()
+    )
+    assert pack_eagle_head(int8)
     err = (run(int8, [5, 1, 6])[finite] - whole[finite]).abs()
     assert 0 < float(err.max()) <= 0.05 * float(whole[finite].abs().max())
     assert finite.sum(-1).tolist() == [100] * 12  # a reduced vocabulary: only its 100 ids

@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from models.config import LlamaConfig
+from models.cpu.backend import pack_eagle_head
+from models.cpu.row_ops import CpuRowOps
 from models.eagle import EagleConfig, EagleHead, default_aux_layers, load_eagle, save_random_eagle3
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import load_state_dict
-from runtime.runner import EagleRunner, SeqInput, run_step
+from runtime.runner import EagleRunner, LocalRunner, SeqInput
 from tests.helpers import make_tiny_checkpoint
 
 AUX = (1, 2, 3)  # streams entering layers 1, 2 and 3 of a 4-layer target
@@ -52,7 +54,7 @@ def test_target_features_are_transformers_residual_streams(target_folder: Path) 
     c = model.cfg
     ids = _ids(40)
     pool = torch.zeros(kv_pool_shape(8, c.num_kv_heads, c.num_layers, 16, c.head_dim))
-    out = run_step(model, pool, 16, [SeqInput([4, 1, 6], 0, ids, [39])])
+    out = LocalRunner(model, pool, 16).run([SeqInput([4, 1, 6], 0, ids, [39])])
     hf = LlamaForCausalLM.from_pretrained(target_folder, dtype=torch.float32).eval()
     with torch.no_grad():
         states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -100,8 +102,8 @@ def _reference(
 
 
 def test_head_forward_is_the_published_math(target_folder: Path, head_folder: Path) -> None:
-    head = load_eagle(head_folder, target_folder, torch.float32, "cpu")
-    assert head.pack_for_cpu()  # as a CPU runtime serves it
+    head = load_eagle(head_folder, target_folder, torch.float32, "cpu", ops=CpuRowOps())
+    assert pack_eagle_head(head)  # as a CPU runtime serves it
     c = head.cfg.layer
     w = dict(load_state_dict(head_folder))
     w["embed"] = load_state_dict(target_folder)["model.embed_tokens.weight"]

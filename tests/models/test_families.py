@@ -17,7 +17,7 @@ from bench.families import family_checkpoint as _checkpoint
 from models.config import LlamaConfig
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
-from runtime.runner import SeqInput, run_step
+from runtime.runner import LocalRunner, SeqInput
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1
 
 TOL = 1e-4
@@ -33,15 +33,16 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     c = ours.cfg
     pool = torch.zeros(kv_pool_shape(64, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+    step = LocalRunner(ours, pool, BS).run
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]
     table = list(range(3, 3 + 19))
-    out = run_step(ours, pool, BS, [SeqInput(table, 0, ids[:200], list(range(200)))])
+    out = step([SeqInput(table, 0, ids[:200], list(range(200)))])
     assert (out.logits - want[:200]).abs().max().item() <= TOL  # prefill
     pos = 200
     for n in (1, 1, 5):  # decode steps, then a verification of 4 drafts + 1
-        out = run_step(ours, pool, BS, [SeqInput(table, pos, ids[pos : pos + n], list(range(n)))])
+        out = step([SeqInput(table, pos, ids[pos : pos + n], list(range(n)))])
         assert (out.logits - want[pos : pos + n]).abs().max().item() <= TOL
         pos += n
 

@@ -16,7 +16,8 @@ from models.llama import LlamaModel
 from models.parallel import ServedLinear
 from models.quant import FP8, Quant, QuantizedWeight, quantize, row_absmax
 from models.spec import ModelSpec
-from runtime.runner import SeqInput, StepResult, run_step
+from runtime.backends import exact_attention
+from runtime.runner import LocalRunner, SeqInput, StepResult
 from tests.helpers import assert_verification_equals_decodes
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1, on_two_ranks
 
@@ -82,7 +83,7 @@ def _steps(model: LlamaModel) -> list[StepResult]:
         [SeqInput([0, 1, 2], 0, a[:35], [30, 34]), SeqInput([3, 4], 0, b[:20], [19])],
         [SeqInput([0, 1, 2], 35, a[35:40], list(range(5))), SeqInput([3, 4], 20, b[20:21], [0])],
     ]
-    return [run_step(model, pool, BS, batch) for batch in batches]
+    return [LocalRunner(model, pool, BS).run(batch) for batch in batches]
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ def _dequantized_copy(spec: ModelSpec, quantized: LlamaModel) -> LlamaModel:
     served = dict(quantized.named_modules())
     for name, m in plain.named_modules():
         if isinstance(m, ServedLinear):
-            q = served[name].quantized
+            q = served[name].kernel
             assert isinstance(q, QuantizedWeight)
             m.weight.data.copy_(q.dequantized())
             m.register_forward_pre_hook(lambda _m, args: (_bf16(args[0]),))
@@ -109,8 +110,10 @@ def test_int8_model_serves_its_dequantized_weights(tiny_folder: Path) -> None:
     spec = ModelSpec(str(tiny_folder), quantization="int8")
     model = spec.load()
     assert all(m.weight.numel() == 0 for m in model.modules() if isinstance(m, ServedLinear))
-    head = model.lm_head.quantized
-    assert head is not None and model.embed_tokens.weight.numel() > 0  # tied: lookup plain
+    head = model.lm_head.kernel
+    assert (
+        isinstance(head, QuantizedWeight) and model.embed_tokens.weight.numel() > 0
+    )  # tied: lookup plain
     got = _steps(model)
     ref = _steps(_dequantized_copy(spec, model))
     want = [_bf16(_bf16(r.hidden) @ head.dequantized().T) for r in ref]
@@ -127,8 +130,8 @@ def _served_weights(model: LlamaModel) -> dict[str, torch.Tensor]:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, ServedLinear):
-            assert m.quantized is not None
-            out[name] = m.quantized.dequantized()
+            assert isinstance(m.kernel, QuantizedWeight)
+            out[name] = m.kernel.dequantized()
     return out
 
 
@@ -141,15 +144,16 @@ def test_quantizing_each_layer_as_it_loads_serves_the_weights_of_quantizing_afte
     spec = ModelSpec(str(tiny_folder), quantization="int8")
     at_load = spec.load()
     after = ModelSpec(str(tiny_folder)).load()
-    assert after.quant is Quant.NONE and after.lm_head.quantized is None
+    assert after.quant is Quant.NONE and after.lm_head.kernel is None
     after.quantize(Quant.INT8)
     assert at_load.quant is Quant.INT8
     want, got = _served_weights(after), _served_weights(at_load)
     assert want.keys() == got.keys() and len(got) == 4 * after.cfg.num_layers
     for name, w in want.items():
         assert torch.equal(got[name], w), name
-    a, b = at_load.lm_head.quantized, after.lm_head.quantized
-    assert a is not None and b is not None and torch.equal(a.dequantized(), b.dequantized())
+    a, b = at_load.lm_head.kernel, after.lm_head.kernel
+    assert isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight)
+    assert torch.equal(a.dequantized(), b.dequantized())
 
 
 def test_int8_tp2_serves_the_tp1_weights(tiny_folder: Path) -> None:
@@ -199,5 +203,5 @@ def test_int8_verification_rounds_exactly_like_one_token_decodes(tiny_folder: Pa
     gives each row the logits a one-token decode gives it, bit for bit: the int8 kernel's bf16
     activations would amplify attention's call-shape rounding, so attention runs in float64."""
     model = ModelSpec(str(tiny_folder), quantization="int8").load()
-    assert model.invariant_attention
+    assert exact_attention(model)
     assert_verification_equals_decodes(model, n=300, k=8, blocks=20)

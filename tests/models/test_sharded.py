@@ -14,7 +14,7 @@ import torch
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
 from models.weights import INDEX, safetensors_files
-from runtime.runner import SeqInput, run_step
+from runtime.runner import LocalRunner, SeqInput
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1
 
 
@@ -32,7 +32,7 @@ def _logits(spec: ModelSpec) -> torch.Tensor:
     model = spec.load()
     c = model.cfg
     pool = torch.zeros(kv_pool_shape(4, c.num_kv_heads, c.num_layers, 16, c.head_dim))
-    return run_step(model, pool, 16, [SeqInput([0, 1], 0, list(range(3, 23)), [19])]).logits
+    return LocalRunner(model, pool, 16).run([SeqInput([0, 1], 0, list(range(3, 23)), [19])]).logits
 
 
 def test_a_sharded_checkpoint_serves_the_same_model(tiny_folder: Path, sharded: Path) -> None:

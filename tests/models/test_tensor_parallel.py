@@ -15,7 +15,7 @@ from models.kv_layout import kv_pool_shape
 from models.parallel import TPContext
 from models.spec import ModelSpec
 from runtime.ports import free_port
-from runtime.runner import SeqInput, StepResult, run_step
+from runtime.runner import LocalRunner, SeqInput, StepResult
 
 BS = 16
 T = TypeVar("T")
@@ -40,7 +40,7 @@ def _run(spec: ModelSpec, tp: TPContext, out: list[StepResult]) -> None:
         kv_pool_shape(8, c.num_kv_heads // tp.world_size, c.num_layers, BS, c.head_dim)
     )
     for batch in _batches(c.vocab_size):
-        out.append(run_step(model, pool, BS, batch))
+        out.append(LocalRunner(model, pool, BS).run(batch))
 
 
 def on_two_ranks(work: Callable[[TPContext], T]) -> list[T]:

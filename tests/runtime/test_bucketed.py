@@ -10,10 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.attention.flex import FlexBackend
+from models.attention.flex_kernel import FlexKernel
+from models.backend import TorchBackend
 from models.kv_layout import kv_pool_shape
 from models.llama import LlamaModel
 from models.spec import ModelSpec
 from models.tree import TreeSpan
+from runtime.backends import model_attention_spec
 from runtime.bucketed import BucketedRunner
 from runtime.runner import LocalRunner, SeqInput
 from runtime.step_buffers import Bucket, StepBuffers, bucket_size
@@ -78,11 +82,12 @@ def test_buckets_reading_the_pool_through_flex_attention_equal_the_ragged_path(
     from the buffers by device ops), run here on the CPU: the logits and K/V of the ragged
     path, decodes and verifications, over several steps."""
     model = ModelSpec(str(tiny_folder)).load("cpu")
-    model.paged_native = None  # as on a GPU: no CPU kernel to take the bucket
-    model.paged_flex.min_context_tokens = 0  # these contexts are short: read them in place too
     ragged_pool, bucket_pool = _pools(model)
-    ragged = LocalRunner(model, ragged_pool, BS)
-    bucketed = BucketedRunner(model, bucket_pool, BS, 4, 4, 8, in_place_attention=True)
+    # the GPU's backend, here: these contexts are short, so read them in place too
+    kernel = FlexKernel(min_context_tokens=0)
+    flex = FlexBackend(model_attention_spec(model, bucket_pool, BS), kernel)
+    ragged = LocalRunner(model, ragged_pool, BS, TorchBackend(model, flex))
+    bucketed = BucketedRunner(model, bucket_pool, BS, 4, 4, 8, backend=TorchBackend(model, flex))
     g = torch.Generator().manual_seed(5)
     tables = [[3, 9, 4, 20], [7, 1], [12, 30, 31]]
     cached = [40, 17, 33]
@@ -96,7 +101,7 @@ def test_buckets_reading_the_pool_through_flex_attention_equal_the_ragged_path(
         assert (got.logits - want.logits).abs().max() <= 1e-4
         assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
         assert (bucket_pool - ragged_pool).abs().max() <= 1e-4
-    assert model.paged_flex.failed is None and model.paged_flex.fallbacks == 0
+    assert kernel.failed is None and kernel.fallbacks == 0
     assert bucketed.bucketed_steps == 3
 
 

@@ -21,6 +21,8 @@ from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
 
+pytestmark = pytest.mark.ray
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray() -> Iterator[None]:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.health_board import pool_health
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
+from serving.health_board import pool_health
 from speculation.acceptance_alarm import AcceptanceAlarm
 from speculation.calibration import calibration_key
 from tests.decode.engine_utils import make_request, run_all

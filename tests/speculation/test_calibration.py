@@ -106,8 +106,8 @@ def test_cells_travel_in_the_routing_stats() -> None:
 def test_a_new_replica_is_seeded_from_the_pools_cells_of_its_drafter_version() -> None:
     """Only replicas of the same drafter version count; a cell seeds at most a window, so the
     replica's own requests take over; the prior becomes the pool's overall acceptance."""
-    from cluster.shared_priors import pooled_cells
     from decode.speculation import SpeculationPolicy
+    from serving.shared_priors import pooled_cells
 
     entries = {
         "a": {

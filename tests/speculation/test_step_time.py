@@ -4,7 +4,9 @@ acceptance estimates adaptive speculation reads."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ def test_tracker_ignores_a_lone_spike_and_waits_for_enough_samples() -> None:
 
 @pytest.mark.timeout(300)
 def test_engine_learns_its_step_time_while_serving(tiny_folder: Path) -> None:
-    """An adaptive engine handed a model 50x too slow ends up with one near its real steps."""
+    """An adaptive engine handed a model far too slow ends up with one near its real steps."""
     draft = DraftSpec(kind=DraftKind.NGRAM, num_speculative_tokens=3)
     cfg = DecodeEngineConfig(
         "tiny", ModelSpec(str(tiny_folder)), draft, num_blocks=64, max_batch_size=4
@@ -80,17 +82,20 @@ def test_engine_learns_its_step_time_while_serving(tiny_folder: Path) -> None:
         spec = engine.speculation
         assert spec is not None and spec.tracker is not None
         measured = spec.tracker.base
-        slow = StepTimeModel(tuple((n, 50 * t) for n, t in measured.points))
+        slow = StepTimeModel(tuple((n, 1000 * t) for n, t in measured.points))
         spec.tracker = StepTimeTracker(slow)
         sp = SamplingParams(temperature=0.0, max_tokens=48)
+        steps, t0 = engine.steps, time.perf_counter()
         run_all(engine, [make_request([5, 6, 7, 5, 6, 7, 5, 6] * 2, sp) for _ in range(4)])
+        served_s = (time.perf_counter() - t0) / (engine.steps - steps)  # a step's mean wall time
         learned = spec.step_time
         assert learned is not None and learned is spec.tracker.model
-        # The real steps won: the seed said 50x the start-up measurement; what was learned is
-        # within 10x of it. A served step of this tiny model is mostly the engine's own Python
-        # (scheduling, drafting, sampling) around a ~2 ms forward, so it runs several times the
-        # forward-only start-up measurement, and more when the machine is busy (once 5.3x).
-        assert learned.predict(4) < slow.predict(4) / 5
+        # The real steps won: the seed said 1000x the start-up measurement; what was learned is
+        # nearer, by ratio, to the mean wall time of the steps this run took than to the seed,
+        # whatever the machine's load (a served step is also the engine's Python around the
+        # forward the tracker times, and the first ones run cold).
+        off = abs(math.log(learned.predict(4) / served_s))
+        assert off < abs(math.log(slow.predict(4) / served_s)) / 2
     finally:
         engine.close()
 

@@ -1,0 +1,133 @@
+"""Admission: the queue of requests waiting for KV blocks, first come, first served.
+
+A preempted request returns to the head of the queue to be recomputed; one preempted again and
+again without producing a token waits for room to finish, then ends with an error.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from typing import NamedTuple
+
+from kvtransfer.allocator import BlockAllocator
+from kvtransfer.handoff import KVHandoff
+from models.request import Request, RequestStatus
+
+
+class Queued(NamedTuple):
+    req: Request
+    handoff: KVHandoff | None  # None: its known tokens are computed here
+    lease_end: float  # the time.monotonic() by which the source's lease ends
+
+
+class Admission:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_stalled_preemptions: int,
+    ) -> None:
+        self.allocator = allocator
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_stalled_preemptions = max_stalled_preemptions
+        self.waiting: deque[Queued] = deque()
+        self.queue_times: deque[float] = deque()  # drained by take_queue_times
+        self._queued_at: dict[str, float] = {}  # request id -> when it was queued (monotonic)
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def most_tokens(self, r: Request) -> int:
+        """The most KV slots ``r`` can ever need: its prompt and every output it may produce
+        (drafts are capped to that room, so verification never needs more)."""
+        return min(len(r.prompt_token_ids) + r.sampling.max_tokens, self.max_model_len) + 1
+
+    def refusal(self, r: Request) -> str | None:
+        """Why ``r`` can never run here (None: it can)."""
+        most = self.most_tokens(r)
+        if self.blocks_for(most) <= self.num_blocks:
+            return None
+        return (
+            f"the prompt ({len(r.prompt_token_ids)} tokens) and max_tokens "
+            f"({r.sampling.max_tokens}) need {most} tokens of KV; one sequence can hold "
+            f"at most {self.num_blocks * self.block_size} in this pool "
+            "(decode.num_blocks x kv.block_size)"
+        )
+
+    def add(self, req: Request, handoff: KVHandoff | None) -> None:
+        req.status = RequestStatus.WAITING
+        lease_end = time.monotonic() + (handoff.lease_seconds if handoff else 0.0)
+        self.waiting.append(Queued(req, handoff, lease_end))
+        self._queued_at[req.request_id] = time.monotonic()
+
+    def requeue(self, r: Request) -> None:
+        """Drop ``r``'s KV; it waits at the head of the queue to have all its known tokens
+        computed here."""
+        self.allocator.free(r.block_table)
+        r.block_table = []
+        r.num_computed = r.num_draft_computed = 0
+        r.kv_moves = ()
+        r.status = RequestStatus.WAITING
+        self.waiting.appendleft(Queued(r, None, 0.0))
+
+    def remove(self, request_id: str) -> bool:
+        """Take a request out of the queue (False: it is not queued)."""
+        self._queued_at.pop(request_id, None)
+        for i, q in enumerate(self.waiting):
+            if q.req.request_id == request_id:
+                del self.waiting[i]
+                return True
+        return False
+
+    def next(self, others_running: bool) -> Queued | None:
+        """The head of the queue, its blocks allocated, if the pool has room for it (None: it
+        waits, and every request behind it)."""
+        if not self.waiting:
+            return None
+        q = self.waiting[0]
+        tokens = q.handoff.num_tokens if q.handoff else q.req.num_tokens
+        need = self.blocks_for(tokens + 1)
+        if q.req.stalled_preemptions > 1 and others_running:
+            # preempted again before it could produce a token: recomputing it into the room
+            # the others leave would only repeat that; it waits for room to finish
+            need = max(need, self.blocks_for(self.most_tokens(q.req)))
+        if not self.allocator.can_allocate(need):
+            return None
+        self.waiting.popleft()
+        queued = self._queued_at.pop(q.req.request_id, None)
+        if queued is not None:  # its first admission only
+            self.queue_times.append(time.monotonic() - queued)
+        q.req.block_table = self.allocator.allocate(need)
+        return q
+
+    def preempted(self, r: Request) -> str | None:
+        """Count a preemption of ``r``; the error it ends with when it has now been preempted
+        ``max_stalled_preemptions`` times in a row without producing a token (since it started
+        running, then since each preemption), else None (it is requeued)."""
+        outputs = len(r.output_token_ids)
+        stalled = outputs == r.outputs_at_preemption  # no token since it was last preempted
+        r.stalled_preemptions = r.stalled_preemptions + 1 if stalled else 0
+        r.outputs_at_preemption = outputs
+        n = r.stalled_preemptions
+        if n < self.max_stalled_preemptions:
+            return None
+        return (
+            f"preempted {n} time{'s' * (n > 1)} in a row without producing a token "
+            f"(decode.max_stalled_preemptions): the KV pool ({self.num_blocks} blocks "
+            f"of {self.block_size} tokens, decode.num_blocks) cannot hold its "
+            f"{r.num_tokens} tokens beside the running requests"
+        )
+
+    def take_queue_times(self) -> list[float]:
+        """Seconds each request admitted since the last call waited in the queue (its first
+        admission only; thread-safe against the engine thread)."""
+        out = []
+        while self.queue_times:
+            out.append(self.queue_times.popleft())
+        return out

@@ -1,0 +1,135 @@
+"""The flex backend: decodes and chain verifications read the pool in place through
+``flex_attention`` (``models.attention.flex_kernel``); prompt chunks, trees, sliding windows
+and short contexts take the reference path."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from models.attention.flex_kernel import FlexKernel, FlexPlan
+from models.attention.metadata import (
+    AttentionGroup,
+    AttentionSpec,
+    BucketInputs,
+    StepLayout,
+    StepMetadata,
+    bucket_metadata,
+)
+from models.attention.reference import (
+    BucketGatherGroup,
+    GatherGroup,
+    ReferenceBackend,
+    gather_group,
+    gather_groups,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FlexGroup:
+    """A ragged group read in place; its padded layout doubles as the fallback."""
+
+    gathered: GatherGroup
+    plan: FlexPlan | None  # None: more (sequence, head) pairs than the kernel serves
+    kernel: FlexKernel
+
+    @property
+    def rows(self) -> torch.Tensor | None:
+        return self.gathered.rows
+
+    def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        g = self.gathered
+        if self.plan is not None:
+            qp = g.pad(q)  # [b, q, Hq, D]
+            found = self.kernel.attend(qp, layer_kv, self.plan, scale)
+            if found is not None:
+                b, qn, hq, d = qp.shape
+                return g.unpad(found.reshape(b * qn, hq * d))
+        return g.attend(q, layer_kv, scale)
+
+
+@dataclass(frozen=True)
+class FlexBucketGroup:
+    """A bucket read in place, gathering where the kernel cannot run."""
+
+    plan: FlexPlan
+    kernel: FlexKernel
+    gathered: BucketGatherGroup
+    rows: None = None
+
+    def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
+        g = self.gathered
+        _t, hq, d = q.shape
+        queries = q.view(g.num_seqs, g.max_query, hq, d)
+        found = self.kernel.attend(queries, layer_kv, self.plan, scale)  # [b, q, Hq, D]
+        if found is not None:
+            return found.reshape(g.num_seqs * g.max_query, hq * d)
+        return g.attend(q, layer_kv, scale)
+
+
+class FlexBackend(ReferenceBackend):
+    """In place where the kernel applies (``FlexKernel.applies``), else the reference path."""
+
+    name = "flex"
+
+    def __init__(self, spec: AttentionSpec, kernel: FlexKernel | None = None) -> None:
+        self.kernel = kernel or FlexKernel()
+        super().__init__(spec, exact=False)
+        self.buckets_in_place = spec.window is None  # the block masks have no window
+
+    @property
+    def fallbacks(self) -> int:
+        return self.kernel.fallbacks
+
+    def groups(self, layout: StepLayout) -> tuple[AttentionGroup, ...]:
+        spec, kernel = self.spec, self.kernel
+        everyone = range(len(layout.seqs))
+        if spec.window is not None:
+            return gather_groups(layout, everyone, spec, exact=False)
+        fits = [i for i in everyone if kernel.fits(spec.group_size, layout.seqs[i])]
+        if not kernel.applies(sum(layout.need[i] for i in fits) * spec.block_size):
+            fits = []
+        rest = [i for i in everyone if i not in set(fits)]
+        groups: tuple[AttentionGroup, ...] = gather_groups(layout, rest, spec, exact=False)
+        if fits:
+            gathered = gather_group(layout, fits, spec, exact=False)
+            part = [layout.seqs[i] for i in fits]
+            need = torch.tensor([layout.need[i] for i in fits])  # [b]
+            cached = torch.tensor([s.num_cached for s in part])  # [b]
+            tables = layout.tables[torch.tensor(fits), : max(layout.need[i] for i in fits)]
+            plan = kernel.plan(tables, need, cached, spec)
+            groups = (FlexGroup(gathered, plan, kernel), *groups)
+        return groups
+
+    def plan_bucket(self, bucket: BucketInputs) -> StepMetadata:
+        gathered = self.bucket_group(bucket)
+        plan = None
+        if self.buckets_in_place:
+            query = bucket.positions.shape[0] // bucket.tables.shape[0]
+            plan = self.kernel.plan_bucket(
+                bucket.tables, bucket.cached, bucket.num_new, query, self.spec
+            )
+        group: AttentionGroup = (
+            gathered if plan is None else FlexBucketGroup(plan, self.kernel, gathered)
+        )
+        return bucket_metadata(self, bucket, group)
+
+    def capture_failed(self, error: Exception) -> bool:
+        """A capture with in-place attention failed (an op that waits for the device, in a
+        torch where flex_attention has one): buckets gather from now on, logged and counted."""
+        if not self.buckets_in_place:
+            return False
+        log.error("graph capture with in-place attention failed, buckets gather: %s", error)
+        self.kernel.failed = self.kernel.failed or f"graph capture: {error}"[:500]
+        self.kernel.fallbacks += 1
+        self.buckets_in_place = False
+        return True
+
+    def describe(self) -> str:
+        if self.kernel.failed is not None:
+            return f"gather (flex unavailable: {self.kernel.failed})"
+        return "flex in place (decodes and verifications over long contexts), else gather"

@@ -1,0 +1,100 @@
+"""The backends a model runs with, chosen once per model: its attention (``models.attention``),
+and how its forward and head run (``models.backend``; on a CPU, ``models.cpu.backend``)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.attention.backend import AttentionBackend
+from models.attention.flex import FlexBackend
+from models.attention.metadata import AttentionSpec
+from models.attention.reference import ReferenceBackend
+from models.backend import ModelBackend, TorchBackend
+from models.cpu.attention import CpuAttentionBackend
+from models.cpu.backend import CpuBackend
+from models.cpu.paged import DTYPES as CPU_DTYPES
+from models.cpu.row_ops import CpuRowOps
+from models.eagle import EagleHead
+from models.kv_layout import block_chunks
+from models.layers import RotaryEmbedding, RowOps
+from models.llama import LlamaModel
+from models.quant import Quant
+
+
+def row_ops_for(device: torch.device | str) -> RowOps:
+    """The row ops a model on ``device`` is built with."""
+    return CpuRowOps() if torch.device(device).type == "cpu" else RowOps()
+
+
+def attention_spec(
+    rope: RotaryEmbedding,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    kv_pool: torch.Tensor,
+    block_size: int,
+    window: int | None = None,
+) -> AttentionSpec:
+    """What an attention backend needs of a model (``heads``, ``kv_heads``: its whole model's)
+    and its pool [layers, NB, 2, Hkv_local, BS, D]."""
+    return AttentionSpec(
+        block_size=block_size,
+        group_size=heads // kv_heads,
+        head_dim=head_dim,
+        num_kv_heads=kv_pool.shape[3],
+        num_blocks=kv_pool.shape[1],
+        block_chunks=block_chunks(kv_pool[0]),
+        rope_cos=rope.cos,
+        rope_sin=rope.sin,
+        device=rope.cos.device,
+        window=window,
+    )
+
+
+def model_attention_spec(
+    model: LlamaModel, kv_pool: torch.Tensor, block_size: int
+) -> AttentionSpec:
+    c = model.cfg
+    return attention_spec(
+        model.rope, c.num_heads, c.num_kv_heads, c.head_dim, kv_pool, block_size, c.sliding_window
+    )
+
+
+def head_attention_spec(head: EagleHead, kv_pool: torch.Tensor, block_size: int) -> AttentionSpec:
+    c = head.cfg.layer
+    return attention_spec(head.rope, c.num_heads, c.num_kv_heads, c.head_dim, kv_pool, block_size)
+
+
+def attention_for(spec: AttentionSpec, dtype: torch.dtype, exact: bool = False) -> AttentionBackend:
+    """On a CPU the C kernel where it takes the model's dtype and head size, on a GPU the flex
+    backend, else the reference path; ``exact`` (a CPU model rounded to 16 bits) runs what the
+    kernel leaves to the reference path in float64 (``models.attention.reference``)."""
+    if spec.device.type == "cpu":
+        if dtype in CPU_DTYPES and spec.head_dim % 16 == 0:
+            return CpuAttentionBackend(spec, exact=exact)
+        why = f"no cpu_paged kernel for {dtype} or head dim {spec.head_dim}"
+        return ReferenceBackend(spec, exact=exact, why=why)
+    if spec.device.type == "cuda":
+        return FlexBackend(spec)
+    return ReferenceBackend(spec, exact=exact)
+
+
+def exact_attention(model: LlamaModel) -> bool:
+    """Whether the reference path runs in float64: on a CPU, for a model whose activations are
+    rounded to 16 bits (bf16, or quantized weights), so that greedy speculation stays
+    token-identical to plain decoding."""
+    return model.device.type == "cpu" and (
+        model.dtype != torch.float32 or model.quant is not Quant.NONE
+    )
+
+
+def model_backend(
+    model: LlamaModel, kv_pool: torch.Tensor, block_size: int, serve_cpu: bool = True
+) -> ModelBackend:
+    """The backend ``model`` runs with over ``kv_pool``: on a CPU, ``CpuBackend.apply`` (weights
+    packed, screen, layer program) when ``serve_cpu``; else its modules in PyTorch ops."""
+    spec = model_attention_spec(model, kv_pool, block_size)
+    attention = attention_for(spec, model.dtype, exact_attention(model))
+    if serve_cpu and model.device.type == "cpu":
+        return CpuBackend.apply(model, attention)
+    return TorchBackend(model, attention)
