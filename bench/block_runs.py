@@ -1,7 +1,7 @@
 """How many NIXL descriptors a KV handoff takes once the pools have been reused for a while.
 
 A handoff whose blocks are consecutive on both sides reads one descriptor per layer and run
-(``kvtransfer.nixl_transport.block_runs``); a block that jumps on either side starts a new run.
+(``kvtransfer.read_plan.block_runs``); a block that jumps on either side starts a new run.
 This runs the same churn through a prefill pool and a decode pool twice: with
 ``kvtransfer.allocator.BlockAllocator`` (several blocks at once come from a run of consecutive
 free blocks where there is one) and with the allocator it replaced, one free list in the order
@@ -32,7 +32,7 @@ import numpy as np
 
 from bench.load_report import write_json
 from kvtransfer.allocator import BlockAllocator
-from kvtransfer.nixl_transport import block_runs
+from kvtransfer.read_plan import block_runs
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16

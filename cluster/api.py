@@ -30,8 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def usage_body(finals: Sequence[Final]) -> dict[str, Any]:
-    """The ``usage`` object of a request: its prompt once, every choice's tokens, and the
-    speculation outcomes of all its choices together."""
+    """A request's ``usage``: its prompt once, and every choice's tokens and speculation."""
     prompt = finals[0].prompt_tokens
     completion = sum(f.completion_tokens for f in finals)
     spec = SpecUsage(

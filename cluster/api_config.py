@@ -26,8 +26,7 @@ class HTTPConfig(Frozen):
     )
 
 
-# What Ray Serve's gRPC proxy registers: tandem.v1.Tandem and grpc.health.v1.Health, whose
-# calls it routes to the ingress's methods of the same names (cluster.grpc_api).
+# registered by Ray Serve's gRPC proxy, which routes each RPC to the ingress method of its name
 GRPC_SERVICER_FUNCTIONS = (
     "cluster.proto.tandem_pb2_grpc.add_TandemServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -50,9 +49,8 @@ class GrpcConfig(Frozen):
 
 
 class IngressConfig(Frozen):
-    """The ingress deployment (tokenizing, validation, routing, both APIs). Each replica has
-    its own admission (``limits``), its own routers (which read the same replica stats from
-    the pools) and its own counters; Ray Serve's proxies spread requests over the replicas."""
+    """The ingress deployment (tokenizing, validation, routing, both APIs); each replica has its
+    own admission (``limits``), routers and counters."""
 
     replicas: int | None = Field(
         None,
@@ -84,9 +82,8 @@ class IngressConfig(Frozen):
 
 
 class LogConfig(Frozen):
-    """How every deployment's replicas log (Ray Serve's per-deployment ``logging_config``).
-    tandem's own loggers write through the replica's Serve log handlers, so their lines carry
-    the same fields as Serve's, the request id among them."""
+    """How every deployment's replicas log (Ray Serve's per-deployment ``logging_config``; tandem's
+    loggers write through the same handlers)."""
 
     encoding: Literal["TEXT", "JSON"] = Field(
         "TEXT",
@@ -110,7 +107,6 @@ class LogConfig(Frozen):
     )
 
     def serve_options(self) -> dict[str, object]:
-        """``serve.deployment(logging_config=...)`` for these settings."""
         return {
             "encoding": self.encoding,
             "log_level": self.level,

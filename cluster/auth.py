@@ -1,9 +1,5 @@
-"""API keys: loaded once where the app is built, kept and compared only as SHA-256 digests.
-
-The plain keys never reach a Serve config, an actor's arguments or a log line: the ingress gets
-the digests, hashes the presented bearer token and compares in constant time. A key is named in
-logs and limits by the first 8 hex digits of its digest (its ``key_id``).
-"""
+"""API keys: loaded once where the app is built, kept and compared only as SHA-256 digests (the
+plain keys never reach a Serve config, an actor or a log); a key is named by 8 hex digits."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ class KeyRing:
         if scheme.lower() != "bearer" or not token.strip():
             return None
         d = digest(token.strip())
-        # Compare against every digest so the time taken does not depend on which one matched.
+        # every digest compared, so the time taken does not depend on which one matched
         match = [hmac.compare_digest(d, known) for known in sorted(self.digests)]
         return d[:8] if any(match) else None
 

@@ -1,16 +1,5 @@
-"""Ray Serve autoscaling of one pool's deployment, with defaults that suit the pool's phase.
-
-Prefill and decode load their hardware differently, so they scale on different targets:
-
-- a **prefill** replica is compute-bound and runs one prompt at a time, so a second request in
-  its queue already means time to first token is growing: it scales on queued prompts, quickly;
-- a **decode** replica is memory-bandwidth-bound and batches every stream it holds into one
-  step, so more streams cost little until the batch fills: it scales on ongoing streams per
-  replica (a fraction of ``decode.max_batch_size``), and slowly, since streams live long.
-
-``AutoscalingConfig.serve_options()`` is what the app builder passes to ``serve.deployment``
-and what ``tandem config render`` writes into Serve config files, so the two cannot disagree.
-"""
+"""Ray Serve autoscaling of one pool's deployment, with defaults that suit its phase: prefill
+scales on queued prompts, quickly; decode on streams per replica, slowly (docs/deploy.md)."""
 
 from __future__ import annotations
 
@@ -173,9 +162,8 @@ class DecodeAutoscalingConfig(AutoscalingConfig):
         return self
 
     def serve_options(self) -> dict[str, Any]:
-        """Ray Serve's ``autoscaling_config``; with the goodput policy, its import path and
-        arguments (the controller imports ``cluster.capacity_policy``: tandem must be
-        installed where the Serve controller runs, as it is on the head node)."""
+        """Ray Serve's ``autoscaling_config``; the goodput policy is imported by the controller,
+        so tandem must be installed where it runs (the head node)."""
         own = {"policy", "target_utilization", "downscale_utilization"}
         out = self.model_dump(mode="json", exclude_none=True, exclude=own)
         if self.policy == "goodput":

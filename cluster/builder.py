@@ -119,8 +119,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
 def _options(pool: PoolConfig, name: str, cfg: TandemConfig) -> dict[str, Any]:
     """Serve options: pinned to the pool's resource; a TP group is one placement group whose
     bundle r holds rank r (the replica itself is rank 0), packed onto one node."""
-    share = pool.gpu_fraction  # below 1 only with cuda and tp 1 (the config checks): replicas
-    # then share a GPU, and the pool's unit that stands for it
+    share = pool.gpu_fraction  # below 1 only with cuda and tp 1: replicas share a GPU
     unit: dict[str, float] = {pool.resource: share}
     actor: dict[str, Any] = {"num_cpus": 0, "resources": {pool.resource: share}}
     if pool.onednn_cache_capacity is not None:  # read when the libraries start: at spawn
@@ -129,11 +128,11 @@ def _options(pool: PoolConfig, name: str, cfg: TandemConfig) -> dict[str, Any]:
             "env_vars": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": n, "LRU_CACHE_CAPACITY": n}
         }
     if pool.device == "cuda":  # Ray sets CUDA_VISIBLE_DEVICES only to GPUs it assigned
-        actor["num_gpus"] = share  # below 1 (tp 1 only): replicas share a GPU
+        actor["num_gpus"] = share
         unit["GPU"] = share
     opts: dict[str, Any] = {
         "name": name,
-        **pool.scaling_options(),  # num_replicas, or autoscaling_config
+        **pool.scaling_options(),
         "max_ongoing_requests": pool.max_ongoing_requests,
         "max_queued_requests": pool.max_queued_requests,
         "graceful_shutdown_wait_loop_s": 1.0,
@@ -156,9 +155,8 @@ def checkpoint_time(folder: Path) -> int:
 
 
 def ingress_drain_options(cfg: TandemConfig) -> dict[str, Any]:
-    """Client streams pass through the ingress, so a redeploy that replaces it (its settings
-    change with the pools') must let it drain as long as the slowest pool behind it; Serve's
-    default of 20 s would cut a stream the decode replica is still allowed to finish."""
+    """Client streams pass through the ingress, so a redeploy must let it drain as long as the
+    slowest pool behind it (Serve's default 20 s would cut streams decode may still finish)."""
     pools = [cfg.decode] + ([cfg.prefill] if cfg.mode == "disaggregated" else [])
     return {
         "graceful_shutdown_wait_loop_s": 1.0,
@@ -167,7 +165,7 @@ def ingress_drain_options(cfg: TandemConfig) -> dict[str, Any]:
 
 
 def check_tp(folder: Path, tp: int, pool: str) -> None:
-    """Heads must split evenly over the TP ranks (SmolLM2-135M: 9 query, 3 KV heads → 1 or 3)."""
+    """Heads must split evenly over the TP ranks."""
     c = LlamaConfig.from_folder(folder)
     for what, n in (("attention heads", c.num_heads), ("KV heads", c.num_kv_heads)):
         if n % tp:
@@ -177,8 +175,8 @@ def check_tp(folder: Path, tp: int, pool: str) -> None:
 def engine_configs(
     cfg: TandemConfig, m: ResolvedModels
 ) -> tuple[DecodeEngineConfig, PrefillWorkerConfig | None]:
-    """What each decode replica's engine and (disaggregated) each prefill replica's worker
-    run with: the Serve deployments' arguments, also what an in-process benchmark builds."""
+    """The decode engine's and (disaggregated) the prefill worker's configs: the deployments'
+    arguments, also what an in-process benchmark builds."""
     bs = cfg.kv.block_size
     engine = DecodeEngineConfig(
         model_name=m.name,
@@ -271,7 +269,7 @@ def build_app(cfg: TandemConfig) -> Application:
     where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(
         name="ingress",
-        **cfg.ingress_scaling(),  # num_replicas, or autoscaling_config
+        **cfg.ingress_scaling(),
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0, **where},
         logging_config=cfg.logging.serve_options(),
@@ -282,12 +280,8 @@ def build_app(cfg: TandemConfig) -> Application:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Entry point of ``serve run`` and ``serve deploy``: ``cluster.builder:app_builder``.
-
-    ``args["config"]`` is a YAML file (``serve run cluster.builder:app_builder
-    config=deploy/local.yaml``) or the config itself as a mapping, which is how the Serve
-    config files that ``tandem config render`` writes embed it; without it, the defaults.
-    """
+    """Entry point of ``serve run`` / ``serve deploy``; ``args["config"]`` is a YAML path or the
+    config itself as a mapping (as rendered Serve configs embed it); without it, the defaults."""
     unknown = sorted(set(args) - {"config"})
     if unknown:
         raise ValueError(f"unknown application args {unknown}: the only one is 'config'")

@@ -1,38 +1,6 @@
-"""Decode autoscaling on predicted capacity within the TPOT SLO (Ray Serve custom policy).
-
-Each decode replica reports, as Ray Serve custom autoscaling metrics
-(``DecodeServer.record_autoscaling_stats``), the goodput it delivered (``goodput_tok_s``:
-output tokens per second) and the goodput it predicts it can deliver with its slowest stream
-within ``decode.routing_tpot_slo_s`` at its current traffic mix (``capacity_tok_s``, from
-``speculation.capacity``; at least what one stream of the mix gets, so a replica whose SLO is
-out of reach still counts what it can do), with its streams and their capacity in streams for
-the dashboards. Serve's controller averages each over the look-back window and calls
-``GoodputPolicy`` with them:
-
-- the pool's **utilization** is its delivered goodput over its replicas' summed capacity;
-- above ``target_utilization`` it scales out, below ``downscale_utilization`` in, in either case
-  to the replicas that put the goodput at ``target_utilization`` of the mean replica's
-  capacity; in between it holds (hysteresis). Serve applies the pool's bounds and its
-  ``upscale_delay_s`` / ``downscale_delay_s`` around the decision, as for its own policy;
-- while no replica reports a capacity (none has measured its steps yet), it falls back to
-  streams over the deployment's ``target_ongoing_requests`` per replica (Serve's request-count
-  rule), logged once per policy instance and counted in its state (``fallback_decisions``).
-
-Why tokens per second and not streams: the demand in tokens per second is the traffic's (its
-arrival rate times its output lengths) whatever the pool's size, while streams are not
-conserved when the pool resizes: a replica holding fewer streams runs each faster (a shorter
-step, deeper drafts), so a pool scaled in on streams finds more of them per replica than it
-planned for, and overshoots. In ``bench/autoscale_sim.py`` the streams form of this rule saved
-3 % of replica-hours over Ray Serve's request-count rule at the same SLO attainment, the tokens
-form 20 %.
-
-Ray Serve counts a deployment's policy and its arguments in the application's code version, so
-changing the utilization bands restarts the pool's replicas; the fallback target is read from
-the deployment's own autoscaling config at each call, so resizing the pool does not.
-
-Runs in the Serve controller: it imports nothing beyond the standard library, Ray and the
-metric names it shares with the replicas (``serving.autoscaling_metrics``).
-"""
+"""Decode autoscaling on predicted capacity within the TPOT SLO, a Ray Serve custom policy (see
+docs/deploy.md). It runs in the Serve controller: it imports only the standard library, Ray and
+``serving.autoscaling_metrics``."""
 
 from __future__ import annotations
 
@@ -63,8 +31,8 @@ def decide(
     downscale_utilization: float,
     fallback_streams: float,
 ) -> Decision:
-    """The pool's desired replica count from each replica's averaged ``delivered`` goodput
-    and ``capacity`` (tokens per second; module doc); on the fallback, from its ``streams``."""
+    """The replicas that put the ``delivered`` goodput at ``target_utilization`` of the mean
+    replica's ``capacity`` (tok/s), held between the bands; without capacities, by ``streams``."""
     caps = [c for c in capacity.values() if c > 0]
     if not caps:
         return Decision(math.ceil(sum(streams.values()) / fallback_streams), None, True)

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--check", action="store_true", help="write nothing; exit 1 if out of date")
     r.set_defaults(fn=config_render_cmd)
     for command in entry_points(group=COMMANDS_GROUP):
-        command.load()(sub)  # adds its subparser to ``sub``
+        command.load()(sub)
     args = p.parse_args(argv)
     code: int = args.fn(args)
     return code

@@ -1,12 +1,5 @@
-"""The user-facing configuration: one pydantic model, loadable from YAML.
-
-``TandemConfig`` is the serving topology (the mode, the prefill and decode pools with their
-replicas or autoscaling, KV blocks, batching, routing and speculation kept to a TPOT SLO, and
-how KV moves between them), with what is served (``cluster.model_config``) and the HTTP
-surface (``cluster.api_config``). Every field is described; cross-field rules are checked with
-messages a user can act on. ``deploy/local.yaml`` is an example; ``tandem serve --config FILE``
-loads it.
-"""
+"""The user-facing configuration: ``TandemConfig``, one pydantic model loadable from YAML (the
+serving topology, with ``cluster.model_config`` and ``cluster.api_config``)."""
 
 from __future__ import annotations
 
@@ -455,7 +448,7 @@ class TandemConfig(_Frozen):
 
     def with_overrides(self, **dotted: object) -> TandemConfig:
         """A copy with fields replaced by dotted path, e.g. ``model.source='/m'``."""
-        data = self.model_dump(exclude_unset=True)  # fields left unset stay unset
+        data = self.model_dump(exclude_unset=True)
         for key, value in dotted.items():
             node = data
             *parents, leaf = key.split(".")
@@ -474,9 +467,8 @@ class TandemConfig(_Frozen):
         return res
 
     def ingress_replicas(self) -> int:
-        """The ingress's fixed replica count: as set, else one per ``limits.max_inflight``
-        streams the decode pool can run at once (so the ingress never caps the cluster below
-        what decode can hold), at least one."""
+        """The ingress's replica count: as set, else one per ``limits.max_inflight`` streams the
+        decode pool can run at once (so it never caps the cluster below decode), at least one."""
         if self.ingress.replicas is not None:
             return self.ingress.replicas
         streams = self.decode.most_replicas() * self.decode.max_batch_size

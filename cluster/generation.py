@@ -1,14 +1,6 @@
-"""The request's path from the ingress: prefill → KV handoff → decode stream → text.
-
-``Generation.run`` yields text deltas and a :class:`Final` per choice (``n`` of them, each
-tagged with its index). It emits the first token as soon as prefill returns it (time to first
-token does not wait for the KV pull), detokenizes incrementally, and applies stop strings,
-holding back just enough text that a stop string is never streamed in part. Leaving the
-iteration early (the last choice ended on a stop string, client gone) cancels the decode
-stream, which aborts the request's sequences on their replica and frees their KV blocks. A
-choice that ends on a stop string while others go on is not cut short on decode: its further
-tokens are dropped here (stop strings are matched on text, which only the ingress has).
-"""
+"""The request's path from the ingress: prefill → KV handoff → decode stream → text. Stop
+strings are matched here, on text, which only the ingress has; leaving ``Generation.run`` early
+cancels the decode stream, which aborts the request on its replica and frees its KV blocks."""
 
 from __future__ import annotations
 
@@ -42,25 +34,21 @@ class GenerationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Final:
-    """One choice's end: its finish reason, its tokens and its speculation outcomes."""
-
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     spec: SpecUsage
-    index: int = 0  # the choice
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Delta:
-    """Text for the client, with the log-probabilities (when the request asks for them) of the
-    tokens that arrived since the last delta. A token's log-probability travels with the first
-    text sent after it arrives; part of its text may follow in a later delta (text held back
-    as a possible stop string, or a character not yet complete)."""
+    """Text for the client, with the log-probabilities of the tokens that arrived since the last
+    delta (part of a token's text may follow later: held back as a possible stop string)."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
-    index: int = 0  # the choice
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,18 +78,9 @@ class Retried:
 
 
 class Generation:
-    """Runs requests through the deployments behind the ingress.
-
-    A request that has streamed no token yet is sent again, up to ``retries`` times, when the
-    replica serving it is lost (its actor, worker or node died): a prompt whose prefill died,
-    or a request that died on decode while queued or pulling. Ray Serve's router drops a dead
-    replica when a call to it fails, so the retry lands on another one (or on its replacement).
-    A retried decode never pulls the first handoff again: its blocks may be half-read or
-    already released and reused on prefill, so decode computes the prompt itself, continuing
-    after the first token prefill sent (the same tokens: sampling is seeded per position).
-    Anything else (overload, a request the replica refused, a stream cut after tokens) is not
-    retried.
-    """
+    """Runs requests through the deployments behind the ingress. A request that streamed no
+    token yet is resent (up to ``retries``) when its replica is lost; a resent decode computes the
+    prompt itself, since the first handoff's blocks may already be released and reused."""
 
     def __init__(
         self,
@@ -113,10 +92,10 @@ class Generation:
         log_requests: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
-        self.log_requests = log_requests  # a line as each generation starts and ends
-        self.metrics = metrics  # the standard serving metrics (None: not exported)
-        self.prefill = prefill  # DeploymentHandle of PrefillServer; None in colocated mode
-        self.decode = decode  # DeploymentHandle of DecodeServer
+        self.log_requests = log_requests
+        self.metrics = metrics
+        self.prefill = prefill  # None in colocated mode
+        self.decode = decode
         self.retries = retries
         self.retried = Retried()
 
@@ -179,11 +158,8 @@ class Generation:
                     stream.cancel()
 
     async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[Delta | Final, None]:
-        """Yield text deltas and one :class:`Final` per choice, in the order they come; the
-        last Final ends the iteration. Raises :class:`GenerationError`.
-
-        With a stop string, the log-probabilities reported are those of every token up to the
-        one that completed the stop string (the text stops before the string)."""
+        """Yield text deltas and one :class:`Final` per choice; the last Final ends the iteration.
+        Raises :class:`GenerationError`."""
         n = req.sampling.n
         prompt = len(req.prompt_token_ids)
         choices = [
@@ -220,7 +196,6 @@ class Generation:
                     raise GenerationError(chunk.error)
                 for item in c.push(chunk):
                     if isinstance(item, Final):
-                        # prompt tokens are counted once per request, whatever its n
                         self._finished(req, c, item, prompt if c.index == 0 else 0)
                         left -= 1
                     yield item
@@ -245,8 +220,7 @@ class Generation:
 
 
 class _ChoiceText:
-    """One choice's tokens turned into text: incremental detokenizing, stop strings (text that
-    could still become one is held back) and the log-probabilities that go with the text."""
+    """One choice's tokens turned into text, holding back what could still become a stop string."""
 
     def __init__(
         self,
@@ -262,7 +236,7 @@ class _ChoiceText:
         self.stops = stops
         self.clock = clock
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""  # text not yet sent
+        self.pending = ""
         self.held: tuple[TokenLogprob, ...] = ()  # of tokens whose text has not been sent
         self.num_tokens = 0
         self.spec = NO_SPEC
@@ -300,8 +274,7 @@ class _ChoiceText:
 
 
 def _replica_lost(e: BaseException) -> bool:
-    """Whether ``e`` says the replica (its actor, worker process or node) is gone, the one
-    failure a resend to another replica cures."""
+    """The replica is gone: the one failure a resend to another replica cures."""
     return isinstance(e, RayActorError | WorkerCrashedError | NodeDiedError)
 
 

@@ -1,13 +1,5 @@
-"""The gRPC API (``tandem.v1``, ``cluster/proto/tandem.proto``), served by the ingress through
-Ray Serve's gRPC proxy, and the standard ``grpc.health.v1`` health check.
-
-A ``GenerateRequest`` becomes the same pydantic body an HTTP request would (so validation, its
-messages and its limits are the HTTP API's), runs through the same admission (API keys from
-the ``authorization`` metadata, the in-flight caps of this ingress replica) and the same
-``Generation``; an ``APIError`` becomes the gRPC status of its HTTP status, with the same
-message. Cancelling the call closes the generation, which aborts the request on its decode
-replica and frees its blocks.
-"""
+"""The gRPC API (``tandem.v1``) and ``grpc.health.v1``, served by the ingress through Ray Serve's
+gRPC proxy: the same pydantic bodies, admission and ``Generation`` as the HTTP API."""
 
 from __future__ import annotations
 
@@ -43,13 +35,11 @@ _CODES = {
 
 
 def grpc_code(status: int) -> grpc.StatusCode:
-    """The gRPC status code of an HTTP status."""
     return _CODES.get(status, grpc.StatusCode.INTERNAL)
 
 
 def _sampling(s: Any) -> dict[str, Any]:
-    """The fields ``SamplingOptions`` sets, under their HTTP names (unset ones are left to
-    the HTTP API's defaults)."""
+    """The fields ``SamplingOptions`` sets, under their HTTP names (unset: the HTTP defaults)."""
     out: dict[str, Any] = {
         name: getattr(s, name)
         for name in ("temperature", "top_p", "top_k", "seed", "max_tokens")
@@ -211,9 +201,8 @@ class GrpcAPI:
         return pb.ListModelsResponse(models=[model])
 
     async def check(self, request: Any, context: Any) -> Any:
-        """``grpc.health.v1.Health/Check``: SERVING while ``/health`` says ok or degraded (the
-        app serves, maybe without its fast path), NOT_SERVING when a pool cannot answer. Open,
-        like ``/health``."""
+        """``grpc.health.v1.Health/Check``: SERVING while ``/health`` says ok or degraded,
+        NOT_SERVING when a pool cannot answer. Open, like ``/health``."""
         status = health_pb2.HealthCheckResponse.NOT_SERVING
         try:
             body = await self.health()

@@ -1,12 +1,5 @@
-"""Admission in front of the API (an ASGI middleware): API keys, body size, and the caps on
-requests in flight, per ingress replica and per key.
-
-Everything it refuses is refused before any work (tokenizing, prefill) and answered with an
-OpenAI error body that names the limit: 401 for a missing or wrong key, 413 for a body over
-``limits.max_body_bytes``, 429 with ``Retry-After`` when ``limits.max_inflight`` or
-``limits.max_concurrent_per_key`` is reached, so overload turns into fast refusals instead of
-queues that grow until clients time out. ``/health`` is always open.
-"""
+"""Admission in front of the API (an ASGI middleware): API keys, body size and the in-flight
+caps, refused before any work with an OpenAI error body naming the limit (401, 413, 429)."""
 
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ from cluster.auth import KeyRing
 from cluster.errors import RETRY_AFTER_S, APIError
 
 OPEN_PATHS = frozenset({"/health"})
-# Paths that do work per request (tokenizing at least): their bodies are bounded and they count
-# against the in-flight caps.
+# work per request (tokenizing at least): bodies bounded, counted against the in-flight caps
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
 )
@@ -60,9 +52,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 @dataclass(frozen=True)
 class Admission:
-    """The admission rules of one ingress replica, shared by its HTTP guard and its gRPC API:
-    which API key a request carries, whether the in-flight caps let it in, and its place in
-    the counts while it runs."""
+    """The admission rules of one ingress replica, shared by its HTTP guard and its gRPC API."""
 
     policy: GuardPolicy
     state: AdmissionState

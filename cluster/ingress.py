@@ -45,13 +45,11 @@ class OpenAIIngress:
             RequestMetrics("ingress"),
             log_requests=settings.log_requests,
         )
-        self._boards: dict[str, Any] = {}  # pool -> its HealthBoard's handle
-        # one admission (keys, in-flight caps) for both APIs of this replica
+        self._boards: dict[str, Any] = {}
         self.admission = Admission(settings.guard, AdmissionState())
         self.grpc = GrpcAPI(self.service, self.generation, self.admission, self.health)
 
-    # gRPC methods: Ray Serve's gRPC proxy calls the ingress method named like the RPC
-    # (tandem.v1.Tandem/Generate, /ListModels; grpc.health.v1.Health/Check).
+    # Ray Serve's gRPC proxy calls the ingress method named like the RPC
     async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
         async for response in self.grpc.generate(request, grpc_context):
             yield response
@@ -63,16 +61,15 @@ class OpenAIIngress:
         return await self.grpc.check(request, grpc_context)
 
     async def health(self) -> dict[str, Any]:
-        """The answering replica's full stats per pool, and every replica's summary
-        (``serving.health_board``); a pool that cannot answer makes the app unhealthy (503),
-        one whose handoffs fail past ``kv.degraded_fraction`` makes it ``degraded``."""
+        """The answering replica's stats per pool and every replica's summary; a pool that
+        cannot answer raises (503), one past ``kv.degraded_fraction`` makes it ``degraded``."""
         decode = await asyncio.wait_for(self.decode.stats.remote(), HEALTH_TIMEOUT_S)
         body: dict[str, Any] = {
             "status": "ok",
             "mode": self.settings.mode,
             "model": self.settings.model_name,
             "draft": self.settings.draft_kind,
-            "ingress_replica": self.replica,  # which ingress replica answered
+            "ingress_replica": self.replica,
             "decode": decode,
         }
         pools = {"decode": self.decode}
@@ -85,8 +82,7 @@ class OpenAIIngress:
         for name, handle in pools.items():
             try:
                 entries = await asyncio.wait_for(self._board(name, handle), HEALTH_TIMEOUT_S)
-            except Exception as e:  # the board is being recreated (its node was lost); the
-                # pool itself answered above, so the app serves: say so, do not fail the check
+            except Exception as e:  # board being recreated; the pool answered above, so serve
                 body["pools"][name] = {"error": f"the pool's health board is unavailable: {e}"}
                 continue
             ph = pool_health(name, entries, self.settings.degraded_fraction)
@@ -100,8 +96,7 @@ class OpenAIIngress:
         return body
 
     async def _board(self, pool: str, handle: Any) -> dict[str, dict[str, Any]]:
-        """Every live replica's entry on ``pool``'s board; the board's handle is asked of a
-        replica once, and again if the controller has recreated the board since."""
+        """Every live replica's entry on ``pool``'s board (its handle cached until recreated)."""
         board = self._boards.get(pool)
         if board is not None:
             try:

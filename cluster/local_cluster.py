@@ -22,9 +22,7 @@ def start_ray(
     dashboard: bool = False,
     metrics_port: int | None = None,
 ) -> None:
-    """Connect to ``address``, or start a local Ray with one custom resource per pool (with
-    its dashboard on 8265 and its Prometheus metrics on ``metrics_port`` when asked: what
-    ``tandem serve`` does; tests and benchmarks start a bare one)."""
+    """Connect to ``address``, or start a local Ray with one custom resource per pool."""
     if address:
         ray.init(address=address)
         return
@@ -51,11 +49,8 @@ def start_serve(cfg: TandemConfig) -> None:
 
 
 def shutdown(grace_s: float = 5.0) -> None:
-    """Stop Serve, giving in-flight requests at most ``grace_s``, then Ray.
-
-    ``serve.shutdown`` waits for every replica's graceful drain (up to each pool's
-    ``drain_timeout_s``); an operator's Ctrl-C should not, so it gets ``grace_s`` and Ray is
-    stopped after it regardless."""
+    """Stop Serve, giving in-flight requests at most ``grace_s`` (not each pool's whole
+    ``drain_timeout_s``: this is an operator's Ctrl-C), then Ray regardless."""
     done = threading.Event()
 
     def _serve_down() -> None:

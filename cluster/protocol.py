@@ -1,17 +1,6 @@
-"""OpenAI-compatible request bodies: every field is implemented, accepted as inert, or refused.
-
-Constraints live on the fields, so a bad value is rejected with the field's name before any
-work is done. Each body is an allow-list (``extra="forbid"``): a field this server does not
-know is a 400 naming it, never silently dropped. The fields of the OpenAI API fall in three
-kinds, listed per body in :data:`CHAT_FIELDS` and :data:`COMPLETION_FIELDS`:
-
-- implemented (``model``, ``messages``, ``temperature``, ...);
-- inert: accepted and ignored because they cannot change the output (``user``, ``metadata``,
-  caching and scheduling hints, ``prediction``); listed in :data:`INERT`;
-- refused: declared so the refusal can name them and say why, accepted only at the value that
-  means "off" (``tools: []``, ``best_of: 1``, ``response_format: {"type": "text"}``); listed
-  with their reasons in :data:`REFUSED`.
-"""
+"""OpenAI-compatible request bodies. Each is an allow-list (``extra="forbid"``): every field is
+implemented, accepted as inert (:data:`INERT`: it cannot change the output), or refused with a
+reason (:data:`REFUSED`) unless at its "off" value; see :data:`CHAT_FIELDS`."""
 
 from __future__ import annotations
 

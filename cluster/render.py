@@ -1,17 +1,6 @@
-"""The Ray Serve config (``serve run`` / ``serve deploy`` / KubeRay ``serveConfigV2``) of an app.
-
-One source of truth: the document is computed from a ``TandemConfig`` and nothing else.
-
-- ``args.config`` embeds the config itself: the fields its YAML set (the installed tandem
-  supplies the defaults), *except* each pool's and the ingress's sizing;
-- that sizing (``replicas`` or ``autoscaling``, and ``max_ongoing_requests``) goes to the
-  application's ``deployments`` entries instead, as the app builder would apply it
-  (``PoolConfig.scaling_options``, ``TandemConfig.ingress_scaling``). Serve hashes ``args``
-  into the application's code version, so this split lets a change of bounds or targets
-  resize the pools in place, without restarting a replica (and reloading its model).
-
-``cluster/render_files.py`` decides which files under ``deploy/`` are rendered.
-"""
+"""The Ray Serve config (``serve run`` / ``serve deploy`` / KubeRay) of an app, from a
+``TandemConfig`` alone. Sizing goes to the ``deployments`` entries, not to ``args`` (hashed into
+the code version), so resizing a pool restarts no replica."""
 
 from __future__ import annotations
 
@@ -23,7 +12,6 @@ from cluster.config import PoolConfig, TandemConfig
 
 APP_NAME = "tandem"
 IMPORT_PATH = "cluster.builder:app_builder"
-# Pool and ingress fields Serve applies from the `deployments` entries rather than from `args`.
 SIZING = {"replicas", "autoscaling", "max_ongoing_requests"}
 
 
@@ -36,8 +24,7 @@ def _pools(cfg: TandemConfig) -> list[tuple[str, PoolConfig]]:
 
 
 def deployment_overrides(cfg: TandemConfig) -> list[dict[str, Any]]:
-    """Per-deployment Serve options: replica count or autoscaling, and the admission bound,
-    of each pool and of the ingress."""
+    """Each pool's and the ingress's sizing and admission bound."""
     pools = [
         {
             "name": name,
@@ -55,8 +42,7 @@ def deployment_overrides(cfg: TandemConfig) -> list[dict[str, Any]]:
 
 
 def embedded_config(cfg: TandemConfig) -> dict[str, Any]:
-    """The app config as ``args.config`` holds it: as set in its YAML, less the pools' and the
-    ingress's sizing."""
+    """``args.config``: the fields its YAML set, less the pools' and the ingress's sizing."""
     sized = dict.fromkeys([n for n, _ in _pools(cfg)] + ["ingress"], SIZING)
     data: dict[str, Any] = cfg.model_dump(mode="json", exclude_unset=True, exclude=sized)
     return data
@@ -85,6 +71,5 @@ def serve_config(cfg: TandemConfig) -> dict[str, Any]:
 
 
 def serve_config_yaml(cfg: TandemConfig) -> str:
-    """``serve_config`` as YAML, keys in a reading order."""
     text: str = yaml.safe_dump(serve_config(cfg), sort_keys=False, default_flow_style=False)
     return text

@@ -1,14 +1,6 @@
-"""The rendered files under ``deploy/``: which they are, what they must contain, and checking them.
-
-- ``deploy/apps/NAME.yaml`` (an app config, edited by hand) renders to
-  ``deploy/serve/NAME.yaml`` (a Serve config file, never edited by hand);
-- a KubeRay manifest under ``deploy/kuberay/`` holds its ``serveConfigV2`` between the lines
-  ``# tandem-render: serveConfigV2 from apps/NAME.yaml`` and ``# tandem-render: end``; only
-  that block is rewritten, the rest of the manifest is hand-written.
-
-``tandem config render`` writes them; ``tandem config render --check`` (and the test suite)
-fails when a committed file differs from what the app configs render to now.
-"""
+"""The rendered files under ``deploy/``: ``apps/NAME.yaml`` renders to ``serve/NAME.yaml``, and
+a KubeRay manifest's block between ``# tandem-render: serveConfigV2 from apps/NAME.yaml`` and
+``# tandem-render: end``; ``tandem config render [--check]`` writes or checks them."""
 
 from __future__ import annotations
 
@@ -32,8 +24,6 @@ END = "# tandem-render: end"
 
 @dataclass(frozen=True)
 class RenderedFile:
-    """A file under ``deploy/`` and the text it must hold."""
-
     path: Path
     text: str
 
@@ -93,7 +83,6 @@ def stale(files: list[RenderedFile]) -> list[RenderedFile]:
 
 
 def diff(f: RenderedFile) -> str:
-    """A unified diff from the file on disk to what it must hold."""
     now = f.path.read_text().splitlines(True) if f.path.is_file() else []
     lines = difflib.unified_diff(now, f.text.splitlines(True), str(f.path), "rendered")
     return "".join(lines)

@@ -39,11 +39,8 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
 def chat_prompt(
     tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
 ) -> list[int]:
-    """The prompt's token ids under the model's chat template.
-
-    Tool calls and tool results are rendered only where the template renders them: a probe
-    rendering with marker values finds what the template would drop, and that is a 400 naming
-    the message, never a prompt silently missing part of the history."""
+    """The prompt's token ids under the model's chat template; tool calls or results the
+    template would drop (found by a probe rendering) are a 400, not a silently shorter prompt."""
     try:
         if any(m.tool_calls or m.role == "tool" for m in messages):
             _check_renders(tokenizer, messages)
@@ -96,13 +93,12 @@ class ServiceSettings:
     created: int
     guard: GuardPolicy
     max_tokens: int | None = None  # limits.max_tokens: the most one request may ask for
-    # prompt plus output tokens one sequence can hold in the decode (or colocated) pool: its
-    # decode.num_blocks x kv.block_size slots, less the one a step writes ahead
+    # prompt plus output one sequence can hold: decode.num_blocks x kv.block_size, less one
     max_sequence_tokens: int | None = None
     degraded_fraction: float = 0.2  # kv.degraded_fraction: failed share of recent handoffs
     retries: int = 1  # limits.retries: resends of a request that has streamed no token
-    log_requests: bool = False  # logging.requests: a line as each generation starts and ends
-    max_choices: int = 16  # limits.max_choices: the most choices (n) one request may ask for
+    log_requests: bool = False
+    max_choices: int = 16
 
 
 class OpenAIService:

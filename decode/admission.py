@@ -1,8 +1,5 @@
-"""Admission: the queue of requests waiting for KV blocks, first come, first served.
-
-A preempted request returns to the head of the queue to be recomputed; one preempted again and
-again without producing a token waits for room to finish, then ends with an error.
-"""
+"""The queue of requests waiting for KV blocks, first come, first served; a preempted request
+returns to its head."""
 
 from __future__ import annotations
 
@@ -37,19 +34,17 @@ class Admission:
         self.max_model_len = max_model_len
         self.max_stalled_preemptions = max_stalled_preemptions
         self.waiting: deque[Queued] = deque()
-        self.queue_times: deque[float] = deque()  # drained by take_queue_times
-        self._queued_at: dict[str, float] = {}  # request id -> when it was queued (monotonic)
+        self.queue_times: deque[float] = deque()
+        self._queued_at: dict[str, float] = {}  # request id -> time.monotonic() queued
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
     def most_tokens(self, r: Request) -> int:
-        """The most KV slots ``r`` can ever need: its prompt and every output it may produce
-        (drafts are capped to that room, so verification never needs more)."""
+        """The most KV slots ``r`` can need (drafts are capped to that room)."""
         return min(len(r.prompt_token_ids) + r.sampling.max_tokens, self.max_model_len) + 1
 
     def refusal(self, r: Request) -> str | None:
-        """Why ``r`` can never run here (None: it can)."""
         most = self.most_tokens(r)
         if self.blocks_for(most) <= self.num_blocks:
             return None
@@ -67,8 +62,6 @@ class Admission:
         self._queued_at[req.request_id] = time.monotonic()
 
     def requeue(self, r: Request) -> None:
-        """Drop ``r``'s KV; it waits at the head of the queue to have all its known tokens
-        computed here."""
         self.allocator.free(r.block_table)
         r.block_table = []
         r.num_computed = r.num_draft_computed = 0
@@ -86,32 +79,29 @@ class Admission:
         return False
 
     def next(self, others_running: bool) -> Queued | None:
-        """The head of the queue, its blocks allocated, if the pool has room for it (None: it
-        waits, and every request behind it)."""
+        """The head of the queue with its blocks allocated, or None if the pool lacks room."""
         if not self.waiting:
             return None
         q = self.waiting[0]
         tokens = q.handoff.num_tokens if q.handoff else q.req.num_tokens
         need = self.blocks_for(tokens + 1)
         if q.req.stalled_preemptions > 1 and others_running:
-            # preempted again before it could produce a token: recomputing it into the room
-            # the others leave would only repeat that; it waits for room to finish
+            # stalled: recomputing it into the others' leftover room would only repeat that
             need = max(need, self.blocks_for(self.most_tokens(q.req)))
         if not self.allocator.can_allocate(need):
             return None
         self.waiting.popleft()
         queued = self._queued_at.pop(q.req.request_id, None)
-        if queued is not None:  # its first admission only
+        if queued is not None:  # first admission only
             self.queue_times.append(time.monotonic() - queued)
         q.req.block_table = self.allocator.allocate(need)
         return q
 
     def preempted(self, r: Request) -> str | None:
-        """Count a preemption of ``r``; the error it ends with when it has now been preempted
-        ``max_stalled_preemptions`` times in a row without producing a token (since it started
-        running, then since each preemption), else None (it is requeued)."""
+        """Count a preemption of ``r``: an error once ``max_stalled_preemptions`` in a row came
+        without a new token, else None (it is requeued)."""
         outputs = len(r.output_token_ids)
-        stalled = outputs == r.outputs_at_preemption  # no token since it was last preempted
+        stalled = outputs == r.outputs_at_preemption
         r.stalled_preemptions = r.stalled_preemptions + 1 if stalled else 0
         r.outputs_at_preemption = outputs
         n = r.stalled_preemptions
@@ -125,8 +115,7 @@ class Admission:
         )
 
     def take_queue_times(self) -> list[float]:
-        """Seconds each request admitted since the last call waited in the queue (its first
-        admission only; thread-safe against the engine thread)."""
+        """Queue waits of requests admitted since the last call (safe from another thread)."""
         out = []
         while self.queue_times:
             out.append(self.queue_times.popleft())

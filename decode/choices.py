@@ -1,10 +1,6 @@
-"""A request's further choices (``n`` > 1), held until its prompt's KV is here.
-
-A request with ``n`` > 1 choices brings (or computes) its prompt once: its further choices then
-start as sequences of their own that share its full prompt blocks (reference-counted,
-copy-on-write at block granularity: no sequence ever writes a shared block) and compute only
-the prompt's last partial block themselves, sampling their first token with their own seed.
-"""
+"""A request's further choices (``n`` > 1): sequences of their own that share its full prompt
+blocks (reference-counted; no sequence writes a shared block) and compute only the prompt's last
+partial block, sampling their first token with their own seed."""
 
 from __future__ import annotations
 
@@ -15,17 +11,12 @@ from models.request import Request, RequestStatus
 
 
 class Choices:
-    """The engine calls it where a request is queued (``hold``), aborted (``drop``), finished
-    (``start`` or ``drop``) and after each step (``ready``); it hands back the choices to run
-    or to end, and never touches the engine's queues itself."""
-
     def __init__(self, allocator: BlockAllocator, block_size: int, drafter_kv: bool) -> None:
         self.allocator = allocator
         self.block_size = block_size
-        self.drafter_kv = drafter_kv  # the drafter keeps KV of its own, which choices share too
+        self.drafter_kv = drafter_kv
         self._held: dict[str, list[Request]] = {}  # request id -> its choices, not started
-        # requests whose own output ended before decode (prefill's first token finished it):
-        # they only bring their prompt's KV for their further choices, and end quietly
+        # requests whose own output ended before decode: they only bring their choices' KV
         self._sources: set[str] = set()
 
     def hold(self, req: Request, source: bool) -> None:
@@ -35,7 +26,6 @@ class Choices:
             self._sources.add(req.request_id)
 
     def drop(self, request_id: str) -> list[Request]:
-        """Forget a request's choices that have not started (they end with it)."""
         self._sources.discard(request_id)
         return self._held.pop(request_id, [])
 
@@ -43,13 +33,11 @@ class Choices:
         return request_id in self._sources
 
     def ready(self, running: Mapping[str, Request]) -> list[Request]:
-        """The running requests whose choices can start now."""
         return [running[rid] for rid in self._held if self._prompt_shared(running.get(rid))]
 
     def start(self, r: Request) -> list[Request]:
-        """``r``'s further choices, each now holding a reference to the shared prompt blocks and
-        counted as having computed them; the rest of the prompt it computes into blocks of its
-        own (the scheduler allocates them). The caller runs them."""
+        """``r``'s choices, each holding a reference to the shared prompt blocks; the caller runs
+        them."""
         self._sources.discard(r.request_id)
         choices = self._held.pop(r.request_id, [])
         if not choices:
@@ -65,9 +53,8 @@ class Choices:
         return choices
 
     def _shared_prefix(self, r: Request) -> int:
-        """Tokens of ``r``'s prompt whose KV its further choices can share: whole blocks that
-        every KV group has computed, and never the prompt's last token (a choice computes that
-        itself, to sample its own first token; an EAGLE head's slot t also holds token t + 1)."""
+        """Whole blocks every KV group has computed, short of the prompt's last token (a choice
+        computes it to sample its own first token; an EAGLE head's slot t holds token t + 1)."""
         done = r.num_computed
         if self.drafter_kv:
             done = min(done, r.num_draft_computed)
@@ -75,9 +62,8 @@ class Choices:
         return done // self.block_size * self.block_size
 
     def _prompt_shared(self, r: Request | None) -> bool:
-        """Whether ``r``'s choices can start now: the prompt's KV is computed and every KV group
-        holds all of it that can be shared, or a decode step has passed since (a drafter that
-        lags, e.g. granted no drafts, then shares less rather than holding them back)."""
+        """Once every KV group holds all that can be shared, or a decode step later (a lagging
+        drafter then shares less rather than holding the choices back)."""
         if r is None or r.num_computed < len(r.prompt_token_ids):
             return False
         most = (len(r.prompt_token_ids) - 1) // self.block_size * self.block_size

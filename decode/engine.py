@@ -1,18 +1,6 @@
-"""The decode engine: admission, KV pulls, continuous batching, preemption, completion.
-
-Requests arrive with a ``KVHandoff`` (disaggregated: their prompt's KV is pulled from a prefill
-replica) or without one (colocated; or a request resumed after preemption): the engine then
-computes the known tokens itself, in chunks. Either way the scheduler only looks at counters —
-tokens known versus tokens whose KV is computed — never at phase flags. Each step takes running
-requests first come, first served, within ``max_batch_size`` sequences and
-``max_num_batched_tokens`` tokens (a decode costs ``1 + k`` tokens). When the pool cannot hold a
-step's KV, the newest running request is preempted: its blocks are freed and it waits at the
-head of the queue to be recomputed; per-position seeded sampling makes its output unchanged.
-A request with ``n`` > 1 choices starts its further choices on its prompt's KV
-(``decode.choices``).
-
-Not thread-safe: one thread (``decode.loop.EngineLoop``) drives ``add``, ``abort`` and ``step``.
-"""
+"""The decode engine. Scheduling reads counters (tokens known vs. KV computed), never phase flags,
+so pulled, colocated and preempted (recomputed; per-position seeds keep its output) requests run
+alike. Not thread-safe: one thread (``decode.loop.EngineLoop``) drives it."""
 
 from __future__ import annotations
 
@@ -64,8 +52,7 @@ class DecodeEngine:
                     max_seqs=cfg.max_batch_size,
                     max_query=cfg.draft.num_speculative_tokens + 1,
                     max_blocks=math.ceil(cfg.max_model_len / cfg.block_size),
-                    # graphs over TP ranks would capture their NCCL all-reduces, which no GPU
-                    # has checked yet: a TP group runs its buckets eagerly
+                    # CUDA graphs over TP all-reduces are untested: a TP group runs eagerly
                     graphs=cfg.device.startswith("cuda") and cfg.tp_size == 1,
                 )
                 if cfg.bucketed()
@@ -105,25 +92,21 @@ class DecodeEngine:
         self.choices = Choices(self.allocator, cfg.block_size, drafter_kv)
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
-        # counters (stats)
         self.target_tokens_fed = 0
         self.steps = 0
         self.preemptions = 0
         self.recomputed = 0
         self.stalled = 0  # requests ended for preemption without progress
         self.handoffs = 0  # handoffs whose pull ended (landed or failed)
-        self.handoffs_ok = 0  # of those, the ones that landed
-        # the latest kv_health_window handoffs: True where the pull failed
+        self.handoffs_ok = 0
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
-
-    # ---- requests in and out -------------------------------------------------------------
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
         """Queue a request; its outputs (or its error) come out of later ``step`` calls."""
         if handoff is not None:
             try:
                 check_compat(self.compat, handoff.compat)
-            except KVCompatError as e:  # a failed handoff too (/health's failed share)
+            except KVCompatError as e:  # counts as a failed handoff
                 self._handoff_ended(failed=True)
                 self._finish(req, FinishReason.ERROR, str(e))
                 return
@@ -136,8 +119,7 @@ class DecodeEngine:
         self.admission.add(req, handoff)
 
     def abort(self, request_id: str) -> None:
-        """End a request, and its further choices that have not started (started ones are
-        sequences of their own, aborted by their own ids: ``models.request.choice_id``)."""
+        """End a request and its choices not yet started (started ones have ids of their own)."""
         self.choices.drop(request_id)
         if self.admission.remove(request_id):
             return
@@ -149,7 +131,6 @@ class DecodeEngine:
 
     @property
     def waiting(self) -> deque[Queued]:
-        """Queued requests, each with its handoff and the time its lease ends."""
         return self.admission.waiting
 
     def take_queue_times(self) -> list[float]:
@@ -168,11 +149,10 @@ class DecodeEngine:
 
     @property
     def only_waiting_on_pulls(self) -> bool:
-        """Nothing to compute, only transfers to watch (the loop then polls gently)."""
         return not (self.running or self._outbox or self.waiting)
 
     def stats(self) -> EngineStats:
-        """The engine's counters (a copy: another thread may take it while this one steps)."""
+        """A copy: another thread may take it while this one steps."""
         return EngineStats(
             num_blocks=self.cfg.num_blocks,
             free_blocks=self.allocator.num_free,
@@ -192,15 +172,12 @@ class DecodeEngine:
         )
 
     def routing_stats(self) -> RoutingStats:
-        """The router's view of this replica (``decode.routing_view``). Only copies, so another
-        thread may take it while this one steps."""
+        """Copies only: another thread may take it while this one steps."""
         queued = len(self.waiting) + len(self.intake.pending)
         running = tuple(self.running.values())
         return routing_stats(
             self.cfg, running, queued, self.allocator.num_free, self.speculation, self.drafter
         )
-
-    # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
         self._settle_transfers()
@@ -208,7 +185,7 @@ class DecodeEngine:
         self._land_pulls()
         plan = self.scheduler.plan(list(self.running.values()), self._preempt)
         for p, em in zip(plan, self._run_step(plan), strict=True):
-            if em.tokens:  # a prompt chunk short of the prompt's end emits nothing
+            if em.tokens:
                 self._apply(p.req, em)
         for r in self.choices.ready(self.running):
             self._start_choices(r)
@@ -216,16 +193,14 @@ class DecodeEngine:
         return out
 
     def _settle_transfers(self) -> None:
-        """Drive the transport; hand back what cancelled and quarantined pulls held."""
         self.transport.progress()
         cancelled, unquarantined = self.intake.settled()
-        for r in cancelled:  # cancelled mid-pull: blocks it still holds are safe to reuse
+        for r in cancelled:
             self._release(r)
-        if unquarantined:  # reads the transport has now released on every rank
+        if unquarantined:
             self.allocator.free(unquarantined)
 
     def _admit(self) -> None:
-        """Start the queued requests the pool has room for: compute here, or pull the KV."""
         while (q := self.admission.next(others_running=bool(self.running))) is not None:
             req, handoff = q.req, q.handoff
             if handoff is None:
@@ -242,7 +217,6 @@ class DecodeEngine:
                 self._kv_failed(req, handoff, error)
 
     def _land_pulls(self) -> None:
-        """Requests whose pull ended join the batch (or, where it failed, ``_kv_failed``)."""
         for req, handoff, error in self.intake.poll():
             if error is not None:
                 self._kv_failed(req, handoff, error)
@@ -258,7 +232,6 @@ class DecodeEngine:
                 self._end_source(req)
 
     def _run_step(self, plan: Sequence[Planned]) -> list[Emission]:
-        """Run the planned step (drafts and their verification in one target forward)."""
         if not plan:
             return []
         reqs = [p.req for p in plan]
@@ -271,15 +244,13 @@ class DecodeEngine:
         in_rounds = rounds.take_spent() if rounds is not None else 0.0
         fed = sum(em.num_fed for em in emissions)
         if self.speculation is not None and all(p.new_tokens == 1 for p in plan):
-            # decode steps only: the model prices drafts, and a prompt chunk's tokens cost
-            # less each than one token of each of many sequences
+            # decode steps only: a prompt chunk's tokens cost less each than decodes'
             self.speculation.observe(len(plan), fed, seconds, in_rounds)
         self.steps += 1
         self.target_tokens_fed += fed
         return emissions
 
     def _apply(self, r: Request, em: Emission) -> None:
-        """Append what the step emitted for ``r``, up to where it ends."""
         if self.choices.is_source(r.request_id):  # its prompt is computed: only its choices go on
             self._end_source(r)
             return
@@ -305,7 +276,7 @@ class DecodeEngine:
             self._finish(r, reason, None, tuple(new), em, logprobs)
             return
         if decoding and not em.num_drafted and self.speculation is not None:
-            self.speculation.rest(r)  # it goes on, having verified nothing this step
+            self.speculation.rest(r)
         self._outbox.append(
             StepOutput(
                 r.request_id,
@@ -319,7 +290,6 @@ class DecodeEngine:
         )
 
     def _ended(self, r: Request, last: int) -> FinishReason | None:
-        """Why ``r`` ends with ``last`` its newest output token (None: it goes on)."""
         if last in r.sampling.stop_token_ids:
             return FinishReason.STOP
         if (
@@ -329,10 +299,7 @@ class DecodeEngine:
             return FinishReason.LENGTH
         return None
 
-    # ---- a request's further choices (n > 1) ----------------------------------------------
-
     def _ended_before_decode(self, req: Request, handoff: KVHandoff | None) -> bool:
-        """Whether ``req``'s own output (choice 0) ended before it reached decode."""
         if handoff is not None:  # prefill's first token may have ended it
             return handoff.finish_reason is not None
         # a resent request brings that first token itself
@@ -343,13 +310,10 @@ class DecodeEngine:
             self._run(c)
 
     def _end_source(self, r: Request) -> None:
-        """``r``'s own output ended before decode: start its choices on its KV, then end it
-        with no new token (its stream then counts it finished; the ingress has its tokens)."""
+        """``r``'s own output ended before decode: start its choices on its KV, then end it."""
         self._start_choices(r)
         self.running.pop(r.request_id, None)
         self._finish(r, self._ended(r, r.output_token_ids[-1]) or FinishReason.LENGTH, None)
-
-    # ---- running, pull failures and preemption -------------------------------------------
 
     def _run(self, r: Request) -> None:
         if r.outputs_at_preemption < 0:  # first run: progress is counted from here
@@ -359,13 +323,12 @@ class DecodeEngine:
             self.speculation.start(r)
 
     def _kv_failed(self, r: Request, handoff: KVHandoff, error: str) -> None:
-        """A pull failed (source gone, lease ended, timeout): per ``kv_failure_policy``,
-        compute the prompt here instead — the first token, already sent, stays the first —
-        or end the request with the error."""
-        first = self.handoffs == self.handoffs_ok  # no pull has failed before
+        """Per ``kv_failure_policy``: recompute the prompt here (the sent first token stays), or
+        end the request."""
+        first = self.handoffs == self.handoffs_ok
         self._handoff_ended(failed=True)
         recompute = self.cfg.kv_failure_policy == "recompute"
-        if first:  # loud once; the rest are counted (/health, tandem_kv_recomputed)
+        if first:  # loud once; the rest are counted
             log.error(
                 "request %s: %s; %s. KV pulls that fail from now on are counted in /health "
                 "(kv_recomputed, kv_failed_fraction) and the tandem_kv_failures metric and "
@@ -390,9 +353,6 @@ class DecodeEngine:
         self._recent_failed.append(failed)
 
     def _preempt(self, r: Request) -> None:
-        """Free a running request's KV; it waits at the head of the queue to be recomputed, or
-        ends with an error where it keeps being preempted without progress
-        (``Admission.preempted``)."""
         self.running.pop(r.request_id)
         self.preemptions += 1
         error = self.admission.preempted(r)
@@ -406,8 +366,6 @@ class DecodeEngine:
         if self.drafter is not None:
             self.drafter.forget(r.request_id)
         self.admission.requeue(r)
-
-    # ---- completion ----------------------------------------------------------------------
 
     def _release(self, r: Request) -> None:
         if self.drafter is not None:

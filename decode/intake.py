@@ -21,18 +21,9 @@ class Quarantined:
 
 
 class KVIntake:
-    """Starts one pull per handoff into the request's blocks and reports when each lands.
-
-    A pull whose lease ends before it starts (or before it completes) fails: the source may
-    already have reused the blocks, so the bytes could belong to another prompt.
-
-    Every pull that ends other than by landing (it failed on some rank, timed out, or its
-    request was cancelled) is released at once where its reads have ended; where a read is
-    still running (a read cannot be cancelled: ``KVTransport.release``), the request gives its
-    blocks up to the quarantine and goes on without them (recomputed into other blocks, or
-    ended). ``settled`` retries the release of quarantined pulls each step and hands back the
-    blocks of those the transport has released on every rank: only then may they be reused.
-    """
+    """One pull per handoff into the request's blocks. A pull past its lease fails (the source
+    may have reused the blocks). A pull ending unlanded while a read still runs (reads cannot be
+    cancelled) quarantines its blocks until ``settled`` sees the transport release it."""
 
     def __init__(
         self,
@@ -47,14 +38,12 @@ class KVIntake:
         self.observer = observer or TransferObserver()
         # request id -> (request, handoff, pull, the time.monotonic() its lease ends)
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle, float]] = {}
-        self.quarantine: list[Quarantined] = []  # reads that may still land in these blocks
+        self.quarantine: list[Quarantined] = []
         self.cancelled: dict[str, Request] = {}  # cancelled mid-pull, not yet handed back
 
     def start(self, req: Request, handoff: KVHandoff, lease_end: float) -> str | None:
-        """Begin the pull; returns an error message instead when it cannot start.
-
-        ``lease_end``: the ``time.monotonic()`` of this host by which the source's lease ends,
-        counted from when the handoff arrived (``KVHandoff.lease_seconds``)."""
+        """Begin the pull, or return why it cannot. ``lease_end``: this host's ``time.monotonic()``
+        by which the source's lease ends."""
         if lease_end - time.monotonic() < self.margin_s:
             self._fail("lease_expired")
             return "the prefill lease expired before decode could pull"
@@ -68,12 +57,8 @@ class KVIntake:
         return None
 
     def poll(self) -> list[tuple[Request, KVHandoff, str | None]]:
-        """Requests whose pull ended since the last call (with their handoff), and an error
-        message if it failed (the request's blocks may then have gone to the quarantine).
-
-        A landed request has its counters set: the prompt is computed (for every shipped KV
-        group) and the first token, sampled by prefill, is its first output.
-        """
+        """Requests whose pull ended since the last call, with an error where it failed; a landed
+        one's counters say its prompt is computed and prefill's token is its first output."""
         out: list[tuple[Request, KVHandoff, str | None]] = []
         entries = list(self.pending.items())
         states = self.transport.poll_many([pull for _, (_, _, pull, _) in entries])
@@ -104,7 +89,6 @@ class KVIntake:
         return out
 
     def _release(self, req: Request, pull: PullHandle) -> None:
-        """Release ``pull``; if a read of it may still land, its blocks leave ``req``."""
         if not self.transport.release(pull):
             self.quarantine.append(Quarantined(req.request_id, tuple(req.block_table), pull))
             req.block_table = []
@@ -114,9 +98,7 @@ class KVIntake:
         self.observer.failed(self.transport.name, cause)
 
     def cancel(self, request_id: str) -> bool:
-        """Stop a pull's request (False: no pull of that id). It returns at once: the pull is
-        released if its reads have ended, else its blocks are quarantined until they have;
-        ``settled`` hands the request back either way, never blocking the engine thread."""
+        """Stop a pull's request, never blocking (False: no such pull); ``settled`` returns it."""
         entry = self.pending.pop(request_id, None)
         if entry is None:
             return False
@@ -126,8 +108,7 @@ class KVIntake:
         return True
 
     def settled(self) -> tuple[list[Request], list[int]]:
-        """Cancelled requests to release (their blocks, if still theirs, free to reuse), and
-        the blocks of quarantined pulls the transport has now released on every rank."""
+        """Cancelled requests to release, and the blocks of quarantined pulls now released."""
         done, self.cancelled = list(self.cancelled.values()), {}
         blocks: list[int] = []
         if self.quarantine:

@@ -1,16 +1,6 @@
-"""Drives a ``DecodeEngine`` from a dedicated thread, so the replica's event loop stays free.
-
-Commands (add, abort) enter through a thread-safe inbox; outputs leave through a callback run
-on the engine thread (the server bridges it into asyncio queues).
-
-The engine is also *built* on that thread (``EngineLoop.start``), so every torch op of the
-process runs on one thread. On a CPU, torch's OpenMP runtime (libgomp) keeps a team of worker
-threads per thread that opens parallel regions; a second team (the model loaded on the
-replica's constructor thread, then stepped on this one) puts more OpenMP threads in the
-process than it has cores, and libgomp then lets its idle workers sleep instead of spinning
-between the thousands of small ops of a decode step: measured on a 2-core machine, a batch-1
-step ran at ~70 % of the speed of the same engine built and stepped on one thread.
-"""
+"""Drives a ``DecodeEngine`` from its own thread: commands through a thread-safe inbox, outputs
+through a callback on that thread. The engine is built there too: a second thread's OpenMP team
+would oversubscribe the cores, and libgomp's idle workers then sleep between a step's small ops."""
 
 from __future__ import annotations
 
@@ -41,9 +31,6 @@ class _Abort:
 
 
 class EngineLoop:
-    """The engine's thread: it builds the engine (``build``), then steps it while it has
-    work."""
-
     def __init__(
         self, build: Callable[[], DecodeEngine], on_output: Callable[[StepOutput], None]
     ) -> None:
@@ -62,7 +49,7 @@ class EngineLoop:
         return self._engine
 
     def start(self) -> DecodeEngine:
-        """Start the thread and wait until it has built the engine (its error re-raised)."""
+        """Start the thread and wait until it has built the engine (re-raising its error)."""
         self._thread.start()
         self._built.wait()
         if self._engine is None:

@@ -1,5 +1,4 @@
-"""Speculation counters of a decode replica: exported to Prometheus through Ray's metrics and
-kept as totals for ``/health`` (the same increments, so the two always agree)."""
+"""A decode replica's speculation counters, for Prometheus and, as the same totals, ``/health``."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ class SpecTotals:
     drafts: int = 0  # verification steps that tested at least one draft token
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    emitted_tokens: int = 0  # tokens those steps produced
+    emitted_tokens: int = 0
     drafted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_POSITION)
     accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_POSITION)
 
@@ -71,7 +70,6 @@ class SpecMetrics:
                 self._accepted_at.inc(1, tags)
 
     def collapsed_cells(self, n: int) -> None:
-        """The replica's acceptance alarm reports ``n`` collapsed cells now."""
         self._collapsed.set(n)
 
     def snapshot(self) -> dict[str, Any]:

@@ -9,25 +9,25 @@ from models.logprobs import TokenLogprob
 
 @dataclass(frozen=True)
 class SpecUsage:
-    """Speculation outcomes of one request so far (the ``usage.speculative`` object)."""
+    """One request's ``usage.speculative`` so far."""
 
     num_steps: int  # steps that tested at least one draft token
-    draft_tokens: int  # a draft tree counts its depth (positions offered), not its nodes
+    draft_tokens: int  # a draft tree counts its depth, not its nodes
     accepted_tokens: int
-    emitted_tokens: int  # tokens those steps produced
+    emitted_tokens: int
 
 
 @dataclass(frozen=True)
 class StepOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: str | None  # a models.request.FinishReason value once finished
+    finish_reason: str | None  # a FinishReason value once finished
     spec: SpecUsage
     error: str | None = None
-    step_drafted: int = 0  # draft tokens this step tested for the request
+    step_drafted: int = 0
     step_accepted: int = 0
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token when the request asks
-    choice: int = 0  # which of the request's choices (``Request.choice``)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    choice: int = 0
 
     @property
     def finished(self) -> bool:
@@ -36,20 +36,18 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's counters (``DecodeServer.stats`` reports them, e.g. to ``/health``)."""
-
     num_blocks: int
     free_blocks: int
     waiting: int
     pulling: int
     running: int
-    target_tokens_fed: int  # tokens the target computed on this replica (prompts included)
-    draft_tokens_fed: int  # tokens the draft model computed on this replica
+    target_tokens_fed: int  # prompts included
+    draft_tokens_fed: int
     steps: int
     preemptions: int
     kv_recomputed: int  # requests whose pull failed and whose prompt was computed here
     stalled: int = 0  # requests ended after max_stalled_preemptions with no progress
-    kv_handoffs: int = 0  # handoffs whose pull ended, landed or failed
-    kv_recent_handoffs: int = 0  # of the latest kv_health_window of them, how many there are
-    kv_recent_failed: int = 0  # and how many of those failed
-    quarantined_blocks: int = 0  # blocks a released-but-active read may still land in
+    kv_handoffs: int = 0
+    kv_recent_handoffs: int = 0  # within the latest kv_health_window
+    kv_recent_failed: int = 0
+    quarantined_blocks: int = 0  # blocks a read may still land in

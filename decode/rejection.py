@@ -1,29 +1,6 @@
-"""Speculative verification: the rejection rule that keeps the output the target's.
-
-A step verifies ``w`` consecutive output positions of one sequence with one target forward,
-which yields the target distributions ``p_1 .. p_w``. The drafter proposes tokens ``d_j`` drawn
-from its distributions ``q_j`` (all under the same sampling transform) for the first ``t``
-positions, ``t = w`` or ``t = w - 1`` (a drafter may have nothing to propose at the last one):
-
-- **accepted**: ``d_j`` is accepted with probability ``min(1, p_j(d_j) / q_j(d_j))``, tested left
-  to right with uniform ``u_j``: accept iff ``u_j * q_j(d_j) < p_j(d_j)``; the first rejection
-  ends the run. A one-hot draft (n-gram) has ``q_j(d_j) = 1``.
-- **recovered**: after the first rejection, at position ``n + 1``, one token is drawn from
-  ``norm(max(0, p_{n+1} - q_{n+1}))``.
-- **bonus**: if all ``t = w - 1`` drafts pass, one token is drawn from ``p_w``. If all ``t = w``
-  pass, the last accepted draft is already the token at position ``w``: there is no bonus.
-
-Each position's token is thus produced by the same rule whichever step it falls in — tested
-against the drafter's proposal when there is one, drawn from ``p`` when there is none — and
-with randomness keyed by position (``models.sampling``) a seeded request gives the same tokens
-whatever ``w`` the scheduler picked and whatever shares its batch. The emitted sequence is
-distributed exactly as sampling from the target alone. Greedy requests have one-hot ``p`` and
-``q``, so a draft is accepted iff it is the target's argmax: the output is the target's greedy
-output.
-
-These functions are pure: the caller supplies the uniforms and samples the final distribution
-with each request's own generator.
-"""
+"""Rejection sampling over ``w`` positions and ``t`` in {w - 1, w} drafts: accept d_j with
+min(1, p_j(d_j) / q_j(d_j)) until the first rejection, recover from norm(max(0, p - q)) there,
+else a bonus from p_w (none when t = w). Pure: the caller supplies uniforms and samples."""
 
 from __future__ import annotations
 
@@ -48,15 +25,9 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor,
 ) -> Verification:
-    """Verify a ragged batch of drafts.
-
-    target_probs: [sum(w_i), V], sequence i's w_i rows contiguous, in batch order.
-    rows: w_i >= 1 per sequence.
-    draft_tokens: [sum(t_i)] flat draft tokens in the same order, t_i in {w_i - 1, w_i}.
-    num_drafts: t_i per sequence.
-    draft_probs: [sum(t_i), V] draft distributions, or None for one-hot drafts.
-    uniforms: [sum(t_i)] values in [0, 1) for the accept tests.
-    """
+    """target_probs [sum w_i, V] (each sequence's rows contiguous), draft_tokens [sum t_i],
+    draft_probs [sum t_i, V] or None (one-hot), uniforms [sum t_i] in [0, 1); ``rows``: w_i >= 1,
+    ``num_drafts``: t_i."""
     dev = target_probs.device
     lay = _Ragged.of(rows, num_drafts, dev)
     ws, ts, row_start, draft_start, tmax = lay.ws, lay.ts, lay.row_start, lay.draft_start, lay.tmax
@@ -73,7 +44,7 @@ def rejection_sample(
     has_final = n < ws
     p_final = target_probs[row_start + n.clamp(max=ws - 1)]  # [B, V]
     rejected = n < ts  # [B]
-    if tmax > 0:  # where some draft was tested, some may be rejected
+    if tmax > 0:
         idx = (draft_start + n).clamp(max=max(int(draft_tokens.numel()) - 1, 0))
         if draft_probs is not None:
             q_rej = draft_probs[idx]  # [B, V]
@@ -82,8 +53,7 @@ def rejection_sample(
             q_rej.scatter_(1, draft_tokens[idx].unsqueeze(1), 1.0)
         residual = (p_final - q_rej).clamp(min=0.0)
         mass = residual.sum(dim=1, keepdim=True)
-        # A zero residual means p == q at that position, which rejects with probability 0;
-        # it can only arise from rounding, and p itself is then the right distribution.
+        # a zero residual (p == q, so only from rounding): p itself is right
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
         p_final = torch.where(rejected.unsqueeze(1), residual, p_final)
     return Verification(num_accepted=n, has_final=has_final, final_dist=p_final)
@@ -102,13 +72,8 @@ def verify_greedy(
     draft_tokens: torch.Tensor,
     num_drafts: Sequence[int],
 ) -> GreedyVerification:
-    """``rejection_sample`` for greedy sequences, whose distributions are one-hot: a draft is
-    accepted iff it is the target's argmax there, and the final token is the argmax after the
-    accepted ones; no distribution over the vocabulary is built.
-
-    target_tokens: [sum(w_i)] the argmax of each row; the other arguments as in
-    ``rejection_sample``.
-    """
+    """``rejection_sample`` for one-hot (greedy) sequences, from target_tokens [sum w_i], each
+    row's argmax: a draft is accepted iff it is the argmax."""
     dev = target_tokens.device
     lay = _Ragged.of(rows, num_drafts, dev)
     n = torch.zeros(len(rows), dtype=torch.long, device=dev)
@@ -121,13 +86,11 @@ def verify_greedy(
 
 @dataclass(frozen=True)
 class _Ragged:
-    """Where each sequence's target rows and draft tokens lie in a ragged verification batch."""
-
     ws: torch.Tensor  # [B] target rows per sequence
     ts: torch.Tensor  # [B] drafts per sequence
     row_start: torch.Tensor  # [B] first target row of each sequence
     draft_start: torch.Tensor  # [B] first draft of each sequence
-    tmax: int  # the most drafts of any sequence
+    tmax: int
     seq_of: torch.Tensor  # [N] the sequence of each draft
     pos_in: torch.Tensor  # [N] each draft's position in its sequence
 
@@ -157,7 +120,7 @@ class _Ragged:
 
 
 def _check_drafts(rows: Sequence[int], num_drafts: Sequence[int]) -> None:
-    """Checked on the host, so verification never waits for the device to answer."""
+    """Checked on the host, so verification never waits for the device."""
     if len(rows) != len(num_drafts) or any(
         t not in (w, w - 1) for w, t in zip(rows, num_drafts, strict=True)
     ):

@@ -25,10 +25,7 @@ def routing_stats(
     spec: SpeculationPolicy | None,
     drafter: Drafter | None,
 ) -> RoutingStats:
-    """The replica's load (``queued``: requests waiting or pulling KV), each batched request's
-    acceptance estimate and the k the speculation policy would give it now, the step-time
-    model, the draft-token and draft-round costs, and the acceptance calibration learned from
-    finished requests."""
+    """``queued``: requests waiting or pulling KV."""
     batch = running[: cfg.max_batch_size]
     load = ReplicaLoad(
         queued=queued + len(running) - len(batch),

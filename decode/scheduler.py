@@ -1,12 +1,6 @@
-"""Each decode step's work: which requests, how many new tokens, how many drafts.
-
-First come, first served within ``max_batch_size`` sequences and ``max_num_batched_tokens``
-tokens. A request brings its pending tokens — one when it is decoding, a chunk of its prompt
-when the prompt is computed here — and, when decoding, the drafts the speculation policy grants
-it. The plan's KV must fit: blocks are reserved for every position the step may write (a
-greedy request's draft tree too: ``k`` levels of ``draft.tree_width`` nodes), and when the pool
-runs out the newest running request is preempted (by the engine's callback) until it fits.
-"""
+"""Each decode step's work, first come, first served within the batch and token budgets. Blocks
+are reserved for every position a step may write (a tree's every node); when the pool runs out
+the newest running request is preempted."""
 
 from __future__ import annotations
 
@@ -44,7 +38,7 @@ class Scheduler:
         self.speculation = speculation
 
     def plan(self, running: Sequence[Request], preempt: Callable[[Request], None]) -> list[Planned]:
-        """This step's work, in arrival order. ``running`` is in arrival order too."""
+        """This step's work; ``running`` and the plan are in arrival order."""
         chosen: list[tuple[Request, int]] = []
         budget = self.token_budget
         for r in running:
@@ -55,14 +49,14 @@ class Scheduler:
             chosen.append((r, new))
             budget -= new
         ks = self._drafts(chosen, budget)
-        # Reserve KV, preempting from the newest end: first requests not chosen, then chosen.
+        # reserve KV, preempting from the newest end: requests not chosen first
         idle = list(running[len(chosen) :])
         plan: list[Planned] = []
         i = 0
         while i < len(chosen):
             r, new = chosen[i]
             spec = self.speculation
-            fed = ks[i] * spec.draft_width(r) if spec else 0  # draft tokens the target computes
+            fed = ks[i] * spec.draft_width(r) if spec else 0
             need = math.ceil((r.num_computed + new + fed) / self.block_size) - len(r.block_table)
             while need > 0 and not self.allocator.can_allocate(need) and i < len(chosen):
                 victim = idle.pop() if idle else chosen.pop()[0]

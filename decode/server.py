@@ -35,16 +35,10 @@ from speculation.capacity import capacity_within_slo
 
 
 class DecodeServer:
-    """One decode replica. ``generate`` streams a request's outputs until it finishes.
-
-    A request arrives with the ``KVHandoff`` from prefill (its prompt's KV is pulled over the
-    transport) or with ``None`` (colocated mode: the engine computes the prompt itself).
-    Cancelling the stream (client gone, stop string hit) aborts the request and frees its KV.
-    """
+    """One decode replica; cancelling a ``generate`` stream aborts the request and frees its KV."""
 
     def __init__(self, cfg: DecodeEngineConfig, capacity_slo_s: float | None = None) -> None:
-        """``capacity_slo_s``: the TPOT SLO this replica reports its capacity within
-        (``record_autoscaling_stats``; ``decode.routing_tpot_slo_s``)."""
+        """``capacity_slo_s``: the TPOT SLO this replica reports its capacity within."""
         route_to_serve()
         self.cfg = cfg
         self.capacity_slo_s = capacity_slo_s
@@ -55,7 +49,7 @@ class DecodeServer:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.metrics = SpecMetrics("decode")
         self.gauges = ReplicaGauges("decode")
-        # built on the engine's own thread: every torch op of the replica runs there (loop doc)
+        # built on the engine thread, so every torch op runs on one thread (decode.loop)
         self.loop = EngineLoop(lambda: DecodeEngine(cfg, kv_metrics), self._deliver)
         self.engine = self.loop.start()
         kv_metrics.fallback(self.engine.transport.name, self.engine.shard.fallback_reason)
@@ -64,7 +58,7 @@ class DecodeServer:
             cfg.draft.kind.value, draft, cfg.target.fingerprint()
         )
         spec = self.engine.speculation
-        # before it serves (the engine thread is idle): start from what the pool has learned
+        # start from what the pool has learned, before serving (the engine thread is idle)
         in_serve = BoardPublisher.in_replica()
         self.seeded_tokens = (
             seed_from_pool(spec, self.drafter_version) if spec and in_serve else 0.0
@@ -88,8 +82,7 @@ class DecodeServer:
             q.put_nowait(out)
 
     async def generate(self, req: Request, handoff: KVHandoff | None) -> AsyncIterator[StepOutput]:
-        """The outputs of each of the request's ``n`` choices (``StepOutput.choice``), until
-        every choice has finished or one has failed; leaving early aborts the rest."""
+        """Each of the request's ``n`` choices' outputs until all finish or one fails."""
         self._aloop = asyncio.get_running_loop()
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         ids = [choice_id(req.request_id, i) for i in range(req.sampling.n)]
@@ -114,7 +107,6 @@ class DecodeServer:
         return self.snapshot()
 
     async def health_board(self) -> Any:
-        """The handle of this pool's ``serving.health_board.HealthBoard``."""
         return pool_board()
 
     def snapshot(self) -> dict[str, Any]:
@@ -124,7 +116,7 @@ class DecodeServer:
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
-        out.update(self.engine.target.describe())  # attention, its fallbacks, matmul, layers
+        out.update(self.engine.target.describe())
         out["transport"] = self.engine.transport.name
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)
@@ -143,17 +135,12 @@ class DecodeServer:
         return out
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve calls this every ``request_routing_stats_period_s`` and hands the dict to
-        every router of this deployment (``speculation.routing_stats.RoutingStats``)."""
+        """Ray Serve hands this to every router of the deployment (``RoutingStats``)."""
         return self.engine.routing_stats().to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve calls this on replicas of an autoscaling deployment and hands the values,
-        averaged over the look-back window, to the pool's policy (``cluster.capacity_policy``):
-        the streams this replica has, the goodput it delivered since the last call and, with a
-        TPOT SLO and a step-time model, the streams of its current mix it can hold within the
-        SLO, the goodput it can deliver within it (at least one stream's) and the goodput it
-        could still add (``speculation.capacity``)."""
+        """For the pool's autoscaling policy (``cluster.capacity_policy``): streams and goodput
+        delivered, and with a TPOT SLO the capacity within it (``speculation.capacity``)."""
         stats = self.engine.routing_stats()
         now = time.monotonic()
         tokens, since = self._reported

@@ -1,16 +1,6 @@
-"""One speculative decoding step over a ragged batch: draft, verify in one forward, accept.
-
-Sequence i brings ``new_tokens[i]`` known tokens not yet in the KV cache (its last sampled
-token, or a chunk of a prompt computed locally). Sequences whose tokens reach the end of what
-is known sample this step: such a sequence verifies ``w_i = min(m_i, k_i) + 1`` output
-positions, where ``m_i`` is how many positions the drafter proposed for (of ``k_i + 1`` asked)
-— the target scores its pending tokens plus ``w_i - 1`` drafts in one forward, and the
-rejection rule (``decode.rejection``) tests the drafts. KV of rejected positions is rolled back
-by lowering the counters (the next step overwrites those slots). A greedy request may bring a
-draft tree instead (``DraftProposal.parents``): the target computes every node in the same
-forward (``models.tree``), ``decode.tree_verify`` walks it, and the accepted path's KV is
-compacted into place at the start of the request's next step.
-"""
+"""One speculative step over a ragged batch: draft, verify in one target forward, accept.
+A sampling request verifies ``w = min(m, k) + 1`` positions (``m`` drafts proposed); rejected KV
+is rolled back by lowering counters, and a tree's accepted path is compacted at the next step."""
 
 from __future__ import annotations
 
@@ -31,14 +21,12 @@ from runtime.runner import ModelRunner, SeqInput, StepResult
 
 @dataclass(frozen=True)
 class Emission:
-    """What one step produced for one request."""
-
     tokens: tuple[int, ...]  # accepted drafts, then the recovered or bonus token; () mid-prompt
     num_drafted: int  # draft tokens tested (a tree: its depth, the positions it offered)
     num_accepted: int
-    num_fed: int  # tokens the target computed for this request in this step
-    rows: tuple[int, ...] = ()  # each token's row in the step's logits (the one it came from)
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asks for them
+    num_fed: int
+    rows: tuple[int, ...] = ()  # each token's row in the step's logits
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 NO_DRAFT = DraftProposal((), None)
@@ -46,15 +34,12 @@ NO_DRAFT = DraftProposal((), None)
 
 @dataclass(frozen=True, eq=False)
 class SeqStep:
-    """One request's part in a step, built once before the forward: what the target computes
-    for it, and where its rows lie in the step's outputs."""
-
     req: Request
-    pending: tuple[int, ...]  # its known tokens not yet in the KV cache
-    proposal: DraftProposal  # NO_DRAFT unless it samples
-    width: int  # output positions it verifies, one logit row each (0: mid-prompt, no sample)
-    first_row: int  # its first row in the step's logits
-    offset: int  # its first token among the step's new tokens (rows of ``all_hidden``)
+    pending: tuple[int, ...]  # known tokens not yet in the KV cache
+    proposal: DraftProposal
+    width: int  # output positions it verifies, one logit row each (0: mid-prompt)
+    first_row: int
+    offset: int  # its first row of ``all_hidden``
 
     @property
     def samples(self) -> bool:
@@ -72,7 +57,7 @@ class SeqStep:
 
     @property
     def tested(self) -> tuple[int, ...]:
-        """A chain's drafts the rejection rule tests: ``w`` or ``w - 1`` (``decode.rejection``)."""
+        """A chain's drafts the rejection rule tests: ``w`` or ``w - 1``."""
         return self.proposal.tokens[: self.width]
 
     @property
@@ -83,17 +68,9 @@ class SeqStep:
 def _propose(
     drafter: Drafter | None, reqs: Sequence[Request], samples: Sequence[bool], ks: Sequence[int]
 ) -> list[DraftProposal]:
-    """Each sampling request's proposal for the ``k + 1`` positions after its known tokens.
-
-    A request granted ``k = 0`` verifies no draft, so a model drafter is not run for it (no
-    draft round): it gets only what costs no forward (``Drafter.propose_free``: lookup), which
-    keeps its acceptance estimate learning where lookup matches. The exception is a
-    client-seeded sampled request: a position's token depends on whether a draft was offered
-    there, and offering one at every position keeps its tokens independent of the k the
-    planner picked.
-    """
-    # Position 0 (the first token of a prompt computed here) is never drafted: prefill samples
-    # it plainly too, so both modes produce it by the same rule.
+    """Proposals for the ``k + 1`` positions after each sampling request's known tokens. ``k = 0``
+    gets only ``propose_free`` (no draft round), except a client-seeded sampled request, whose
+    tokens must not depend on k. Position 0 is never drafted, as on prefill."""
     out = [NO_DRAFT] * len(reqs)
     if drafter is None:
         return out
@@ -117,7 +94,6 @@ def _seq_steps(
     new_tokens: Sequence[int],
     ks: Sequence[int],
 ) -> list[SeqStep]:
-    """Each request's part in the step, its drafts proposed and its rows laid out in order."""
     pending = [
         r.token_slice(r.num_computed, r.num_computed + n)
         for r, n in zip(reqs, new_tokens, strict=True)
@@ -136,8 +112,6 @@ def _seq_steps(
 
 
 def _width(prop: DraftProposal, k: int) -> int:
-    """Rows a sampling request's verification reads: a chain's first ``min(m, k)`` drafts and
-    the position after them; a tree's root and every node."""
     if prop.parents is not None:
         return len(prop.tokens) + 1
     return min(len(prop.tokens), k) + 1
@@ -154,11 +128,11 @@ def decode_step(
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
     batch = [_seq_input(s) for s in steps]
     for r in reqs:
-        r.kv_moves = ()  # owed compaction travels with this step (runtime.runner.run_step)
+        r.kv_moves = ()  # owed compaction travels with this step's input
     out = target.run(batch)
 
     for s in steps:
-        if not s.samples:  # mid-prompt: its chunk is computed, nothing sampled
+        if not s.samples:
             _observe(drafter, s.req, out.all_hidden[s.offset : s.offset + len(s.pending)])
             s.req.num_computed += len(s.pending)
     chains = [s for s in steps if s.samples and not s.is_tree]
@@ -173,9 +147,6 @@ def decode_step(
 def _with_logprobs(
     logits: torch.Tensor, steps: Sequence[SeqStep], emissions: list[Emission]
 ) -> list[Emission]:
-    """``emissions`` with the target's log-probabilities of each emitted token, for the
-    requests that ask for them, read from the rows that produced the tokens (logits: [rows, V])
-    in one batch."""
     asks = [
         i
         for i, (s, em) in enumerate(zip(steps, emissions, strict=True))
@@ -195,27 +166,19 @@ def _with_logprobs(
 
 
 def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int, int | None]]:
-    """Per chain: the drafts accepted and the recovered or bonus token after them (None when
-    every position was a draft that passed), read from the device in one copy.
-
-    Greedy chains compare drafts with the argmax (``verify_greedy``, ``StepResult.argmax``);
-    sampled ones run the rejection rule over their distributions, and draw the final token at
-    its position's uniform.
-    """
+    """Per chain: (drafts accepted, the recovered or bonus token or None), in one device copy."""
     if not chains:
         return []
     logits = out.logits  # [rows, V]
     dev = logits.device
     greedy = [s for s in chains if s.req.sampling.greedy]
     sampled = [s for s in chains if not s.req.sampling.greedy]
-    counts: list[torch.Tensor] = []  # [B] per group: accepted, has final, final token
+    counts: list[torch.Tensor] = []  # [3, B] per group: accepted, has final, final token
     for group in (greedy, sampled):
         if not group:
             continue
         if group is greedy and all(s.width == 1 for s in group):
-            # One row a chain (no draft verified; at most a free draft tested against the
-            # target's token, ``_propose``): ``verify_greedy`` reduces to comparing each row's
-            # argmax with that draft, without its ragged layout.
+            # one row a chain: compare each row's argmax with its free draft, if any
             rows_of = [s.first_row for s in group]
             every = rows_of == list(range(logits.shape[0]))
             final = out.argmax(slice(None) if every else rows_of)  # [B]
@@ -248,9 +211,9 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
 def _draw_finals(
     dist: torch.Tensor, accepted: torch.Tensor, reqs: Sequence[Request], widths: Sequence[int]
 ) -> torch.Tensor:
-    """[B] each sampled chain's recovered or bonus token, drawn from ``dist`` [B, V] at its
-    position (after the accepted drafts): the uniforms of every position it could land on are
-    computed on the host at once, and the one it did land on is picked on the device."""
+    """[B] each sampled chain's final token, drawn from ``dist`` [B, V] at the position it
+    reached: every candidate position's uniform is made on the host, the landed one picked on
+    the device."""
     u_all = uniforms(*_positions(reqs, widths), Stream.SAMPLE)  # [sum w_i]
     ws = torch.tensor(list(widths), device=dist.device)
     landed = torch.cumsum(ws, 0) - ws + accepted.clamp(max=ws - 1)  # [B] its position's row
@@ -260,7 +223,6 @@ def _draw_finals(
 def _positions(
     reqs: Sequence[Request], counts: Sequence[int]
 ) -> tuple[list[SamplingParams], list[int]]:
-    """Each request's params and output positions for its next ``counts[i]`` positions."""
     params: list[SamplingParams] = []
     positions: list[int] = []
     for r, c in zip(reqs, counts, strict=True):
@@ -271,8 +233,8 @@ def _positions(
 
 
 def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | None:
-    """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot. A
-    batch mixing both (lookup-first drafting) gives its one-hot drafts one-hot rows."""
+    """[sum t_i, V] the tested drafts' distributions (one-hot rows where a draft has none), or
+    None when every draft is one-hot."""
     if all(s.proposal.probs is None for s in group):
         return None
     rows = []
@@ -287,8 +249,6 @@ def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | No
 
 
 def _seq_input(s: SeqStep) -> SeqInput:
-    """What the target computes for ``s``: its pending tokens, then the drafts it verifies.
-    A greedy request that reports no logprobs reads only its rows' argmax."""
     r, n = s.req, len(s.pending)
     only = r.sampling.greedy and r.sampling.logprobs is None
     logit_rows = list(range(n - 1, n - 1 + s.width))
@@ -297,7 +257,7 @@ def _seq_input(s: SeqStep) -> SeqInput:
         return SeqInput(
             r.block_table, r.num_computed, tokens, logit_rows, kv_moves=r.kv_moves, argmax_only=only
         )
-    # The pending tokens as a chain, the draft tree hanging from the last of them.
+    # the pending tokens as a chain, the draft tree hanging from the last of them
     parents = chain_parents(n) + tuple(n - 1 if q < 0 else n + q for q in s.proposal.parents)
     return SeqInput(
         r.block_table,
@@ -313,24 +273,20 @@ def _seq_input(s: SeqStep) -> SeqInput:
 def _accept_chain(
     drafter: Drafter | None, s: SeqStep, out: StepResult, n: int, final: int | None
 ) -> Emission:
-    """Keep a chain's ``n`` accepted drafts and the token after them (``final``)."""
     r, tested = s.req, s.tested
     emitted = tested[:n] + ((final,) if final is not None else ())
-    # KV now holds the pending tokens and the accepted drafts that were fed.
-    valid = len(s.pending) + min(n, s.width - 1)
+    valid = len(s.pending) + min(n, s.width - 1)  # in KV: pending and the fed accepted drafts
     _observe(drafter, r, out.all_hidden[s.offset : s.offset + valid])
     r.num_computed += valid
     r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
-    rows = tuple(range(s.first_row, s.first_row + len(emitted)))  # token j: the chain's row j
+    rows = tuple(range(s.first_row, s.first_row + len(emitted)))
     return Emission(emitted, len(tested), n, s.num_fed, rows)
 
 
 def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emission:
-    """Verify a greedy request's draft tree (``decode.tree_verify``) and keep the accepted
-    path's KV, compacted into the chain layout at the start of its next step."""
+    """Walk a greedy request's draft tree; its accepted path's KV is compacted at its next step."""
     r, prop = s.req, s.proposal
     assert prop.parents is not None
-    # A greedy request's token is the argmax of its logits (models.sampling.sample_rows).
     best = out.argmax(slice(s.first_row, s.first_row + s.width))  # [1 + nodes]
     path, final = accept_greedy_path(best.tolist(), prop.tokens, prop.parents)
     n = len(s.pending)
@@ -347,7 +303,6 @@ def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emissi
 
 
 def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:
-    """Hand a drafter that reads target features those of the positions that stayed valid
-    (features: [n, H])."""
+    """features: [n, H] of the positions that stayed valid."""
     if drafter is not None and drafter.needs_features:
         drafter.observe(r, features)

@@ -1,15 +1,5 @@
-"""How many tokens each request speculates this step: pinned, or chosen for goodput.
-
-Adaptive mode picks ``k_i`` per request to maximise the step's expected goodput
-(``speculation.goodput.choose_ks``) from each request's acceptance estimate (prefill's probe
-at first, then the running average of what it actually accepts) and this replica's step-time
-model, measured at start-up (``runtime.step_timing``, cached on disk per model, dtype, device,
-TP size, threads and shapes) and refined by the steps it runs
-(``speculation.step_time.StepTimeTracker``). Pinned mode always asks for ``k``. Either way,
-a request whose tokens must not depend on the batch while its drafter's proposals depend on
-where each step began (``Drafter.step_dependent``, with a client-chosen seed and sampling) is
-held at its cap every step.
-"""
+"""How many tokens each request speculates per step: pinned ``k``, or chosen for goodput from
+acceptance estimates and the replica's step-time model (``speculation.goodput.choose_ks``)."""
 
 from __future__ import annotations
 
@@ -39,25 +29,12 @@ from speculation.step_time import StepTimeModel, StepTimeTracker
 
 EMA = 0.2  # weight of a request's newest verified step in its acceptance estimate
 PRIOR_EMA = 0.01  # weight of any request's verified step in the replica's prior
-IDLE_EMA = (
-    0.05  # how far a request's estimate relaxes toward the prior per step it verified no draft
-)
+IDLE_EMA = 0.05  # how far an estimate relaxes toward the prior per step verifying no draft
 
 
 class SpeculationPolicy:
-    """Speculation lengths per step, and the acceptance estimates they are chosen from.
-
-    A request's estimate starts from prefill's probe or, without one (colocated mode, a probe
-    that did not run), from the replica's prior: the slow average of what every request here
-    has accepted, so a request is not judged by its first verified step alone (one lucky draft
-    would read as certain acceptance). Either is then calibrated by what finished requests of
-    the same temperature and probe bins accepted here (``speculation.calibration``).
-
-    With ``tpot_slo_s`` (adaptive mode), drafts push no request's time per output token past
-    the SLO (``choose_ks``): a replica serving an SLO gives up the throughput of drafts that
-    would make the requests beside them miss it, up to ``tpot_slo_max_loss`` of a step's
-    goodput.
-    """
+    """A request's acceptance estimate starts from prefill's probe, else the replica's slowly
+    averaged prior (one lucky draft must not read as certainty), calibrated per cell."""
 
     def __init__(
         self,
@@ -71,20 +48,19 @@ class SpeculationPolicy:
         alarm: AcceptanceAlarm | None = None,
     ) -> None:
         self.k_max = k_max
-        self.tpot_slo_s = tpot_slo_s  # adaptive drafts push no request's TPOT past it
-        self.tpot_slo_max_loss = tpot_slo_max_loss  # unless that costs more goodput than this
+        self.tpot_slo_s = tpot_slo_s
+        self.tpot_slo_max_loss = tpot_slo_max_loss
         self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
-        self.step_dependent = step_dependent  # the drafter's proposals depend on a step's start
+        self.step_dependent = step_dependent
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
-        self.draft_cost = DraftCost()  # what a draft token adds to the target's step
-        self.drafter = drafter  # whose draft rounds (DraftRounds) a step pays, if any
+        self.draft_cost = DraftCost()
+        self.drafter = drafter
         self.calibration = AcceptanceCalibration()
         self.alarm = alarm if alarm is not None else AcceptanceAlarm(0.5, 1024)
 
     def start(self, r: Request) -> None:
-        """``r`` joins the batch: its first estimate is its calibration cell's (once per
-        request; a preempted one keeps what it has learned)."""
+        """Start ``r`` from its calibration cell (once: a preempted request keeps its estimate)."""
         if r.calibration_key is not None:
             return
         temperature = 0.0 if r.sampling.greedy else r.sampling.temperature
@@ -93,8 +69,7 @@ class SpeculationPolicy:
         r.acceptance_estimate = self.alarm.backoff(r.calibration_key, r.start_estimate)
 
     def finished(self, r: Request) -> None:
-        """``r`` finished: what it accepted calibrates the requests of its cell after it, and
-        is held against what its starting estimate predicted (``AcceptanceAlarm``)."""
+        """What ``r`` accepted calibrates its cell and is checked by the acceptance alarm."""
         if r.calibration_key is not None:
             drafted, accepted = r.stats.num_draft_tokens, r.stats.num_accepted_tokens
             self.calibration.record(r.calibration_key, drafted, accepted)
@@ -102,9 +77,7 @@ class SpeculationPolicy:
                 self.alarm.record(r.calibration_key, r.start_estimate, drafted, accepted)
 
     def seed(self, cells: Sequence[Cell]) -> float:
-        """Start from other replicas' calibration cells (same drafter and target; see
-        ``speculation.calibration``): the cells, and the prior as their overall acceptance
-        once they hold ``PRIOR_TOKENS`` draft tokens. Returns the draft tokens seeded."""
+        """Start from other replicas' calibration cells; returns the draft tokens seeded."""
         seeded = self.calibration.seed(cells)
         drafted = sum(c.drafted for c in cells)
         if drafted >= PRIOR_TOKENS:
@@ -112,25 +85,20 @@ class SpeculationPolicy:
         return seeded
 
     def estimate(self, r: Request) -> float:
-        """The acceptance rate ``r`` is expected to have on its next drafts."""
         return self.prior if r.acceptance_estimate is None else r.acceptance_estimate
 
     def learn(self, r: Request, drafted: int, accepted: int) -> None:
-        """``r`` had ``accepted`` of ``drafted`` draft tokens accepted this step."""
         rate = accepted / drafted
         r.acceptance_estimate = (1 - EMA) * self.estimate(r) + EMA * rate
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * rate
 
     def rest(self, r: Request) -> None:
-        """``r`` verified no draft this step (granted none, or nothing was proposed): with no
-        evidence, its estimate relaxes toward the replica's prior, so a request the planner
-        stopped drafting for is tried again once the prior says it may pay (it would
-        otherwise never verify another draft to learn from)."""
+        """``r`` verified no draft: its estimate relaxes toward the prior, so a request no longer
+        granted drafts is tried again once the prior says they may pay."""
         est = self.estimate(r)
         r.acceptance_estimate = est + IDLE_EMA * (self.prior - est)
 
     def draft_width(self, r: Request) -> int:
-        """Tokens each draft level of ``r`` puts in a step: its tree's width when greedy."""
         return self.tree_width if r.sampling.greedy else 1
 
     @property
@@ -139,25 +107,19 @@ class SpeculationPolicy:
 
     @property
     def step_time(self) -> StepTimeModel | None:
-        """The step-time model now in use (start-up, refined by the steps run since)."""
         return self.tracker.model if self.tracker is not None else None
 
     def observe(self, seqs: int, tokens: int, seconds: float, in_rounds_s: float = 0.0) -> None:
-        """A decode step of ``seqs`` sequences scored ``tokens`` in ``seconds``, of which
-        ``in_rounds_s`` went to draft rounds (``DraftRounds``). Adaptive mode learns
-        from the rest the target's step time and what a draft token adds to it; the rounds are
-        priced per step apart (``choose_ks``'s ``round_s``)."""
+        """A decode step: its draft rounds (``in_rounds_s``) are priced apart; the rest teaches
+        the step-time model and the cost of a draft token."""
         if self.tracker is not None:
             target_s = seconds - in_rounds_s
             self.tracker.observe(tokens, target_s)
             self.draft_cost.observe(seqs, tokens - seqs, target_s)
 
     def held(self, r: Request) -> bool:
-        """Whether ``r`` speculates its full cap every step, whatever the batch: a client-seeded
-        sampled request on a replica whose drafter's proposal at a position depends on where
-        the step began (an EAGLE head). Its tokens then depend on its speculation lengths; held
-        at the cap (fixed by ``k_max``, ``max_tokens`` and its own length), they are the same
-        whatever shares its batch. Goodput choice and the token budget do not apply to it."""
+        """Whether ``r`` drafts its full cap every step (client-seeded, sampled, with a
+        ``step_dependent`` drafter), so its tokens do not depend on the batch."""
         return self.step_dependent and r.sampling.seeded and not r.sampling.greedy
 
     def choose(
@@ -169,7 +131,7 @@ class SpeculationPolicy:
         if not any(held):
             return self._choose(reqs, caps, fixed_tokens, budget, len(reqs), 0)
         free = [i for i, h in enumerate(held) if not h]
-        taken = sum(1 + caps[i] for i, h in enumerate(held) if h)  # tokens the held ones score
+        taken = sum(1 + caps[i] for i, h in enumerate(held) if h)
         got = self._choose(
             [reqs[i] for i in free],
             [caps[i] for i in free],
@@ -192,8 +154,6 @@ class SpeculationPolicy:
         seqs: int,
         paid_rounds: int,
     ) -> list[int]:
-        """``choose`` over the requests not held (``seqs``: all that decode this step;
-        ``paid_rounds``: draft rounds the held ones run anyway)."""
         if not reqs:
             return []
         costs = [self.draft_width(r) for r in reqs]

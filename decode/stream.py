@@ -1,14 +1,6 @@
-"""A decode request's outputs as they cross the hop to the ingress: coalesced.
-
-The engine thread hands one ``StepOutput`` per step per request to the request's queue. Each
-message to the ingress costs a Serve streaming round trip and the ingress's work per chunk, so
-``coalesced`` sends at most one message per wake-up: whatever steps queued while the previous
-message was in flight go out as one, and with ``interval_s`` > 0 a stream's messages are held
-until that long after the previous one (tokens of a fast stream travel together; vLLM's
-``stream_interval`` does the same in tokens). The first message and the last are never held:
-time to first token and the end of a request are what clients wait on. A request with several
-choices (``n``) shares one queue: what queued is coalesced per choice.
-"""
+"""A decode request's outputs coalesced for the hop to the ingress (each message is a Serve
+round trip): at most one per wake-up, held ``interval_s`` after the previous one (like vLLM's
+``stream_interval``); the first and last are never held."""
 
 from __future__ import annotations
 
@@ -19,8 +11,7 @@ from decode.outputs import StepOutput
 
 
 def coalesce(outs: Sequence[StepOutput]) -> StepOutput:
-    """Consecutive outputs of one request as one: tokens and log-probabilities in order, the
-    last one's finish, error and running speculation totals, the per-step counts summed."""
+    """Consecutive outputs of one request as one."""
     if len(outs) == 1:
         return outs[0]
     last = outs[-1]
@@ -37,7 +28,6 @@ def coalesce(outs: Sequence[StepOutput]) -> StepOutput:
 
 
 def _per_sequence(outs: Sequence[StepOutput]) -> list[StepOutput]:
-    """``outs`` coalesced per request id, in the order each id first appears."""
     by_id: dict[str, list[StepOutput]] = {}
     for o in outs:
         by_id.setdefault(o.request_id, []).append(o)
@@ -47,14 +37,13 @@ def _per_sequence(outs: Sequence[StepOutput]) -> list[StepOutput]:
 async def coalesced(
     q: asyncio.Queue[StepOutput], interval_s: float, sequences: int = 1
 ) -> AsyncIterator[StepOutput]:
-    """The outputs of ``sequences`` sequences (a request's choices) from ``q``, coalesced per
-    sequence (module doc), until each has finished or one has failed (an error ends them all).
-    A sequence's end is never held back by the interval."""
+    """Outputs of a request's ``sequences`` choices from ``q``, coalesced per choice, until all
+    finish or one fails."""
     loop = asyncio.get_running_loop()
-    sent_at: float | None = None  # when the previous message went out (None: none yet)
-    left = sequences  # sequences not yet finished
+    sent_at: float | None = None
+    left = sequences
 
-    def last(outs: list[StepOutput]) -> bool:  # the batch ends the stream
+    def last(outs: list[StepOutput]) -> bool:
         return any(o.error is not None for o in outs) or sum(o.finished for o in outs) >= left
 
     while True:

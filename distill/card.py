@@ -87,7 +87,6 @@ def render_readme(card: dict[str, Any]) -> str:
 
 
 def coverage(draft_ids: Sequence[int], tokens: Sequence[int]) -> float:
-    """Fraction of ``tokens`` inside the draft vocabulary."""
     inside = set(draft_ids)
     return sum(t in inside for t in tokens) / max(len(tokens), 1)
 

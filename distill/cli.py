@@ -1,18 +1,5 @@
-"""``tandem distill``: make an EAGLE-style draft head for a target, from ShareGPT conversations.
-
-Three resumable stages under ``--work-dir``: the target's features over the training and the
-held-out conversations (``distill.data``), training (``distill.train``; a
-checkpoint every ``--checkpoint-every`` steps), and evaluation on the held-out split
-(``distill.evaluate``). Re-running the same command continues where it stopped. ``--kind``
-makes an EAGLE-1/2-style head (``eagle``: the target's final hidden state in) or an EAGLE-3
-one (``eagle3``: three of its residual streams in, the published layout).
-
-The head is written to ``--out`` with ``models.eagle.save_eagle`` plus ``card.json`` and
-``README.md``, unless ``--out`` already holds a head for the same target that does better on
-the same held-out conversations (greedy tokens per forward at ``--eval-depth`` drafts): then
-the new head goes to ``<work-dir>/candidate`` and the card of both says why
-(``--replace`` ships it regardless).
-"""
+"""``tandem distill``: train an EAGLE-style draft head in resumable stages (features, training,
+held-out evaluation) and ship it to ``--out`` unless the head there does better."""
 
 from __future__ import annotations
 
@@ -42,7 +29,7 @@ from models.weights import load_state_dict, resolve_checkpoint
 
 @dataclass(frozen=True)
 class DistillPlan:
-    target: str  # a model spec for models.weights.resolve_checkpoint
+    target: str
     out: Path
     work_dir: Path
     train_conversations: int
@@ -55,16 +42,15 @@ class DistillPlan:
     device: str
     save_dtype: str
     dataset: Path | None = None  # a ShareGPT-format JSON file; None: the packaged ShareGPT V3
-    target_dtype: str = "float32"  # the target's dtype while extracting features
+    target_dtype: str = "float32"
     shard_size: int = 64
-    replace: bool = False  # ship over a head in ``out`` even where that one does better
+    replace: bool = False
 
 
 def frequent_ids(
     tokens: torch.Tensor, vocab: int, size: int, always: tuple[int, ...]
 ) -> torch.Tensor:
-    """The ``size`` most frequent ids of ``tokens`` (ties: lower id first), ``always`` included,
-    sorted ascending (the order of the draft vocabulary)."""
+    """The ``size`` most frequent ids (ties: lower id), ``always`` included, sorted ascending."""
     counts = torch.bincount(tokens, minlength=vocab).double()
     counts[list(always)] = float("inf")
     order = sorted(range(vocab), key=lambda i: (-counts[i].item(), i))[:size]
@@ -72,8 +58,7 @@ def frequent_ids(
 
 
 def _extract(plan: DistillPlan, folder: Path, tok: Tokenizer, spec: ModelSpec) -> float:
-    """Feature caches for both splits (with EAGLE-3's streams for an EAGLE-3 head); returns
-    the seconds spent this run."""
+    """Feature caches for both splits; returns the seconds spent this run."""
     t0 = time.perf_counter()
     layers = LlamaConfig.from_folder(folder).num_layers
     aux = default_aux_layers(layers) if plan.train.eagle3 else ()
@@ -229,11 +214,8 @@ def run(
 def _incumbent(
     plan: DistillPlan, target: Path, eval_c: Corpus, lm: torch.Tensor
 ) -> dict[str, Any] | None:
-    """The head already in ``plan.out``, measured on this run's held-out conversations with
-    this run's target: its kind and greedy tokens per forward at ``plan.eval_depth``; None
-    where there is none, or it reads streams this run's features lack. (Not compared by
-    fingerprint: the same checkpoint converted by another transformers version has another,
-    and a head that loads against this target is what it would serve with.)"""
+    """The head in ``plan.out`` measured on this run's held-out data; None if none or it reads
+    missing streams. Not compared by fingerprint: what loads against this target is what serves."""
     if not (plan.out / "config.json").exists():
         return None
     card_path = plan.out / "card.json"
@@ -269,7 +251,6 @@ def _ship(head: EagleHead, plan: DistillPlan) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    """Register ``tandem distill`` on the CLI's subparsers."""
     d = TrainConfig()
     p = sub.add_parser("distill", help="train an EAGLE draft head for a target (resumable)")
     p.add_argument("--target", default="embedded", help="the target model (default: embedded)")

@@ -1,15 +1,5 @@
-"""Distillation data: ShareGPT conversations under the target's chat template, teacher-forced
-through the target once, with its features cached on disk.
-
-A conversation becomes the token ids of the whole transcript (system prompt, every user and
-assistant turn; truncated to ``max_len``) and a mask of the tokens the assistant generated.
-The target's final hidden states (after its last norm) at every position are an EAGLE-1/2
-head's input features and, through the target's LM head, every head's labels; an EAGLE-3
-head reads three of the target's residual streams instead (``LlamaModel.feature_layers``),
-cached beside them when the model names them. The target runs once per conversation and the
-features are kept in float16 shards (``shard_00000.safetensors`` …). Extraction resumes shard
-by shard; a manifest pins what the cache was made from.
-"""
+"""Distillation data: ShareGPT transcripts under the target's chat template, teacher-forced
+through the target once, its features cached in resumable float16 shards pinned by a manifest."""
 
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ from models.llama import LlamaModel
 from models.tokenizer import Tokenizer
 from runtime.backends import model_attention_spec
 
-BLOCK = 16  # block size of the scratch KV pool the target prefills into
+BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -42,10 +32,9 @@ class Encoded:
 
 
 def encode(tok: Tokenizer, conv: Conversation, max_len: int) -> Encoded | None:
-    """The transcript's ids under the chat template and the assistant-token mask, or None when
-    the conversation has no assistant turn inside the first ``max_len`` tokens."""
+    """Transcript ids and assistant-token mask; None without an assistant turn in ``max_len``."""
     msgs = conv.messages()
-    while msgs and msgs[0]["role"] == "assistant":  # a transcript starts with the user
+    while msgs and msgs[0]["role"] == "assistant":
         msgs = msgs[1:]
     ids: list[int] = []
     gen: list[bool] = []
@@ -70,18 +59,15 @@ def encode(tok: Tokenizer, conv: Conversation, max_len: int) -> Encoded | None:
 
 @dataclass(frozen=True)
 class SplitSpec:
-    """Which conversations a cache holds (recorded in the manifest and the model card)."""
-
     held_out_per_mille: int  # sha256(base id) mod 1000 below this: held out (distill.sharegpt)
-    held_out: bool  # this cache is the held-out side
+    held_out: bool
     count: int  # the first ``count`` usable conversations of that side, in file order
-    max_len: int  # tokens per conversation, at most
-    skip: int = 0  # usable conversations of that side to pass over first
+    max_len: int
+    skip: int = 0
 
 
 def select(tok: Tokenizer, split: SplitSpec, dataset: Path | None = None) -> Iterator[Encoded]:
-    """The split's conversations, encoded, in file order (``dataset``: a ShareGPT-format JSON
-    file instead of the packaged one)."""
+    """The split's conversations, encoded, in file order (``dataset``: instead of the packaged)."""
     seen = 0
     made = 0
     for conv in iter_conversations(dataset):
@@ -104,12 +90,12 @@ class Corpus:
     """Conversations end to end: row ``r`` spans ``offsets[r]:offsets[r + 1]`` of the tensors."""
 
     feats: torch.Tensor  # [N, H] float16, the target's final hidden states
-    ids: torch.Tensor  # [N] int64
-    generated: torch.Tensor  # [N] bool
+    ids: torch.Tensor
+    generated: torch.Tensor
     offsets: torch.Tensor  # [R + 1] int64
-    conv_ids: tuple[str, ...]  # [R] the ShareGPT id of each row
+    conv_ids: tuple[str, ...]
     aux: torch.Tensor | None = None  # [N, 3H] float16, EAGLE-3's streams, where cached
-    aux_layers: tuple[int, ...] = ()  # the target layers whose input streams ``aux`` holds
+    aux_layers: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -124,8 +110,7 @@ class Corpus:
         return self.feats[a:b], self.ids[a:b], self.generated[a:b]
 
     def inputs(self, r: int, eagle3: bool) -> torch.Tensor:
-        """What a head reads at each position of row ``r``: [n, 3H] EAGLE-3's streams, else
-        [n, H] the final hidden states."""
+        """Row ``r``'s head inputs: [n, 3H] EAGLE-3's streams, else [n, H] final hidden states."""
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         if not eagle3:
             return self.feats[a:b]
@@ -138,7 +123,6 @@ class Corpus:
 
 
 def check_streams(head: EagleHead, corpus: Corpus) -> None:
-    """Refuse, naming both, an EAGLE-3 head whose streams are not the ones cached."""
     if head.cfg.eagle3 and head.cfg.aux_layers != corpus.aux_layers:
         raise ValueError(
             f"the EAGLE-3 head reads target streams {head.cfg.aux_layers}; this feature cache "
@@ -147,8 +131,7 @@ def check_streams(head: EagleHead, corpus: Corpus) -> None:
 
 
 def target_features(model: LlamaModel, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's final hidden states over ``ids`` in one prefill, [T, H] (model dtype), and
-    the streams entering its ``feature_layers`` concatenated, [T, 3H] (None without them)."""
+    """Final hidden states [T, H] and ``feature_layers`` streams [T, 3H] (or None), one prefill."""
     c = model.cfg
     nb = (len(ids) + BLOCK - 1) // BLOCK
     pool = torch.zeros(
@@ -171,9 +154,8 @@ def build_cache(
     shard_size: int,
     progress: Callable[[int], None],
 ) -> None:
-    """Run the target over ``convs`` into float16 shards under ``folder``; shards already there
-    (from an interrupted run with the same manifest) are kept and their conversations skipped.
-    ``progress`` is called with the number of tokens of each conversation done."""
+    """Run the target over ``convs`` into float16 shards under ``folder``, keeping shards already
+    there (same manifest); ``progress`` gets each conversation's token count."""
     folder.mkdir(parents=True, exist_ok=True)
     mpath = folder / "manifest.json"
     if mpath.exists() and json.loads(mpath.read_text()) != manifest:
@@ -221,7 +203,6 @@ def _write_shard(
 
 
 def load_corpus(folder: Path) -> Corpus:
-    """Every shard of a finished cache, concatenated in order."""
     if not (folder / "complete").exists():
         raise FileNotFoundError(f"{folder} is not a finished feature cache")
     paths = sorted(folder.glob("shard_*.safetensors"))

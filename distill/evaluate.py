@@ -1,16 +1,5 @@
-"""Teacher-forced acceptance of an EAGLE head on held-out conversations.
-
-At a held-out position ``s`` whose next-but-one token the assistant generated, the target's
-distribution of ``x_{s+2}`` is ``p = softmax(LM head(f_{s+1}))`` and the head's is ``q``; the
-chance the speculative rule accepts the head's token is ``sum_x min(p(x), q(x))`` under the
-request's sampling transform (argmax agreement at temperature 0). At depth ``d`` the head drafts
-from its own previous predictions (``distill.objective.unrolled_forward``), as the drafter does
-for its d-th token; the transcript's tokens stand in for the accepted ones.
-
-``chain_tokens(k)`` — ``1 + sum_d prod_{j <= d} a_j`` — is the expected tokens per target
-forward with ``k`` drafts if acceptances at successive depths are independent;
-``speculation.goodput.expected_tokens(a_1, k)`` assumes every depth accepts like the first.
-"""
+"""Teacher-forced acceptance of an EAGLE head on held-out conversations: at depth ``d`` the head
+drafts from its own predictions, accepted with chance ``sum_x min(p(x), q(x))``."""
 
 from __future__ import annotations
 
@@ -29,14 +18,14 @@ from speculation.goodput import expected_tokens
 class Acceptance:
     temperature: float
     per_depth: tuple[float, ...]  # mean acceptance probability of the d-th draft token
-    positions: int  # held-out positions averaged over (depth 1)
+    positions: int
 
     def expected_tokens(self, k: int) -> float:
         """Tokens per target forward with ``k`` drafts, every depth at the depth-1 rate."""
         return expected_tokens(self.per_depth[0], k)
 
     def chain_tokens(self, k: int) -> float:
-        """Tokens per target forward with ``k`` drafts from the per-depth rates (bonus incl.)."""
+        """``1 + sum_d prod_{j <= d} a_j``: the per-depth rates taken as independent."""
         total, run = 1.0, 1.0
         for a in self.per_depth[:k]:
             run *= a
@@ -48,9 +37,8 @@ class Acceptance:
 def held_out_drafts(
     head: EagleHead, corpus: Corpus, target_lm: torch.Tensor, depth: int, rows: int | None = None
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each row and drafting depth ``d`` (0-based): the head's logits [n, V] and the
-    target's [n, V] at the held-out positions whose next-but-one token the assistant generated.
-    target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
+    """Per row and depth ``d`` (0-based): head and target logits [n, V] at the held-out positions
+    whose next-but-one token the assistant generated. target_lm: [V, H], the full LM head."""
     dev = head.device
     lm = target_lm.to(dev, torch.float32)
     check_streams(head, corpus)
@@ -58,7 +46,7 @@ def held_out_drafts(
         f, x, gen = corpus.row(r)
         t = x.shape[0] - 1  # head positions s = 0 .. t - 1
         f = f.to(dev, torch.float32)
-        inp = corpus.inputs(r, head.cfg.eagle3)[:-1].to(dev, torch.float32)  # [t, F]
+        inp = corpus.inputs(r, head.cfg.eagle3)[:-1].to(dev, torch.float32)
         outs = unrolled_forward(head, x[1:].unsqueeze(0).to(dev), inp.unsqueeze(0), depth)
         s = torch.arange(t)
         labelled = torch.zeros(t, dtype=torch.bool)
@@ -79,7 +67,6 @@ def evaluate(
     temperatures: Sequence[float],
     rows: int | None = None,
 ) -> list[Acceptance]:
-    """target_lm: [V, H] the target's full LM head. Rows are the corpus's first ``rows``."""
     sums = torch.zeros(len(temperatures), depth, dtype=torch.float64)
     counts = torch.zeros(depth, dtype=torch.float64)
     for d, draft, target in held_out_drafts(head, corpus, target_lm, depth, rows):

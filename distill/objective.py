@@ -1,25 +1,6 @@
-"""Training math for the EAGLE head (``models.eagle``): a dense, differentiable forward over whole
-sequences, the distillation losses, and the teacher-forced acceptance metric.
-
-Serving runs the head over a paged KV cache under ``inference_mode``. Training needs gradients
-and whole sequences at once, so this module computes the same function densely from the *same*
-parameters (``fc``, the merged ``qkv_proj`` / ``gate_up_proj``, ``o_proj``, ``down_proj``, the
-post-attention norm, the optional final norm and ``lm_head``): a head trained here and saved
-with ``save_eagle`` serves unchanged through ``EagleRunner``.
-
-Positions follow the drafter (``decode/drafters/eagle.py``): head position ``s`` reads the
-target's feature ``f_s`` and the token ``x_{s+1}``, and its output ``g_s`` should be ``f_{s+1}``,
-whose LM-head distribution is the target's for ``x_{s+2}``.
-
-**Unrolled drafting** (a "training-time test" as in HASS / EAGLE-3). When the drafter proposes
-its d-th token it feeds the head its own previous output instead of a true feature, and that
-query attends to true-feature keys up to where the chain started plus the chain's own keys.
-``unrolled_forward`` reproduces this for every start position at once: at depth ``d`` (1-based)
-position ``s`` reads ``g^{d-1}_{s-1}`` and attends to depth-1 keys ``j <= s - d + 1`` and to the
-depth-``k`` key at ``j = s - d + k`` for ``2 <= k <= d`` — exactly the context the paged head
-sees when a chain started at ``s - d + 1`` reaches depth ``d``. Rows ``s < d - 1`` have no such
-chain and are masked out of losses and metrics.
-"""
+"""Dense, differentiable EAGLE-head forward over whole sequences from the serving head's own
+parameters (so a head trained here serves unchanged), the distillation losses and acceptance.
+Head position ``s`` reads ``f_s`` and ``x_{s+1}``; its output ``g_s`` should be ``f_{s+1}``."""
 
 from __future__ import annotations
 
@@ -38,8 +19,7 @@ from models.sampling import SamplingParams, probs_from_logits
 
 
 def trainable_parameters(head: EagleHead) -> list[nn.Parameter]:
-    """Everything the checkpoint ships (``fc``, the layer, the final norm, a reduced LM head),
-    switched to require gradients; the token embeddings stay the target's, frozen."""
+    """The parameters the checkpoint ships, set to require gradients (embeddings stay frozen)."""
     mods: list[nn.Module] = [head.fc, head.layer, head.norm]
     if head.cfg.draft_vocab_size != head.cfg.vocab_size:
         mods.append(head.lm_head)
@@ -50,9 +30,10 @@ def trainable_parameters(head: EagleHead) -> list[nn.Parameter]:
 
 
 def unrolled_mask(seq_len: int, depth: int, device: torch.device) -> torch.Tensor:
-    """[T, depth * T] bool, True where a depth-``depth`` query may attend (module docstring)."""
-    s = torch.arange(seq_len, device=device).unsqueeze(1)  # [T, 1]
-    j = torch.arange(seq_len, device=device).unsqueeze(0)  # [1, T]
+    """[T, depth * T] bool: a depth-``d`` query ``s`` sees depth-1 keys ``j <= s - d + 1`` and the
+    depth-``k`` key ``j = s - d + k``, the context of a draft chain started at ``s - d + 1``."""
+    s = torch.arange(seq_len, device=device).unsqueeze(1)
+    j = torch.arange(seq_len, device=device).unsqueeze(0)
     blocks = [j <= s - depth + 1] + [j == s - depth + k for k in range(2, depth + 1)]
     return torch.cat(blocks, dim=1)
 
@@ -68,11 +49,9 @@ def dense_attention_mlp(
     values: list[torch.Tensor],
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The attention and MLP halves of a decoder layer over whole sequences, differentiable,
-    from the layer's own (merged) weights. x: [B, T, In] the attention's (normed) input;
-    residual: [B, T, H]. Appends this call's K and V ([B, Hkv, T, D]) to ``keys`` and
-    ``values`` and attends over all of them: causally when ``mask`` is None (one block), else
-    where ``mask`` [T, len(keys) * T] is True."""
+    """Attention and MLP of a decoder layer over whole sequences. x: [B, T, In] normed input;
+    residual: [B, T, H]. Appends K, V [B, Hkv, T, D] to ``keys``/``values`` and attends over all
+    of them: causally when ``mask`` is None, else where ``mask`` [T, len(keys) * T] is True."""
     b, t, _ = x.shape
     hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     cos, sin = rotary_tables(rope.cos, rope.sin, torch.arange(t, device=x.device))
@@ -88,7 +67,7 @@ def dense_attention_mlp(
         is_causal=mask is None,
         scale=attn.scale,
         enable_gqa=hq != hkv,
-    )  # [B, Hq, T, D]
+    )
     h = residual + attn.o_proj(o.transpose(1, 2).reshape(b, t, hq * hd))
     out: torch.Tensor = h + mlp(post_norm(h))
     return out
@@ -103,9 +82,8 @@ def dense_layer(
     mask: torch.Tensor | None,
     embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One head layer over whole sequences (``dense_attention_mlp``). A Llama layer reads x:
-    [B, T, H]; an EAGLE-3 layer reads ``embeds`` [B, T, H] and x = g [B, T, H], its input
-    ``[input_layernorm(embeds); hidden_norm(g)]`` and its residual g (or its norm)."""
+    """One head layer over whole sequences. Llama: x [B, T, H]; EAGLE-3: ``embeds`` and x = g
+    [B, T, H], input ``[input_layernorm(embeds); hidden_norm(g)]``, residual g (or its norm)."""
     post = layer.post_attention_layernorm
     assert isinstance(post, RMSNorm)
     if isinstance(layer, Eagle3Layer):
@@ -132,16 +110,11 @@ def dense_layer(
 def unrolled_forward(
     head: EagleHead, ids: torch.Tensor, feats: torch.Tensor, depth: int
 ) -> list[torch.Tensor]:
-    """ids: [B, T] tokens ``x_{s+1}``; feats: [B, T, F] the target features ``f_s`` the head
-    reads (F = H, or 3H for EAGLE-3's streams).
-
-    Returns ``depth`` tensors [B, T, H]: the head's predicted features at each drafting depth
-    (before its final norm). Padding at the end of a row does not change the rows before it
-    (attention is causal).
-    """
+    """ids: [B, T] tokens ``x_{s+1}``; feats: [B, T, F] features ``f_s`` (F = H, or 3H for
+    EAGLE-3). Returns per depth [B, T, H] the predicted features, before the final norm."""
     layer = head.layer
     assert isinstance(layer, LlamaDecoderLayer | Eagle3Layer)
-    emb = head.embed_tokens(ids)  # [B, T, H], the target's embeddings
+    emb = head.embed_tokens(ids)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
@@ -151,10 +124,10 @@ def unrolled_forward(
             f = torch.cat([torch.zeros_like(outs[-1][:, :1]), outs[-1][:, :-1]], dim=1)
         mask = None if d == 1 else unrolled_mask(ids.shape[1], d, ids.device)
         if isinstance(layer, Eagle3Layer):  # fc maps the target's streams; own g passes as is
-            g = head.fc(f) if d == 1 else f  # [B, T, H]
+            g = head.fc(f) if d == 1 else f
             outs.append(dense_layer(layer, head.rope, g, keys, values, mask, emb))
         else:
-            x = head.fc(torch.cat([emb, f], dim=-1))  # [B, T, H]
+            x = head.fc(torch.cat([emb, f], dim=-1))
             outs.append(dense_layer(layer, head.rope, x, keys, values, mask))
     return outs
 
@@ -167,19 +140,17 @@ def draft_logits(head: EagleHead, hidden: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LossWeights:
-    """How the per-depth terms add up (EAGLE: regression 1.0, distribution 0.1)."""
-
     regression: float = 1.0  # smooth L1 of g_s against f_{s+1}
     distribution: float = 0.1  # KL from the target's distribution of x_{s+2} to the head's
-    depth_decay: float = 0.8  # depth d is weighted decay ** (d - 1)
+    depth_decay: float = 0.8
 
 
 @dataclass(frozen=True)
 class LossParts:
-    total: torch.Tensor  # scalar, differentiable
-    regression: tuple[float, ...]  # per depth, masked mean
+    total: torch.Tensor
+    regression: tuple[float, ...]
     kl: tuple[float, ...]  # KL(p || q) over the draft vocabulary, nats
-    top1: tuple[float, ...]  # argmax agreement with the target (within the draft vocabulary)
+    top1: tuple[float, ...]
 
 
 def distill_loss(
@@ -191,9 +162,8 @@ def distill_loss(
     weights: LossWeights,
 ) -> LossParts:
     """outs: per depth [B, T, H]; next_feats: [B, T, H] the true ``f_{s+1}``; target_rows:
-    [V_draft, H] the target's LM-head rows of the draft vocabulary (the labels are the target's
-    own distribution ``softmax(target_rows @ f_{s+1})``, renormalized over the draft vocabulary
-    as EAGLE-3 does); mask: [B, T] 1.0 where position ``s`` has a label."""
+    [V_draft, H], whose ``softmax(target_rows @ f_{s+1})`` over the draft vocabulary is the label
+    (as EAGLE-3); mask: [B, T] 1.0 where position ``s`` has a label."""
     nf = next_feats.float()
     with torch.autocast(nf.device.type, enabled=False):  # labels at full precision
         logp = torch.log_softmax(nf @ target_rows.float().t(), dim=-1)  # [B, T, V_draft]
@@ -206,9 +176,9 @@ def distill_loss(
         m = mask.clone()
         m[:, :d] = 0.0  # no chain reaches depth d + 1 before position d
         denom = m.sum().clamp_min(1.0)
-        reg = F.smooth_l1_loss(g.float(), nf, reduction="none").mean(-1)  # [B, T]
+        reg = F.smooth_l1_loss(g.float(), nf, reduction="none").mean(-1)
         logq = torch.log_softmax(draft_logits(head, g), dim=-1)  # [B, T, V_draft]
-        kl = neg_entropy - (p * logq).sum(-1)  # [B, T]
+        kl = neg_entropy - (p * logq).sum(-1)
         step = ((weights.regression * reg + weights.distribution * kl) * m).sum() / denom
         total = total + weights.depth_decay**d * step
         with torch.no_grad():
@@ -221,10 +191,9 @@ def distill_loss(
 def teacher_forced_overlap(
     draft_full_logits: torch.Tensor, target_logits: torch.Tensor, temperature: float
 ) -> torch.Tensor:
-    """Per-position acceptance probability of one draft token, ``sum_x min(p(x), q(x))``, with
-    both distributions under the same sampling transform (``models.sampling``): at temperature
-    0 it is argmax agreement. Both logits: [N, V] over the target's full vocabulary."""
+    """[N] acceptance probability of one draft token, ``sum_x min(p(x), q(x))`` under the same
+    sampling transform (argmax agreement at temperature 0). Logits: [N, V], full vocabulary."""
     params = [SamplingParams(temperature=temperature)] * target_logits.shape[0]
     p = probs_from_logits(target_logits.float(), params)
     q = probs_from_logits(draft_full_logits.float(), params)
-    return overlap(p, q)  # [N]
+    return overlap(p, q)

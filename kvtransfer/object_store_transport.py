@@ -1,13 +1,3 @@
-"""The fallback KV transport: block bytes copied through Ray's object store.
-
-Used when NIXL is not installed or fails its start-up self-check (``kvtransfer.select``), never
-silently: the choice is logged and shows in ``/health`` and the metrics. The source copies a
-handoff's blocks out of its pool into one object per handoff (``export``) and ends the lease at
-once; the destination fetches the object asynchronously and copies it into its blocks. Two
-copies and a trip through plasma make it slower than NIXL's one-sided reads; it exists so a
-cluster without RDMA-capable NIXL still serves. One rank per side (``tp_size == 1``).
-"""
-
 from __future__ import annotations
 
 import queue
@@ -32,8 +22,7 @@ class ObjectStoreTransport(KVTransport):
         self.pool = pool
         self.agent_name = f"tandem-{role}-objects-{uuid.uuid4().hex[:12]}"
         self.version = time.time_ns()
-        self._exported: queue.SimpleQueue[str] = queue.SimpleQueue()  # export and completed
-        # run on different threads of the prefill worker
+        self._exported: queue.SimpleQueue[str] = queue.SimpleQueue()
 
     def sources(self) -> tuple[KVSource, ...]:
         return (KVSource(self.name, self.agent_name, self.version, b"", ()),)
@@ -41,7 +30,7 @@ class ObjectStoreTransport(KVTransport):
     def export(self, request_id: str, blocks: Sequence[int], groups: Sequence[str]) -> Any:
         idx = torch.tensor(list(blocks), dtype=torch.long, device=self.pool.device)
         data = {g: self.pool.tensor(g).index_select(1, idx).cpu() for g in groups}
-        self._exported.put(request_id)  # the bytes are out: the blocks can go back now
+        self._exported.put(request_id)
         return ray.put(data)
 
     def completed(self) -> list[str]:
@@ -82,4 +71,4 @@ class ObjectStoreTransport(KVTransport):
         return PullState.DONE
 
     def release(self, pull: PullHandle) -> bool:
-        return True  # bytes land only inside ``poll``; the object goes with its last reference
+        return True

@@ -1,19 +1,4 @@
-"""The KV block pools of one worker: one tensor per KV group (target, draft), same block ids.
-
-Every group's memory is **block-major** (``models.kv_layout``)::
-
-    [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
-
-and the model reads it through the transposed view ``[num_layers, num_blocks, ...]``. Block
-``b`` of layer ``l`` is one contiguous *slab* of ``2 * num_kv_heads`` *chunks* (K of every
-head, then V of every head; a chunk is one head's ``block_size`` tokens), at ``(b * num_layers
-+ l) * slab_bytes``: a block of every layer is one contiguous range of ``block_bytes``, and a
-run of consecutive blocks one range too. A transfer that moves every head therefore takes one
-descriptor per block, or per run of blocks; one that moves a contiguous run of the heads, as a
-rank of a different TP size does, takes two per layer and block (the K part and the V part).
-Target and draft share block ids: a sequence has one block table, and the draft group simply
-has fewer, smaller slabs.
-"""
+"""One worker's KV pools: a block-major tensor per KV group, same block ids (docs/structure.md)."""
 
 from __future__ import annotations
 
@@ -28,21 +13,17 @@ from models.kv_layout import new_kv_pool
 
 @dataclass(frozen=True)
 class KVGroupSpec:
-    """Shape of one model's KV cache on one rank."""
-
-    name: str  # "target" or "draft"
+    name: str
     num_layers: int
-    num_kv_heads: int  # heads held by this rank
+    num_kv_heads: int
     head_dim: int
-    dtype: str  # a key of models.config.DTYPES
+    dtype: str
 
     def chunk_bytes(self, block_size: int) -> int:
-        """Bytes of one chunk: ``block_size`` tokens of one head's K (or V) in one layer."""
         elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
         return block_size * self.head_dim * elem
 
     def block_bytes(self, block_size: int) -> int:
-        """Bytes of one block across every layer of the group (its K and V, every head)."""
         return self.num_layers * 2 * self.num_kv_heads * self.chunk_bytes(block_size)
 
 
@@ -64,12 +45,10 @@ class KVPoolSpec:
 
 
 class KVPool:
-    """Allocated KV tensors of one worker, one per group, on one device."""
-
     def __init__(self, spec: KVPoolSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         self.device = torch.device(device)
-        self.tensors: Mapping[str, torch.Tensor] = {  # as the model sees them
+        self.tensors: Mapping[str, torch.Tensor] = {
             g.name: new_kv_pool(
                 spec.num_blocks,
                 g.num_kv_heads,
@@ -83,12 +62,9 @@ class KVPool:
         }
 
     def tensor(self, group: str) -> torch.Tensor:
-        """The group's pool as the model reads it: [L, NB, 2, Hkv, BS, D], block-major."""
         return self.tensors[group]
 
     def memory(self, group: str) -> torch.Tensor:
-        """The group's memory as it lies: [NB, L, 2, Hkv, BS, D], contiguous (what a transport
-        registers)."""
         out = self.tensors[group].transpose(0, 1)
         assert out.is_contiguous()
         return out
@@ -99,7 +75,6 @@ class KVPool:
 
     @property
     def mem_type(self) -> str:
-        """NIXL's name for where the pool lives."""
         return "VRAM" if self.device.type == "cuda" else "DRAM"
 
     @property
@@ -115,7 +90,6 @@ KV_LAYOUT = "blocks,layers,kv,kv_heads,block_size,head_dim"
 def group_spec(
     name: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tp_size: int = 1
 ) -> KVGroupSpec:
-    """The KV group of a model whose KV heads are split over ``tp_size`` ranks."""
     if num_kv_heads % tp_size:
         raise ValueError(f"{name}: {num_kv_heads} KV heads cannot be split over TP={tp_size}")
     return KVGroupSpec(name, num_layers, num_kv_heads // tp_size, head_dim, dtype)
@@ -128,11 +102,6 @@ def pool_spec_for(
     draft: tuple[int, int, int, str] | None = None,
     tp_size: int = 1,
 ) -> KVPoolSpec:
-    """A pool with a "target" group (and a "draft" group when given).
-
-    ``target`` and ``draft`` are ``(num_layers, num_kv_heads, head_dim, dtype)`` of each model;
-    the target's heads are split over ``tp_size`` ranks, the draft lives whole on one rank.
-    """
     groups = [group_spec("target", *target[:3], target[3], tp_size)]
     if draft is not None:
         groups.append(group_spec("draft", *draft[:3], draft[3]))

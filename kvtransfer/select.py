@@ -1,11 +1,3 @@
-"""Choosing a worker's KV transport: NIXL when it works here, else the object-store fallback.
-
-``auto`` tries NIXL and runs a self-check (a one-block loopback read between two agents on this
-host); if NIXL is missing or the check fails, the fallback is used and the reason is kept for
-``/health`` and logged as a warning. ``nixl`` insists (start-up fails instead); ``object_store``
-picks the fallback outright.
-"""
-
 from __future__ import annotations
 
 import logging
@@ -21,7 +13,6 @@ log = logging.getLogger(__name__)
 
 
 def nixl_self_check(device: str) -> str | None:
-    """None when NIXL moves a block between two local agents bit-exactly; else why not."""
     try:
         from kvtransfer.nixl_transport import NixlTransport
 
@@ -43,16 +34,13 @@ def nixl_self_check(device: str) -> str | None:
         if not torch.equal(a.tensor("target")[:, 1], b.tensor("target")[:, 0]):
             return "loopback read delivered wrong bytes"
         return None
-    except Exception as e:  # missing package, missing UCX transports, registration errors
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
 
 
 def make_transport(
     choice: str, pool: KVPool, role: str, rank: int = 0, tp_size: int = 1
 ) -> tuple[KVTransport, str | None]:
-    """The transport for this worker's pool, and why it is not NIXL (None when it is).
-
-    Ray is imported only for the fallback, so an engine on NIXL runs without it."""
     if choice == "object_store":
         from kvtransfer.object_store_transport import ObjectStoreTransport
 
@@ -66,8 +54,6 @@ def make_transport(
         raise RuntimeError(f"kv.transport=nixl but NIXL does not work here: {reason}")
     if tp_size > 1:
         raise RuntimeError(f"NIXL does not work here ({reason}) and the fallback needs TP = 1")
-    # once per worker, at start-up: every handoff of this worker now goes the slow way, and a
-    # NIXL peer cannot pair with it (the transport is in the compatibility record)
     log.error(
         "kv.transport=auto FELL BACK: NIXL does not work on this %s worker (%s). Its KV moves "
         "through Ray's object store, and a NIXL peer refuses its handoffs. Shown in /health "

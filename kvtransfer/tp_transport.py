@@ -1,15 +1,3 @@
-"""KV transfer over a tensor-parallel group: every rank pulls its own KV heads.
-
-Each rank of a TP group holds its heads of the KV pool and a NIXL agent over them. A handoff's
-sources are the prefill group's rank agents; each decode rank reads its heads from the matching
-source rank (``kvtransfer.resharding`` when the TP sizes differ). ``RankPulls`` is one rank's
-side: its transport, the pulls it has started and their outcomes, and a progress thread that
-collects the exports read from it (leases to end). ``GroupTransport`` is rank 0's view of the
-whole group behind the one ``KVTransport`` interface: a pull is done when every rank's read is,
-and an export is complete when every rank was read. Ranks 1.. are remote (Ray actor handles
-whose methods are ``RankPulls``'): the TP group (``runtime.tp_group``) owns them.
-"""
-
 from __future__ import annotations
 
 import logging
@@ -27,18 +15,16 @@ from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.transport import KVTransport, PullHandle, PullState
 
 log = logging.getLogger(__name__)
-REMOTE_COMPLETIONS_PERIOD_S = 0.01  # how often rank 0 asks the other ranks for completed exports
+REMOTE_COMPLETIONS_PERIOD_S = 0.01
 
 
 class RankPulls:
-    """One TP rank's pulls and exports over its own NIXL transport (thread-safe)."""
-
     def __init__(self, transport: NixlTransport) -> None:
         self.transport = transport
         self.pulls: dict[str, PullHandle] = {}
         self.failed: set[str] = set()
         self._done: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # the transport is touched by calls and the progress loop
+        self._lock = threading.Lock()
         threading.Thread(target=self._progress, daemon=True).start()
 
     def _progress(self) -> None:
@@ -56,12 +42,10 @@ class RankPulls:
         return self.transport.source()
 
     def start_pull(self, handoff: KVHandoff, blocks: Sequence[int]) -> int:
-        """Start reading this rank's heads of ``handoff`` into ``blocks``; the bytes it reads
-        (0 when it could not start: ``poll`` then reports the pull failed)."""
         with self._lock:
             try:
                 pull = self.transport.start_pull(handoff, blocks)
-            except Exception as e:  # KVTransferError, or anything else: this rank posted nothing
+            except Exception as e:
                 log.warning("rank pull of %s failed: %s", handoff.request_id, e)
                 self.failed.add(handoff.request_id)
                 return 0
@@ -69,7 +53,6 @@ class RankPulls:
             return pull.nbytes
 
     def poll(self, request_ids: Sequence[str]) -> dict[str, str]:
-        """The ``PullState`` value of each pull that has one (released by ``release``)."""
         out = {}
         with self._lock:
             for rid in request_ids:
@@ -82,8 +65,6 @@ class RankPulls:
         return out
 
     def release(self, request_ids: Sequence[str]) -> list[str]:
-        """Release these requests' pulls on this rank where their reads have ended; the ids of
-        those whose read is still running (to be released again later)."""
         held = []
         with self._lock:
             for rid in request_ids:
@@ -98,12 +79,10 @@ class RankPulls:
         return held
 
     def outstanding(self) -> int:
-        """Pulls this rank still holds (a leak check: 0 when the engine is idle)."""
         with self._lock:
             return len(self.pulls) + len(self.failed)
 
     def completed(self) -> list[str]:
-        """Request ids whose export from this rank was read since the last call."""
         out = []
         while not self._done.empty():
             out.append(self._done.get_nowait())
@@ -112,24 +91,20 @@ class RankPulls:
 
 @dataclass
 class _Token:
-    local: PullHandle | None  # None: rank 0 could not post (the other ranks may have)
+    local: PullHandle | None
     remote_bytes: int
-    held: set[int]  # ranks whose read may still land (not yet released)
+    held: set[int]
 
 
 class GroupTransport(KVTransport):
-    """NIXL over every rank: a handoff's sources are the ranks' agents; each rank reads its own
-    heads; a pull is done when every rank's read is; a lease ends when every rank was read."""
-
     name = "nixl"
 
     def __init__(self, local: NixlTransport, ranks: Sequence[Any]) -> None:
-        """``local``: rank 0's transport; ``ranks``: handles of ranks 1.. (``RankPulls``)."""
         super().__init__()
         self.local = local
         self.actors = list(ranks)
         self._sources = (local.source(), *ray.get([a.source.remote() for a in self.actors]))
-        self._reported: dict[str, set[int]] = {}  # request id -> ranks whose read was reported
+        self._reported: dict[str, set[int]] = {}
         self._last_remote = 0.0
         self._pending: dict[str, dict[int, str]] = {}
 
@@ -152,14 +127,12 @@ class GroupTransport(KVTransport):
         return done
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
-        """Every rank posts its read. Once ranks 1.. have posted, a failure of rank 0's post
-        does not raise: the others' reads are running into the blocks, so the pull is handed
-        back failed and its blocks stay quarantined until every rank has released its read."""
+        """If rank 0 cannot post after the others did, the pull comes back failed, not raised."""
         remote = ray.get([a.start_pull.remote(handoff, list(local_blocks)) for a in self.actors])
         ranks = set(range(len(self.actors) + 1))
         try:
             local: PullHandle | None = self.local.start_pull(handoff, local_blocks)
-        except Exception as e:  # KVTransferError or not: rank 0 posted nothing
+        except Exception as e:
             log.warning("rank 0 could not post the read of %s: %s", handoff.request_id, e)
             local = None
             ranks.discard(0)
@@ -187,7 +160,7 @@ class GroupTransport(KVTransport):
                     states[rank] = answer[p.request_id]
             if p.token.local is None:
                 states[0] = PullState.FAILED.value
-            elif states.get(0) != PullState.DONE.value:  # rank 0 polled until it lands, once
+            elif states.get(0) != PullState.DONE.value:
                 states[0] = self.local.poll(p.token.local).value
             every_rank_done = all(
                 states.get(r) == PullState.DONE.value for r in range(len(self.actors) + 1)
@@ -204,8 +177,6 @@ class GroupTransport(KVTransport):
         return out
 
     def release(self, pull: PullHandle) -> bool:
-        """Release the pull on every rank still holding it; True once no rank's read can land
-        (a rank whose read is still running is asked again on the next call)."""
         token: _Token = pull.token
         remote = [r for r in token.held if r > 0]
         if remote:
@@ -221,7 +192,6 @@ class GroupTransport(KVTransport):
         return True
 
     def outstanding(self) -> int:
-        """Pulls the ranks 1.. still hold (a leak check)."""
         return sum(ray.get([a.outstanding.remote() for a in self.actors]))
 
     def progress(self) -> None:

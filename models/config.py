@@ -23,11 +23,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """How rotary frequencies are rescaled for long contexts (HF ``rope_scaling`` /
-    ``rope_parameters``): ``default`` none; ``linear`` every frequency divided by ``factor``;
-    ``llama3`` (Llama 3.1 and later) low frequencies divided by ``factor``, high ones kept,
-    and a smooth blend between ``low_freq_factor`` and ``high_freq_factor`` of the original
-    context's wavelengths."""
+    """HF ``rope_scaling``: ``linear`` divides every frequency by ``factor``; ``llama3`` low ones
+    only, blending between ``low_freq_factor`` and ``high_freq_factor``."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -36,15 +33,14 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
-        """[head_dim / 2] the rotary inverse frequencies, rescaled."""
         base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if self.rope_type == "linear":
             return base / self.factor
         if self.rope_type != "llama3":
             return base
         old = self.original_max_position_embeddings
-        low_wavelen = old / self.low_freq_factor  # longer wavelengths: scaled by factor
-        high_wavelen = old / self.high_freq_factor  # shorter ones: kept
+        low_wavelen = old / self.low_freq_factor
+        high_wavelen = old / self.high_freq_factor
         wavelen = 2 * math.pi / base
         scaled = torch.where(wavelen > low_wavelen, base / self.factor, base)
         smooth = (old / wavelen - self.low_freq_factor) / (
@@ -81,8 +77,7 @@ def _rope(cfg: dict[str, Any]) -> RopeScaling:
     )
 
 
-# config fields that change the math, with the value tandem implements: any other value is
-# refused at start-up, naming the field (never served silently wrong)
+# fields that change the math, with the values implemented: others are refused at start-up
 _MUST_BE: dict[str, tuple[object, ...]] = {
     "hidden_act": ("silu",),
     "mlp_bias": (False,),
@@ -115,7 +110,6 @@ def _check_fields(cfg: dict[str, Any]) -> None:
 
 
 def _window(cfg: dict[str, Any]) -> int | None:
-    """The sliding window that changes the attention: one shorter than the context, on."""
     window = cfg.get("sliding_window")
     context = int(cfg.get("max_position_embeddings", 4096))
     if window is None or not cfg.get("use_sliding_window", True) or int(window) >= context:
@@ -125,9 +119,6 @@ def _window(cfg: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-family decoder (Llama 2/3.x, SmolLM, Qwen2/2.5 and Qwen3 without
-    sliding windows, Mistral with or without its window)."""
-
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -142,10 +133,9 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: RopeScaling = RopeScaling()
-    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama's attention_bias)
-    o_bias: bool = False  # the output projection has one (Llama's attention_bias)
-    qk_norm: bool = False  # queries and keys are RMS-normalized per head before RoPE (Qwen3)
-    # each query attends to the keys of its last ``sliding_window`` positions only (Mistral)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None
 
     @property
@@ -158,8 +148,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        """Build from the dict of an HF ``LlamaConfig`` (transformers 4.x or 5.x spelling);
-        a field whose value changes the math in a way tandem does not implement is refused."""
+        """Raises ValueError for a field value that changes the math in an unimplemented way."""
         _check_fields(cfg)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -1,31 +1,6 @@
-"""EAGLE draft heads: the target's own features predict its next features.
-
-**EAGLE-1/2.** At position ``t`` the head reads the target's final hidden state ``f_t`` and the
-embedding of the next token ``x_{t+1}``, mixes them (``fc``: ``[embed; f] -> hidden``), runs
-one Llama decoder layer over its own paged KV (a one-layer "draft" KV group), and produces
-``g_t``, a guess of ``f_{t+1}``. An LM head turns ``g_t`` into a distribution over
-``x_{t+2}``. Drafting several tokens feeds ``g_t`` back as the next feature. Checkpoints use
-the published layout: ``config.json`` (Llama-style sizes; ``bias`` for the fc bias), tensors
-``fc.weight`` (``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
-``layers.0.mlp.{gate,up,down}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` (the
-layer has no input norm), optionally ``embed_tokens.weight`` (else the target's). tandem's own
-heads may add ``norm.weight`` (a norm before the LM head) and a reduced draft vocabulary.
-
-**EAGLE-3** (``architectures: ["LlamaForCausalLMEagle3"]``, the heads SGLang and vLLM serve).
-The target's feature at ``t`` is three of its residual streams concatenated, low, middle and
-high (``eagle_aux_hidden_state_layer_ids``, vLLM's convention: id ``j`` is the stream entering
-target layer ``j``; by default ``(2, L // 2, L - 3)``), and ``fc`` maps those ``3 H_target``
-to the head's width. The layer reads ``[input_layernorm(embed(x_{t+1})); hidden_norm(g)]``
-(``2 H`` wide) in its attention, keeps ``g`` as the residual (``norm_before_residual``: the
-normed one), and its output before the final ``norm`` is the next step's ``g`` (no ``fc``: it
-is already the head's width). Tensors: ``midlayer.*`` (or ``layers.0.*``), ``fc.weight``,
-``norm.weight``, ``lm_head.weight`` ``[V_draft, H]``, ``d2t``, ``t2d``; optionally
-``embed_tokens.weight``.
-
-A reduced draft vocabulary is ``lm_head.weight`` ``[V_draft, H]`` with ``d2t`` (draft id ``i``
-is target id ``i + d2t[i]``); outside it the draft gives probability zero, which speculation's
-rule handles exactly.
-"""
+"""EAGLE draft heads: EAGLE-1/2 mix the target's final hidden state with the next embedding;
+EAGLE-3 reads three residual streams (id j: the stream entering layer j). Draft id i is target id
+``i + d2t[i]``; outside a reduced draft vocabulary the draft gives probability zero."""
 
 from __future__ import annotations
 
@@ -50,18 +25,16 @@ EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def default_aux_layers(target_layers: int) -> tuple[int, int, int]:
-    """The target residual streams an EAGLE-3 head reads when its config names none (vLLM's
-    and SGLang's default): low, middle and high."""
     return (2, target_layers // 2, target_layers - 3)
 
 
 @dataclass(frozen=True)
 class EagleConfig:
-    layer: LlamaConfig  # the head's decoder layer (num_layers = 1)
-    vocab_size: int  # the target's vocabulary
+    layer: LlamaConfig
+    vocab_size: int
     draft_vocab_size: int  # == vocab_size unless the head has a reduced vocabulary
     fc_bias: bool
-    final_norm: bool  # a norm before the LM head (always, for EAGLE-3)
+    final_norm: bool
     eagle3: bool = False
     # EAGLE-3: the target streams it reads (None: ``default_aux_layers`` of the target)
     aux_layers: tuple[int, ...] | None = None
@@ -93,8 +66,6 @@ class EagleConfig:
         )
 
     def for_target(self, target: LlamaConfig) -> EagleConfig:
-        """This head's config resolved against its target: EAGLE-3's streams (checked to lie
-        within the target), and the widths the head borrows from it checked."""
         if not self.eagle3:
             return self
         aux = self.aux_layers or default_aux_layers(target.num_layers)
@@ -112,8 +83,6 @@ class EagleConfig:
 
     @property
     def feature_width(self) -> int:
-        """The width of the target features the head reads (``fc``'s input, less the embedding
-        EAGLE-1/2 mix in)."""
         return 3 * self.target_hidden_size if self.eagle3 else self.layer.hidden_size
 
     def to_json(self) -> dict[str, object]:
@@ -152,8 +121,7 @@ class EagleConfig:
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's decoder layer: attention over ``[input_layernorm(embed); hidden_norm(g)]``
-    (twice the width), the residual ``g`` (or its norm), then the MLP as in Llama."""
+    """Attention over ``[input_layernorm(embed); hidden_norm(g)]``; residual g (or normed)."""
 
     def __init__(
         self,
@@ -184,13 +152,12 @@ class Eagle3Layer(nn.Module):
         # embeds, g: [T, H] -> [T, H], the output before the head's final norm
         normed = self.hidden_norm(g)
         residual = normed if self.norm_before_residual else g
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [T, 2H]
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         x = residual + self.self_attn(x, rope, layer_kv, meta)
         y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return y
 
     def load(self, w: Callable[[str], Sliceable], prefix: str) -> None:
-        """From published EAGLE-3 tensors under ``prefix`` (``layers.0.``)."""
         attn = self.self_attn
         attn.qkv_proj.load([w(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
         attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"))
@@ -201,7 +168,6 @@ class Eagle3Layer(nn.Module):
             norm.weight.data.copy_(whole(w(prefix + f"{name}.weight")))
 
     def tensors(self, cfg: LlamaConfig, prefix: str) -> dict[str, torch.Tensor]:
-        """The layer's tensors in the published layout, under ``prefix``."""
         q, k, v = self.self_attn.qkv_proj.weight.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
         gate, up = self.mlp.gate_up_proj.weight.split(cfg.intermediate_size)
         out = {
@@ -234,7 +200,6 @@ class EagleHead(nn.Module):
         self.dtype = dtype
         self.device = dev
         self.embed_tokens = nn.Embedding(cfg.vocab_size, c.hidden_size, dtype=dtype, device=dev)
-        # EAGLE-1/2 mix the embedding in; EAGLE-3 maps the target's three streams alone
         fc_in = cfg.feature_width + (0 if cfg.eagle3 else c.hidden_size)
         self.fc = nn.Linear(fc_in, c.hidden_size, bias=cfg.fc_bias, dtype=dtype, device=dev)
         self.layer: LlamaDecoderLayer | Eagle3Layer = (
@@ -257,14 +222,11 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         for p in self.parameters():
             p.requires_grad_(False)
-        # what serves fc and the LM head for inference when not their plain weights
-        # (quantized, or packed for a device); the nn.Linear weights stay, for checkpoints
-        # and training
+        # fc and the LM head when quantized or packed; the nn.Linear weights stay for checkpoints
         self.fc_kernel: WeightKernel | None = None
         self.head_kernel: WeightKernel | None = None
 
     def quantize(self, kind: Quant) -> None:
-        """Quantize the head's matmuls (``models.quant``) for drafting, after loading."""
         quantize_layers(self.layer, kind, None)
         fc, head = self.fc.weight.data, self.lm_head.weight.data
         self.fc_kernel = quantize(fc, kind, row_absmax(fc))
@@ -279,16 +241,15 @@ class EagleHead(nn.Module):
         from_target: bool = True,
     ) -> torch.Tensor:
         """input_ids: [T] the tokens after each feature's position; features: [T, F], the
-        target's (``from_target``: F = ``cfg.feature_width``) or the head's own predictions
-        (F = H); kv_pool: [1, num_blocks, 2, Hkv, block_size, D]. Returns predicted features
-        [T, H] (before the final norm)."""
-        embeds = self.embed_tokens(input_ids)  # [T, H]
+        target's (F = ``cfg.feature_width``) or the head's own (F = H). Returns [T, H] predicted
+        features, before the final norm."""
+        embeds = self.embed_tokens(input_ids)
         features = features.to(self.dtype)
         if isinstance(self.layer, Eagle3Layer):
-            g = self._fc(features) if from_target else features  # [T, H]
+            g = self._fc(features) if from_target else features
             out: torch.Tensor = self.layer(embeds, g, self.rope, kv_pool[0], meta)
             return out
-        x = self._fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        x = self._fc(torch.cat([embeds, features], dim=-1))
         h: torch.Tensor = self.layer(x, self.rope, kv_pool[0], meta)
         return h
 
@@ -299,7 +260,7 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> float32 logits over the target's vocabulary [N, V]."""
         normed = self.norm(hidden)
-        small = linear(normed, self.lm_head.weight, self.head_kernel).float()  # [N, V_draft]
+        small = linear(normed, self.lm_head.weight, self.head_kernel).float()
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             return small
         full = small.new_full((hidden.shape[0], self.cfg.vocab_size), float("-inf"))
@@ -308,8 +269,7 @@ class EagleHead(nn.Module):
         return full
 
     def load(self, head: Mapping[str, torch.Tensor], target: Mapping[str, Sliceable]) -> None:
-        """Load a head in the EAGLE layout, taking what it lacks (embeddings, a full-vocabulary
-        LM head) from the target's weights (read lazily: only those tensors)."""
+        """What the head lacks (embeddings, a full-vocabulary LM head) comes from the target."""
         h = {_published(k): v for k, v in head.items()}
 
         def w(name: str) -> torch.Tensor:
@@ -341,8 +301,6 @@ class EagleHead(nn.Module):
             self.norm.weight.data.copy_(w("norm.weight"))
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """The head's own tensors in the EAGLE layout (not the target's embeddings; the LM head
-        only when the vocabulary is reduced, or always for EAGLE-3)."""
         layer = self.layer
         if isinstance(layer, Eagle3Layer):
             assert isinstance(self.norm, RMSNorm)
@@ -388,8 +346,6 @@ class EagleHead(nn.Module):
 
 
 def _published(name: str) -> str:
-    """A head tensor's name as ``load`` reads it: no ``model.`` prefix, EAGLE-3's ``midlayer``
-    as layer 0."""
     name = name.removeprefix("model.")
     return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
 
@@ -401,9 +357,6 @@ def save_eagle(head: EagleHead, folder: Path) -> None:
 
 
 def save_random_eagle(target_folder: Path, folder: Path, seed: int = 3) -> Path:
-    """A randomly initialised one-layer head for the target in ``target_folder`` (its LM head
-    the target's embedding), saved to ``folder``: for tests and benches where weights don't
-    matter."""
     tc = LlamaConfig.from_folder(target_folder)
     cfg = EagleConfig(
         layer=replace(tc, num_layers=1),
@@ -428,9 +381,6 @@ def save_random_eagle3(
     draft_vocab_size: int | None = None,
     aux_layers: tuple[int, ...] | None = None,
 ) -> Path:
-    """A randomly initialised EAGLE-3 head for the target in ``target_folder``, saved in the
-    published layout (``midlayer.*``, ``fc`` over three target streams, ``norm``, ``lm_head``
-    over ``draft_vocab_size`` tokens with ``d2t``/``t2d``): for tests and benches."""
     tc = LlamaConfig.from_folder(target_folder)
     vocab = draft_vocab_size or tc.vocab_size
     cfg = EagleConfig(

@@ -27,8 +27,7 @@ EMBEDDED_EAGLE = "smollm2-135m-eagle"
 
 
 def embedded_eagle_path() -> Path:
-    """The EAGLE head distilled for the embedded model by ``tandem distill`` and shipped inside
-    the ``models`` package (``models/drafts/``), wherever tandem is installed."""
+    """The EAGLE head ``tandem distill`` made for the embedded model, in ``models/drafts/``."""
     folder = Path(__file__).resolve().parent / "drafts" / EMBEDDED_EAGLE
     if not (folder / "model.safetensors").is_file():
         raise FileNotFoundError(

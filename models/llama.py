@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         tp: TPContext,
         dtype: torch.dtype,
         device: torch.device,
-        in_features: int | None = None,  # the input's width: hidden_size unless given
+        in_features: int | None = None,
         ops: RowOps | None = None,
     ) -> None:
         super().__init__()
@@ -69,20 +69,18 @@ class LlamaAttention(nn.Module):
         k_end = q_end + self.num_kv_heads * self.head_dim
         v = qkv[:, k_end:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(qkv[:, :q_end].view(t, self.num_heads, self.head_dim))  # per head
+            q = self.q_norm(qkv[:, :q_end].view(t, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_end:k_end].view(t, self.num_kv_heads, self.head_dim))
             q, k = rope(meta.cos, meta.sin, q), rope(meta.cos, meta.sin, k)
-        else:  # the query and key heads rotated in one call
+        else:
             qk = rope(meta.cos, meta.sin, qkv[:, :k_end].view(t, -1, self.head_dim))
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, Hq | Hkv, D]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
         y: torch.Tensor = self.o_proj(out)
         return y
 
 
 class LlamaMLP(nn.Module):
-    """The SiLU-gated MLP."""
-
     def __init__(
         self,
         cfg: LlamaConfig,
@@ -99,8 +97,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * inter_local]
-        act = self.ops.silu_mul(gate_up, self.local_inter)  # [T, inter_local]
+        gate_up = self.gate_up_proj(x)
+        act = self.ops.silu_mul(gate_up, self.local_inter)
         y: torch.Tensor = self.down_proj(act)
         return y
 
@@ -139,13 +137,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """A causal LM whose forward reads and writes a paged KV pool given as an argument.
-
-    ``forward`` returns final hidden states (after the last norm) for every new token;
-    ``logits`` projects the rows the caller asks for, so a step only pays the vocabulary
-    projection where it samples. ``ops``: the row ops every norm, rotary embedding and MLP
-    runs through (``models.layers.RowOps``).
-    """
+    """A causal LM over a paged KV pool given as an argument; ``forward`` returns final hidden
+    states, and ``logits`` projects only the rows a step samples."""
 
     def __init__(
         self,
@@ -162,10 +155,8 @@ class LlamaModel(nn.Module):
         self.tp = tp
         self.dtype = dtype
         self.device = dev
-        self.quant = Quant.NONE  # set by quantize() or load_weights(quant=...)
-        # The residual stream entering these layers (0: the embeddings), concatenated per token,
-        # is what the drafter reads as the target's features (an EAGLE-3 head: three of them);
-        # empty: the final hidden state (EAGLE-1/2). Set by ``runtime.shard``.
+        self.quant = Quant.NONE
+        # the streams entering these layers (0: embeddings) are the drafter's features; (): final
         self.feature_layers: tuple[int, ...] = ()
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
@@ -186,22 +177,16 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
-        """input_ids: [T]; kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, D].
-
-        Returns hidden states [T, hidden].
-        """
+        """input_ids: [T]; kv_pool: [layers, NB, 2, Hkv_local, BS, D] -> [T, hidden]."""
         return self.forward_with_features(input_ids, kv_pool, meta)[0]
 
     @torch.inference_mode()
     def forward_with_features(
         self, input_ids: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward``, also returning the drafter's features of every new token: [T, hidden]
-        final hidden states, [T, F] features (``feature_layers``; F = hidden without them)."""
         return self.run_layers(self.embed(input_ids), kv_pool, meta)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] -> [T, hidden]"""
         x: torch.Tensor = self.embed_tokens(input_ids)
         return x
 
@@ -209,8 +194,6 @@ class LlamaModel(nn.Module):
     def run_layers(
         self, x: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers and the final norm over embeddings ``x`` [T, hidden]: the
-        hidden states and features of ``forward_with_features``."""
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in self.feature_layers:
@@ -223,29 +206,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> float32 logits [N, vocab]."""
         return self.lm_head.logits(hidden).float()
 
     def quantize(self, kind: Quant) -> None:
-        """Quantize every matmul weight and the LM head (``models.quant``), after
-        ``load_weights``; the embedding table stays plain for the lookup. Every rank of a TP
-        group must call it (row scales are a max over the group)."""
+        """After ``load_weights``; every TP rank must call it (row scales are a group max)."""
         quantize_layers(self, kind, tp_group(self.tp))
         self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
         self.quant = kind
 
     def load_weights(self, weights: Mapping[str, Sliceable], quant: Quant = Quant.NONE) -> None:
-        """Load HF-named full (unsharded) weights; each layer reads and keeps its own rank's
-        shard (lazy tensors are read only that far).
-
-        With ``quant`` each decoder layer is quantized as soon as it is loaded, so the host
-        never holds more than one layer in full precision beside the quantized ones: the
-        layers' full-precision buffers are allocated up front but a page is resident only
-        once a layer is read into it, and quantizing frees it. Quantizing after the whole
-        load (``quantize``) instead needs the full-precision model in memory at once. Every
-        rank of a TP group loads the layers in the same order, so the row-scale reductions
-        pair up across ranks. ``ModelSpec.load`` has the freed pages go back to the system
-        (``models.host_memory``)."""
+        """HF-named unsharded weights, each layer keeping its rank's shard. With ``quant`` each
+        layer is quantized as it loads, so the host holds one full-precision layer at a time;
+        TP ranks load in the same order so their row-scale reductions pair up."""
 
         def w(name: str) -> Sliceable:
             if name not in weights:
@@ -268,8 +240,6 @@ class LlamaModel(nn.Module):
 
 
 def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:
-    """Quantize the decoder layers' matmuls under ``module``; a row-parallel weight's rows
-    are split over the TP ``group``, whose max gives each row its scale."""
     for m in module.modules():
         if isinstance(m, RowParallelLinear):
             m.quantize(kind, group)
@@ -278,7 +248,6 @@ def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:
 
 
 def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str) -> None:
-    """Load one decoder layer from HF-named tensors under ``prefix`` (each rank its shard)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = ("q", "k", "v")
     attn.qkv_proj.load(

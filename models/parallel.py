@@ -1,9 +1,5 @@
-"""Tensor-parallel linear layers that load their own shard and do their own collective.
-
-Rank and world size come in through a :class:`TPContext`; nothing reads a global. With
-``world_size == 1`` every layer is a plain dense layer and no collective is issued, so the
-same model code runs in a unit test on the CPU and in a TP group on GPUs.
-"""
+"""Tensor-parallel linear layers that load their own shard and issue their own collective
+(through a ``TPContext``, no globals); with ``world_size == 1`` they are plain layers."""
 
 from __future__ import annotations
 
@@ -20,12 +16,9 @@ from models.weights import Sliceable, whole
 
 @dataclass(frozen=True)
 class TPContext:
-    """Where this process sits in its tensor-parallel group."""
-
     rank: int = 0
     world_size: int = 1
-    # A c10d ProcessGroup of the TP ranks (gloo or NCCL) when world_size > 1, used through its
-    # own methods so that several groups can live in one process without a default group.
+    # a c10d group used through its own methods: several can live without a default group
     group: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +27,6 @@ class TPContext:
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dimension, in rank order."""
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
@@ -49,17 +41,13 @@ class TPContext:
         return size // self.world_size
 
     def narrow(self, w: Sliceable, dim: int, what: str) -> torch.Tensor:
-        """This rank's part of ``w`` along ``dim``."""
         n = self.shard(w.shape[dim], what)
         return w.narrow(dim, self.rank * n, n)
 
 
 class WeightKernel(Protocol):
-    """A matmul weight served in another form than the plain tensor: quantized
-    (``models.quant``) or packed for a device's own kernel."""
-
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, in] -> [T, out], ``x @ weight^T (+ bias)``."""
+        """x: [T, in] -> [T, out]."""
 
 
 def linear(
@@ -68,22 +56,16 @@ def linear(
     kernel: WeightKernel | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight^T (+ bias)`` through ``kernel`` when the weight is served by one.
-    x: [T, in] -> [T, out]; bias: [out]."""
     if kernel is not None:
         return kernel.matmul(x, bias)
     return nn.functional.linear(x, weight, bias)
 
 
 def tp_group(tp: TPContext) -> Any:
-    """The group to reduce over across ranks, None for one rank."""
     return tp.group if tp.world_size > 1 else None
 
 
 class ServedLinear(nn.Module):
-    """A layer whose ``weight`` [out, in] is served plain or by a ``kernel`` (``serve``:
-    quantized, or packed for a device), which drops the plain weight."""
-
     weight: nn.Parameter
     kernel: WeightKernel | None = None
 
@@ -92,22 +74,16 @@ class ServedLinear(nn.Module):
         self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
 
     def quantize(self, kind: Quant, group: Any = None) -> None:
-        """Quantize the loaded weight per output channel, over whole rows (``group``: the TP
-        ranks holding the other columns of each row)."""
+        """Per output channel over whole rows (``group``: the ranks holding the other columns)."""
         w = self.weight.data
         self.serve(quantize(w, kind, row_absmax(w, group)))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, in] -> [T, out]"""
         return linear(x, self.weight, self.kernel, bias)
 
 
 class ColumnParallelLinear(ServedLinear):
-    """``y = x W^T`` with the output features split across ranks.
-
-    Several logical outputs (e.g. q, k, v) can be merged: each is split across ranks separately
-    and the local slices are concatenated, so one matmul computes this rank's part of all.
-    """
+    """Output features split across ranks; merged outputs (q, k, v) each split separately."""
 
     def __init__(
         self,
@@ -134,8 +110,6 @@ class ColumnParallelLinear(ServedLinear):
     def load(
         self, full_weights: Sequence[Sliceable], full_biases: Sequence[Sliceable] = ()
     ) -> None:
-        """Copy this rank's rows of each full ``[out_i, in]`` weight (and ``[out_i]`` bias)
-        into the merged shard."""
         parts = [self.tp.narrow(w, 0, "output features") for w in full_weights]
         self.weight.data.copy_(torch.cat(parts, dim=0))
         if self.bias is not None:
@@ -148,8 +122,6 @@ class ColumnParallelLinear(ServedLinear):
 
 
 class RowParallelLinear(ServedLinear):
-    """``y = x W^T`` with the input features split across ranks, followed by an all-reduce."""
-
     def __init__(
         self,
         in_features: int,
@@ -191,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.kernel: WeightKernel | None = None  # serves the logits; the table stays
+        self.kernel: WeightKernel | None = None
         self.vocab_local = tp.shard(vocab_size, "vocab_size")
         self.vocab_start = tp.rank * self.vocab_local
         self.weight = nn.Parameter(
@@ -202,7 +174,6 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data.copy_(self.tp.narrow(full_weight, 0, "vocab_size"))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: [T] -> [T, hidden]
         if self.tp.world_size == 1:
             return nn.functional.embedding(ids, self.weight)
         local = ids - self.vocab_start
@@ -212,12 +183,10 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
     def serve_logits(self, kernel: WeightKernel) -> None:
-        """Compute ``logits`` through ``kernel`` (the table stays for the lookup)."""
         self.kernel = kernel
 
     def quantize(self, kind: Quant, keep_table: bool) -> None:
-        """Quantize the table for ``logits`` (its rows are whole on every rank). With
-        ``keep_table`` the plain table stays for the embedding lookup (tied embeddings)."""
+        """For ``logits``; ``keep_table`` keeps the plain table for the lookup (tied)."""
         w = self.weight.data
         self.kernel = quantize(w, kind, row_absmax(w))
         if not keep_table:

@@ -1,11 +1,5 @@
-"""The one ``Request`` object that flows from ingress through prefill to decode.
-
-It carries what the client asked for (prompt token ids, sampling parameters) and, once an
-engine owns it, that engine's view of its progress. Engines schedule by counters — how many
-tokens each model has computed into the KV cache versus how many tokens are known — never by
-phase flags: a request whose KV came from a prefill replica simply starts with its counters at
-the prompt length.
-"""
+"""The one ``Request`` that flows from ingress through prefill to decode. Engines schedule by
+counters (tokens in the KV cache against tokens known), never by phase flags."""
 
 from __future__ import annotations
 
@@ -24,20 +18,18 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(enum.Enum):
-    STOP = "stop"  # an end-of-sequence or stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the client
-    ERROR = "error"  # the engine could not continue (the error text says why)
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass
 class AcceptanceStats:
-    """Speculation outcomes of one request."""
-
     num_steps: int = 0  # verification steps that tested at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0  # tokens those steps produced (accepted plus recovered/bonus)
+    num_emitted_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -55,8 +47,6 @@ class AcceptanceStats:
 
 @dataclass
 class Request:
-    """A generation request and an engine's progress on it (each process holds its own copy)."""
-
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -66,28 +56,25 @@ class Request:
     num_computed: int = 0  # tokens whose target KV is in this engine's cache
     num_draft_computed: int = 0  # tokens whose draft KV is in this engine's cache
     block_table: list[int] = field(default_factory=list)
-    # target KV slot copies (src, dst) owed to the cache: a path accepted from a draft tree,
-    # compacted at the start of the request's next step (models.tree)
+    # slot copies (src, dst) compacting an accepted tree path, done at the next step's start
     kv_moves: tuple[tuple[int, int], ...] = ()
     acceptance_estimate: float | None = None  # calibrated probe at first, refined by decode
-    acceptance_probe: float | None = None  # prefill's probe as measured (None: none ran)
-    calibration_key: tuple[int, int] | None = None  # speculation.calibration cell, once started
-    start_estimate: float | None = None  # its cell's calibrated estimate when it started
+    acceptance_probe: float | None = None
+    calibration_key: tuple[int, int] | None = None
+    start_estimate: float | None = None
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     stalled_preemptions: int = 0  # preemptions in a row with no output token since the last
-    outputs_at_preemption: int = -1  # len(output_token_ids) when last preempted (or first run)
+    outputs_at_preemption: int = -1
     finish_reason: FinishReason | None = None
     error: str | None = None
-    choice: int = 0  # which of the client's ``sampling.n`` choices this sequence generates
+    choice: int = 0
 
     def choices(self) -> list[Request]:
-        """The request's further choices (1 .. n - 1), each a sequence of its own over the same
-        prompt with its own seed (``models.sampling.choice_seed``), not yet started."""
         sp = self.sampling
         return [
             Request(
                 request_id=choice_id(self.request_id, i),
-                prompt_token_ids=self.prompt_token_ids,  # shared, never written
+                prompt_token_ids=self.prompt_token_ids,
                 sampling=replace(sp, n=1, seed=choice_seed(sp.seed, i)),
                 arrival_time=self.arrival_time,
                 choice=i,
@@ -105,7 +92,6 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """``all_token_ids[start:stop]`` without copying the whole sequence."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
@@ -119,5 +105,4 @@ class Request:
 
 
 def choice_id(request_id: str, choice: int) -> str:
-    """The id of choice ``choice`` of request ``request_id`` (choice 0 keeps the request's)."""
     return request_id if choice == 0 else f"{request_id}/{choice}"

@@ -1,11 +1,6 @@
-"""Sampling primitives: the temperature/top-k/top-p transform and seeded draws.
-
-The same :func:`probs_from_logits` turns target and draft logits into distributions, which is
-what makes speculative decoding exact under truncated sampling. Randomness is drawn from
-a counter-based generator keyed by ``(request seed, output position, stream)``, so a seeded
-request gives the same tokens wherever it runs (prefill or decode replica) and whatever shares
-its batch, and a batch's draws are computed at once.
-"""
+"""Sampling: one temperature/top-k/top-p transform for target and draft (which keeps speculation
+exact under truncation), and draws keyed by ``(seed, output position, stream)``, so a seeded
+request's tokens do not depend on where it runs or what shares its batch."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-MASK63 = (1 << 63) - 1  # seeds are non-negative 63-bit ints
+MASK63 = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -25,15 +20,13 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 disables top-k
+    top_k: int = 0
     max_tokens: int = 16
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # end-of-sequence ids included unless ignore_eos
     seeded: bool = False  # the client chose the seed: its tokens must not depend on the batch
-    # report each emitted token's log-probability and this many alternatives (models.logprobs);
-    # None reports none
+    # each token's log-probability and this many alternatives (None: none)
     logprobs: int | None = None
-    # independent choices of the request (``n``); choice i > 0 samples with ``choice_seed``
     n: int = 1
 
     @property
@@ -46,12 +39,10 @@ class SamplingParams:
 
 
 class Stream:
-    """Independent random streams of one output position."""
-
-    SAMPLE = 0  # the plain sample / recovered or bonus token
-    ACCEPT = 1  # uniforms of the accept test
-    DRAFT = 2  # the drafter's own proposals
-    CHOICE = 3  # the seeds of a request's further choices (``choice_seed``; position: index)
+    SAMPLE = 0
+    ACCEPT = 1
+    DRAFT = 2
+    CHOICE = 3
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -60,7 +51,6 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """SplitMix64's finaliser over an array (uint64 arithmetic wraps modulo 2^64)."""
     with np.errstate(over="ignore"):
         x = x + _GOLDEN
         x = (x ^ (x >> np.uint64(30))) * _MIX1
@@ -72,30 +62,24 @@ def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 def derived_seeds(
     seeds: npt.ArrayLike, positions: npt.ArrayLike, stream: int
 ) -> npt.NDArray[np.uint64]:
-    """Per draw, a 64-bit value that depends only on the request's seed, the output position
-    and the stream: a counter-based generator, so draws need no state and vectorise."""
-    s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)  # a seed's low 64 bits
+    s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
     pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
     return _splitmix64(_splitmix64(_splitmix64(s) ^ pos) ^ np.uint64(stream))
 
 
 def derived_seed(seed: int, position: int, stream: int) -> int:
-    """``derived_seeds`` of one draw, as a 63-bit int."""
     return int(derived_seeds([seed & MASK63], [position], stream)[0]) >> 1
 
 
 def choice_seed(seed: int, choice: int) -> int:
-    """The seed of a request's choice ``choice`` (of ``n``): choice 0 samples with the request's
-    own seed, so ``n = 1`` is unchanged; the others with seeds derived from it, so a seeded
-    request with ``n > 1`` gives the same choices every time, each independent of the rest."""
+    """Choice 0 keeps the request's seed (``n = 1`` unchanged); the others derive theirs."""
     return seed if choice == 0 else derived_seed(seed, choice, Stream.CHOICE)
 
 
 def uniforms(
     params: Sequence[SamplingParams], positions: Sequence[int], stream: int
 ) -> npt.NDArray[np.float64]:
-    """[N] uniforms in [0, 1), one per (request, output position), from ``derived_seeds``
-    (the top 53 bits); 0 for greedy requests, which draw nothing."""
+    """[N] uniforms in [0, 1), one per (request, position); 0 for greedy requests."""
     seeds = [p.seed & MASK63 for p in params]
     u = (derived_seeds(seeds, positions, stream) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     greedy = np.fromiter((p.greedy for p in params), dtype=bool, count=len(params))
@@ -104,20 +88,17 @@ def uniforms(
 
 
 def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """logits: [N, V] float32, one row per params entry -> probabilities [N, V].
-
-    Greedy rows become one-hot at the argmax; other rows are softmax(logits / T), truncated to
-    the top-k tokens and then to the smallest set whose mass reaches top-p, and renormalized.
-    """
+    """logits: [N, V] float32 -> [N, V]: one-hot at the argmax where greedy, else softmax(x / T)
+    truncated to top-k, then to the smallest set reaching top-p, renormalized."""
     _n, v = logits.shape
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)  # [N]
+    greedy = torch.tensor([p.greedy for p in params], device=dev)
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)  # [N, V]
+    probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
     if any(p.truncates and not p.greedy for p in params):
         top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
-        sorted_p, order = probs.sort(dim=-1, descending=True)  # [N, V]
+        sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=dev).unsqueeze(0)
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p
         keep = (rank < top_k.unsqueeze(1)) & (mass_before < top_p.unsqueeze(1))
@@ -135,21 +116,17 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
 def sample_rows(
     probs: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], stream: int
 ) -> torch.Tensor:
-    """probs: [N, V] -> [N] token ids on probs' device: the argmax where greedy, else the
-    inverse CDF of the row at the uniform of ``(seed, position, stream)`` (one host->device
-    copy of N uniforms, no generator per draw)."""
+    """probs: [N, V] -> [N]: the argmax where greedy, else the inverse CDF at the row's uniform."""
     if all(p.greedy for p in params):
         return probs.argmax(dim=-1)
-    u = torch.from_numpy(uniforms(params, positions, stream)).to(probs.device)  # [N]
+    u = torch.from_numpy(uniforms(params, positions, stream)).to(probs.device)
     greedy = torch.tensor([p.greedy for p in params], device=probs.device)
     return torch.where(greedy, probs.argmax(dim=-1), inverse_cdf(probs, u))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs: [N, V], u: [N] in [0, 1) -> [N] the token where each row's cumulative mass first
-    exceeds its uniform (in float64, so a long vocabulary's rounding stays far below any
-    probability the draw could miss). A token of zero probability is never drawn."""
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    """probs: [N, V], u: [N] -> [N], in float64; a zero-probability token is never drawn."""
+    cdf = probs.double().cumsum(dim=-1)
     drawn = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(1), right=True)
     return drawn.squeeze(1).clamp(max=probs.shape[1] - 1)
 
@@ -157,27 +134,23 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_logits(
     logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int], stream: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [N, V] -> ([N] token ids, [M, V] distributions of the M non-greedy rows in
-    order, or None when every row is greedy). Greedy rows take the argmax of their logits and
-    build no distribution: theirs is one-hot at that token."""
-    tokens = logits.argmax(dim=-1)  # [N]
+    """logits: [N, V] -> ([N] tokens, [M, V] distributions of the M non-greedy rows, or None)."""
+    tokens = logits.argmax(dim=-1)
     sampled = [j for j, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens, None
     rows = torch.tensor(sampled, device=logits.device)
     sub = [params[j] for j in sampled]
-    probs = probs_from_logits(logits[rows], sub)  # [M, V]
+    probs = probs_from_logits(logits[rows], sub)
     tokens[rows] = sample_rows(probs, sub, [positions[j] for j in sampled], stream)
     return tokens, probs
 
 
 def sample_token(probs: torch.Tensor, params: SamplingParams, position: int, stream: int) -> int:
-    """probs: [V] -> one token id (``sample_rows`` of one row)."""
     return int(sample_rows(probs.unsqueeze(0), [params], [position], stream)[0])
 
 
 def accept_uniforms(params: SamplingParams, first_position: int, count: int) -> torch.Tensor:
-    """[count] uniforms for the accept tests at output positions first_position, +1, ...
-    (zeros when greedy: acceptance is then deterministic)."""
+    """[count] uniforms for the accept tests from ``first_position`` on (zeros when greedy)."""
     positions = range(first_position, first_position + count)
     return torch.from_numpy(uniforms([params] * count, positions, Stream.ACCEPT))

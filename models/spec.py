@@ -21,27 +21,26 @@ from models.weights import open_checkpoint
 
 class DraftKind(enum.Enum):
     NONE = "none"
-    NGRAM = "ngram"  # prompt lookup over prompt and output; one-hot proposals
-    DRAFT_MODEL = "draft_model"  # an independent causal LM sharing the target's tokenizer
-    EAGLE = "eagle"  # an EAGLE-style head over the target's features (models.eagle)
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+    EAGLE = "eagle"
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    folder: str  # a local HF folder (resolved by models.weights.resolve_checkpoint)
+    folder: str
     dtype: str = "float32"
-    quantization: str = "none"  # a models.quant.Quant value: how the matmul weights are served
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
-        Quant(self.quantization)  # a ValueError naming the value if it is not one
+        Quant(self.quantization)
 
     @property
     def quant(self) -> Quant:
         return Quant(self.quantization)
 
     def fingerprint(self) -> str:
-        """Identifies the weights as served: config.json, the weight files' names and sizes,
-        and the quantization (quantized weights give other KV and other tokens)."""
+        """Identifies the weights as served, quantization included (it changes KV and tokens)."""
         folder = Path(self.folder)
         h = hashlib.sha256((folder / "config.json").read_bytes())
         for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
@@ -59,7 +58,6 @@ class ModelSpec:
         tp: TPContext | None = None,
         ops: RowOps | None = None,
     ) -> LlamaModel:
-        """The model with its weights; ``ops``: its row ops (``models.layers.RowOps``)."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_supported(self.quant, device)
@@ -72,10 +70,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    """The drafter decode runs, and what prefill must compute for it."""
-
     kind: DraftKind = DraftKind.NONE
-    model: ModelSpec | None = None  # for DRAFT_MODEL
+    model: ModelSpec | None = None
     num_speculative_tokens: int = 4  # k: draft tokens verified per step (the most, if adaptive)
     adaptive: bool = True  # choose k per request per step for goodput; False pins k
     ngram_max: int = 4

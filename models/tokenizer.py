@@ -8,18 +8,15 @@ from typing import Any
 
 
 class Tokenizer:
-    """An HF tokenizer loaded from a local folder, with the few operations serving needs."""
-
     def __init__(self, folder: Path) -> None:
         from transformers import AutoTokenizer
 
         self._tok: Any = AutoTokenizer.from_pretrained(str(folder))
         self.folder = folder
-        self._byte_decoder: dict[str, int] | None = None  # built on first use of token_bytes
+        self._byte_decoder: dict[str, int] | None = None
 
     @property
     def vocab_size(self) -> int:
-        """Number of distinct token ids, added tokens included."""
         return len(self._tok)
 
     @property
@@ -37,9 +34,7 @@ class Tokenizer:
     def render_chat(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """``messages`` as text under the model's chat template; with the assistant header
-        appended (a prompt) unless ``add_generation_prompt`` is False (a finished transcript).
-        Raises ValueError when there is no template or the template refuses the messages."""
+        """Raises ValueError when there is no template or it refuses the messages."""
         from jinja2 import TemplateError
 
         if not self.has_chat_template:
@@ -55,19 +50,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of ``messages`` under the model's chat template (see :meth:`render_chat`).
-
-        The rendered text carries the template's special tokens itself, so none are added."""
         return self.encode(self.render_chat(messages, add_generation_prompt))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
-        """The bytes each id adds to the output text (a token may hold part of a UTF-8
-        character; the API's ``bytes`` field). Byte-level vocabularies (GPT-2 style) spell bytes
-        as printable characters, undone here; SentencePiece ones spell a space as "▁" and raw
-        bytes as "<0xNN>" pieces."""
+        """The bytes each id adds to the text (byte-level pieces decoded; SentencePiece's "▁"
+        and "<0xNN>" undone)."""
         if self._byte_decoder is None:
             import json
 
@@ -94,12 +84,10 @@ class Tokenizer:
         return out
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
-        """Each id's vocabulary entry (byte-level pieces as the vocabulary spells them)."""
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
 
     @property
     def backend(self) -> Any:
-        """The Rust ``tokenizers.Tokenizer`` under the HF one (for incremental decoding)."""
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(
@@ -113,14 +101,8 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters,
-    at a cost per token that does not grow with the output.
-
-    ``tokenizers``' ``DecodeStream`` keeps a short window of recent ids and decodes only that
-    window per token (it holds back bytes that do not yet form a character). ``flush``, once
-    at the end, decodes the whole output and emits whatever the stream held back (a dangling
-    partial character comes out as U+FFFD, as a full decode writes it).
-    """
+    """Token ids to text deltas without splitting UTF-8 characters, at a constant cost per token;
+    ``flush``, once at the end, emits what the stream held back."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         from tokenizers.decoders import DecodeStream

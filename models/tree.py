@@ -1,16 +1,7 @@
-"""Token trees in a paged KV cache: several candidate continuations verified in one forward.
-
-A sequence's tree occupies consecutive KV slots ``base, base + 1, ...`` in topological order
-(a node after its parent). ``parents[n]`` is the node (relative to ``base``) that node ``n``
-continues, or ``-1`` when it continues the tokens before ``base``. Node ``n`` sits at position
-``base + depth(n)`` (a root at ``base``) for the rotary embedding, and attends to every slot
-before ``base`` and, inside the tree, to its ancestors and itself only: each root-to-node path
-computes exactly what that path fed as a chain would. A chain is the tree whose parents are
-``-1, 0, 1, ...``.
-
-After verification the accepted path is compacted to the chain layout by :func:`path_moves`,
-the KV slot copies that put its node at depth ``d`` into slot ``base + d``.
-"""
+"""Token trees in a paged KV cache, verified in one forward. A tree fills slots ``base, ...`` in
+topological order (``parents[n]``: relative to base, -1 before it). Node n sits at position
+``base + depth(n)`` and sees the slots before base, its ancestors and itself, so each path computes
+what it would as a chain; ``path_moves`` compacts the accepted path into chain layout."""
 
 from __future__ import annotations
 
@@ -22,8 +13,6 @@ import torch
 
 @dataclass(frozen=True)
 class TreeSpan:
-    """A tree over KV slots ``base .. base + len(parents) - 1`` (see the module docstring)."""
-
     base: int
     parents: tuple[int, ...]
 
@@ -37,7 +26,6 @@ class TreeSpan:
         return len(self.parents)
 
     def depths(self) -> list[int]:
-        """Depth of every node, roots at 0."""
         out: list[int] = []
         for p in self.parents:
             out.append(0 if p < 0 else out[p] + 1)
@@ -54,18 +42,15 @@ class TreeSpan:
 
 
 def chain_parents(n: int, first: int = -1) -> tuple[int, ...]:
-    """Parents of ``n`` nodes in a row, the first continuing ``first``."""
     return (first, *list(range(n - 1))) if n else ()
 
 
 def children(parents: Sequence[int], node: int) -> list[int]:
-    """The nodes whose parent is ``node`` (``-1``: the roots), in order."""
     return [n for n, p in enumerate(parents) if p == node]
 
 
 def path_moves(base: int, path: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Slot copies ``(src, dst)`` putting the nodes of ``path`` (root first, each the child of
-    the one before) into the chain layout: the node at depth ``d`` into slot ``base + d``."""
+    """Slot copies ``(src, dst)`` putting ``path``'s node at depth d into slot ``base + d``."""
     return tuple((base + n, base + d) for d, n in enumerate(path) if n != d)
 
 
@@ -75,17 +60,14 @@ def move_slots(
     moves: Sequence[tuple[int, int]],
     block_size: int,
 ) -> None:
-    """Copy the K/V of slot ``src`` to slot ``dst`` of one sequence, every layer and head, for
-    each ``(src, dst)`` in ``moves`` (all read before any is written).
-
-    pool: [num_layers, num_blocks, 2, Hkv, block_size, head_dim] (``models.kv_layout``).
-    """
+    """Copy K/V slot src to dst for each ``(src, dst)`` in ``moves``, all read before any is
+    written; pool: [layers, NB, 2, Hkv, BS, D]."""
     if not moves:
         return
     table = torch.tensor(list(block_table), dtype=torch.long)
-    src = torch.tensor([m[0] for m in moves], dtype=torch.long)  # [m]
-    dst = torch.tensor([m[1] for m in moves], dtype=torch.long)  # [m]
+    src = torch.tensor([m[0] for m in moves], dtype=torch.long)
+    dst = torch.tensor([m[1] for m in moves], dtype=torch.long)
     dev = pool.device
     sb, so = table[src // block_size].to(dev), (src % block_size).to(dev)
     db, do = table[dst // block_size].to(dev), (dst % block_size).to(dev)
-    pool[:, db, :, :, do] = pool[:, sb, :, :, so]  # [m, L, 2, Hkv, D], gathered first
+    pool[:, db, :, :, do] = pool[:, sb, :, :, so]

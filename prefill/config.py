@@ -1,4 +1,4 @@
-"""What a prefill worker is built from (filled in by ``cluster.config``)."""
+"""What a prefill worker is built from (filled in by ``cluster.builder``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from models.spec import DraftSpec, ModelSpec
 
 @dataclass(frozen=True)
 class PrefillWorkerConfig:
-    model_name: str  # the id clients use
+    model_name: str
     target: ModelSpec
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
@@ -19,9 +19,9 @@ class PrefillWorkerConfig:
     )
     num_blocks: int = 512
     block_size: int = 16
-    max_num_batched_tokens: int = 2048  # prompt tokens per forward (chunked prefill budget)
+    max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     probe_window: int = 16  # prompt positions the acceptance probe averages over
     lease_seconds: float = 30.0
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    switch_interval_s: float | None = None  # the process's GIL switch interval (ShardSpec)
+    switch_interval_s: float | None = None

@@ -1,14 +1,6 @@
-"""The co-hosted drafter's part of prefill: its KV over the prompt, and its guesses for the probe.
-
-Prefill runs the drafter over the same prompt chunks as the target so that decode never
-recomputes the prompt for either. A draft model reads the chunk's tokens like the target. An
-EAGLE head reads the target's features: head position ``t`` takes ``(f_t, x_{t+1})``, so it
-covers every prompt position but the last (whose next token prefill is about to sample); decode
-feeds that one with the last feature, which travels in the handoff.
-
-For the acceptance probe each drafter guess is keyed by the target position whose distribution
-it rivals — both predict the same next token.
-"""
+"""The co-hosted drafter's prefill: its KV over the same prompt chunks as the target, and its
+guesses keyed by the target position they rival. EAGLE head position ``t`` reads
+``(f_t, x_{t+1})``, so the last prompt position's feature travels in the handoff instead."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ from runtime.runner import EagleRunner, ModelRunner, SeqInput, StepResult
 @dataclass(frozen=True)
 class DraftPass:
     rows: list[dict[int, torch.Tensor]]  # per sequence: target position -> draft logits [V]
-    computed: list[int]  # per sequence: prompt positions whose draft KV is now computed
+    computed: list[int]
 
 
 def run_draft(

@@ -1,11 +1,5 @@
-"""The acceptance probe of one prompt: how well decode's drafter will predict the target.
-
-Prefill has the target's distributions over the prompt's last positions (``probs``) and, for a
-model drafter, the draft's logits at the same positions. The probe is the mean per-position
-chance a draft token is accepted (``models.acceptance``): the distributions' overlap for a model
-drafter, the target's probability of the proposal for n-gram lookup, and with ``lookup_first``
-lookup's where it matches and the model's elsewhere, as decode will draft.
-"""
+"""The acceptance probe of one prompt: the mean chance a draft token is accepted over the
+prompt's last positions, scored as decode will draft (model, n-gram lookup, or lookup first)."""
 
 from __future__ import annotations
 
@@ -27,9 +21,8 @@ def acceptance_probe(
     probs: torch.Tensor,
     draft_logits: Mapping[int, torch.Tensor],
 ) -> float | None:
-    """probs: [len(positions), V] the target's distributions after each prompt position;
-    draft_logits: the draft's [V] logits by target position (empty without a model drafter).
-    None when nothing could be scored."""
+    """probs: [len(positions), V] the target's distributions; draft_logits: the draft's [V] logits
+    by target position (empty without a model drafter). None when nothing could be scored."""
     if draft_logits:
         both = [j for j, u in enumerate(positions) if u in draft_logits]
         if not both:
@@ -37,7 +30,7 @@ def acceptance_probe(
         q_logits = torch.stack([draft_logits[positions[j]] for j in both])
         q = probs_from_logits(q_logits, [sampling] * len(both))
         per = overlap(probs[both], q)
-        if draft.lookup_first:  # decode proposes by lookup wherever lookup finds a match
+        if draft.lookup_first:
             props = lookups(draft, prompt, [positions[j] for j in both], probs.device)
             per = torch.where(props >= 0, one_hot_overlap(probs[both], props), per)
         return probe_estimate(per)
@@ -54,7 +47,7 @@ def lookups(
     """[len(positions)] the n-gram proposal after each prompt position (-1: none)."""
     index = NgramIndex(draft.ngram_max, draft.ngram_min)
     props = {}
-    for t in sorted(set(positions)):  # one index, grown through the prompt
+    for t in sorted(set(positions)):
         index.extend(prompt[len(index) : t + 1])
         props[t] = (index.follow(1) or [-1])[0]
     return torch.tensor([props[t] for t in positions], device=device)

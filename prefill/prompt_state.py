@@ -15,9 +15,6 @@ Done = Callable[[KVHandoff | BaseException], None]
 
 @dataclass
 class PromptState:
-    """One prompt's progress through prefill: its blocks, what is computed, and the rows the
-    first token and the acceptance probe are computed from."""
-
     req: Request
     on_done: Done
     hashes: list[bytes]  # prefix-cache keys of its full blocks (kvtransfer.allocator)
@@ -25,9 +22,9 @@ class PromptState:
     num_computed: int = 0
     admitted: bool = False
     target_logits: list[torch.Tensor] = field(default_factory=list)  # [w_i, V] per chunk
-    positions: list[int] = field(default_factory=list)  # prompt positions of those rows
-    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # by target position
-    draft_computed: int = 0  # prompt positions whose draft KV is computed
+    positions: list[int] = field(default_factory=list)
+    draft_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    draft_computed: int = 0
     last_feature: torch.Tensor | None = None  # [F] the target's features at the end
 
     @property

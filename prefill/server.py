@@ -22,11 +22,8 @@ from serving.replica_logs import route_to_serve
 
 
 class PrefillServer:
-    """Queues prompts into the worker and steps it while there is work; leases are reaped
-    between steps and, when idle, every ``REAP_PERIOD_S``. A caller that goes away cancels its
-    prompt (or ends its lease), so no blocks wait for a pull that will never come. Once idle,
-    at most every ``RELEASE_PERIOD_S``, the worker gives the heap memory its forwards freed
-    back to the system (``PrefillWorker.release_memory``)."""
+    """Steps the worker while there is work; reaps leases between steps and every
+    ``REAP_PERIOD_S``; a caller that goes away cancels its prompt or ends its lease."""
 
     REAP_PERIOD_S = 0.05
     RELEASE_PERIOD_S = 1.0
@@ -34,8 +31,7 @@ class PrefillServer:
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         route_to_serve()
         self._exec = ThreadPoolExecutor(1, thread_name_prefix="tandem-prefill")
-        # built on the thread that steps it, so every torch op of the replica runs on one
-        # thread (one OpenMP team: ``decode.loop``'s docstring says why that matters)
+        # built on the thread that steps it: one thread, one OpenMP team (see ``decode.loop``)
         self.worker = self._exec.submit(PrefillWorker, cfg).result()
         KVMetrics("prefill").fallback(self.worker.transport.name, self.worker.shard.fallback_reason)
         self._released_at = time.monotonic()
@@ -63,7 +59,6 @@ class PrefillServer:
             await asyncio.sleep(self.REAP_PERIOD_S)
 
     def _housekeep(self) -> None:
-        """On the worker's thread: end leases; when idle, give freed heap memory back."""
         self.worker.reap()
         now = time.monotonic()
         idle = not self.worker.has_work
@@ -93,7 +88,6 @@ class PrefillServer:
         return self.snapshot()
 
     async def health_board(self) -> Any:
-        """The handle of this pool's ``serving.health_board.HealthBoard``."""
         return pool_board()
 
     def snapshot(self) -> dict[str, Any]:

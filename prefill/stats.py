@@ -12,10 +12,10 @@ class PrefillStats:
     cached_blocks: int = 0  # free or owned blocks whose full-block prefix is cached
     leased_blocks: int = 0
     active_leases: int = 0
-    queued: int = 0  # prompts waiting or partly computed
+    queued: int = 0
     prefills: int = 0
     prompt_tokens_computed: int = 0
-    prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache
+    prompt_tokens_cached: int = 0
     leases_expired: int = 0
-    heap_releases: int = 0  # times the idle worker gave free heap memory back (release_memory)
+    heap_releases: int = 0
     heap_released_bytes: int = 0

@@ -1,20 +1,6 @@
-"""The prefill worker: prompts in, leased KV blocks and ``KVHandoff``s out.
-
-One worker owns one KV pool registered once with its transport. Prompts queue first come,
-first served; each :meth:`PrefillWorker.step` runs one forward of the target (and of the draft
-model, when there is one) over chunks of several prompts within a token budget
-(``prefill.chunks``), skipping full blocks a previous prompt already computed (prefix caching,
-``kvtransfer.allocator``). When a prompt's last chunk is done the worker samples the first token
-with the request's own sampling parameters, estimates the draft's acceptance rate from both
-models' distributions over the last prompt positions (the probe), and hands out a
-:class:`KVHandoff`; its blocks stay leased until decode has read them (the transport's
-completion notice) or the lease expires.
-
-Threads: ``submit`` and ``cancel`` may be called from any thread; everything else runs on the
-one thread that calls ``step``. After start-up only the worker's progress thread touches the
-transport: it drives the transport's progress (so decode's reads are served) and collects
-completion notices for ``reap``.
-"""
+"""The prefill worker: prompts in, leased KV blocks and ``KVHandoff``s out. ``submit`` and
+``cancel`` may be called from any thread, the rest only from the one thread calling ``step``;
+after start-up only the progress thread touches the transport."""
 
 from __future__ import annotations
 
@@ -46,7 +32,7 @@ from runtime.runner import SeqInput
 from runtime.shard import ShardSpec
 
 log = logging.getLogger(__name__)
-ACTIVE_POLL_S = 0.0002  # progress period while some lease may be read
+ACTIVE_POLL_S = 0.0002
 IDLE_POLL_S = 0.005
 
 
@@ -93,11 +79,8 @@ class PrefillWorker:
             daemon=True,
         )
         self._progress.start()
-        # Stop the progress thread before the interpreter tears NIXL down, even if nobody
-        # calls close() (a daemon thread inside a NIXL call at exit aborts the process).
+        # a daemon thread inside a NIXL call at exit aborts the process: stop it without close()
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._progress)
-
-    # ---- any thread ----------------------------------------------------------------------
 
     def submit(self, req: Request, on_done: Done) -> None:
         """Queue a prompt; ``on_done`` later receives its handoff or the error."""
@@ -113,10 +96,7 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return bool(self._queue) or not self._inbox.empty()
 
-    # ---- the stepping thread -------------------------------------------------------------
-
     def prefill(self, req: Request) -> KVHandoff:
-        """Run one prompt to its handoff on the calling thread (tools and tests)."""
         out: list[KVHandoff | BaseException] = []
         self.submit(req, out.append)
         while not out:
@@ -126,7 +106,6 @@ class PrefillWorker:
         return out[0]
 
     def step(self) -> None:
-        """Admit what fits, then one forward over the next chunks of admitted prompts."""
         self._drain_inbox()
         self.reap()
         self._admit()
@@ -161,7 +140,7 @@ class PrefillWorker:
             if draft is not None:
                 p.draft_logits.update(draft.rows[i])
                 p.draft_computed = draft.computed[i]
-            if c.end == p.length:  # the last prompt position's feature, for an EAGLE head
+            if c.end == p.length:
                 p.last_feature = target.all_hidden[offset + c.end - c.start - 1].detach().cpu()
             row += n
             offset += c.end - c.start
@@ -218,7 +197,7 @@ class PrefillWorker:
         req, sp = p.req, p.req.sampling
         try:
             logits = torch.cat(p.target_logits)  # [W, V]
-            probs = probs_from_logits(logits, [sp] * len(p.positions))  # [W, V]
+            probs = probs_from_logits(logits, [sp] * len(p.positions))
             first = sample_token(probs[-1], sp, 0, Stream.SAMPLE)
             first_logprob = (
                 None
@@ -239,7 +218,7 @@ class PrefillWorker:
         finish = FinishReason.STOP if first in sp.stop_token_ids else None
         if finish is None and sp.max_tokens <= 1:
             finish = FinishReason.LENGTH
-        expiry = time.monotonic() + self.cfg.lease_seconds  # this host's clock only
+        expiry = time.monotonic() + self.cfg.lease_seconds
         blocks = tuple(p.blocks)
         payload = None
         if finish is not None and sp.n == 1:  # nothing left for decode: don't hold the blocks
@@ -268,10 +247,8 @@ class PrefillWorker:
         )
 
     def _contents(self, p: PromptState, n: int) -> list[list[int]]:
-        """What the KV of each of the first ``n`` full blocks depends on: its tokens, and with
-        an EAGLE head also the token after it (the head's slot t is computed from token
-        t + 1). A last block without a next prompt token is left out: its last head slot was
-        never written, so it must not be cached."""
+        """What each of the first ``n`` full blocks' KV depends on: its tokens, and for an EAGLE
+        head the next token too (slot t reads token t + 1); a block without one is not cached."""
         bs = self.cfg.block_size
         extra = 1 if self.cfg.draft.kind is DraftKind.EAGLE else 0
         ids = p.req.prompt_token_ids
@@ -286,10 +263,7 @@ class PrefillWorker:
             p.blocks = []
         p.on_done(error)
 
-    # ---- leases --------------------------------------------------------------------------
-
     def _poll_transport(self) -> float:
-        """Queue the reads the transport completed; return the seconds until the next poll."""
         try:
             for rid in self.transport.completed():
                 self._completed.put(rid)
@@ -299,8 +273,7 @@ class PrefillWorker:
         return ACTIVE_POLL_S if len(self.leases) else IDLE_POLL_S
 
     def reap(self, now: float | None = None) -> int:
-        """End leases whose pull completed or that expired (``now``: a ``time.monotonic()``
-        reading, by default the current one); return the blocks freed."""
+        """End leases pulled or expired by ``now`` (monotonic); return the blocks freed."""
         freed = 0
         while not self._completed.empty():
             lease = self.leases.pop(self._completed.get_nowait())
@@ -315,11 +288,8 @@ class PrefillWorker:
         return freed
 
     def release_memory(self) -> int | None:
-        """Give the heap memory freed since the last call back to the system, when a forward
-        has run since: each forward's temporaries are sized by its token count, new nearly
-        every time, and the allocator would otherwise keep them all (``models.host_memory``).
-        For an idle worker: it walks every arena. Returns the bytes given back (None: nothing
-        ran, or the C library cannot)."""
+        """Give heap memory freed since the last call back to the system if a forward ran since
+        (per-token-count temporaries pile up otherwise). Returns bytes given back, or None."""
         if not self._ran_since_release:
             return None
         self._ran_since_release = False
@@ -345,18 +315,14 @@ class PrefillWorker:
 
 
 def _progress_loop(ref: weakref.ref[PrefillWorker], stop: threading.Event) -> None:
-    """The progress thread: poll the worker's transport until stopped or the worker is gone.
-
-    It holds the worker only for one poll, never across the sleep: a worker dropped without
-    ``close()`` is collected and its finalizer stops this thread. (A thread that held it would
-    keep it, its KV pool and its NIXL agent alive, polling every 0.2 ms while an unpulled lease
-    remained, for the life of the process.)"""
+    """Poll the worker's transport until stopped; the worker is held for one poll only, never
+    across the sleep, so a worker dropped without ``close()`` is collected and stops this thread."""
     while not stop.is_set():
         worker = ref()
         if worker is None:
             return
         delay = worker._poll_transport()
-        del worker  # may run the finalizer here, on this thread
+        del worker
         time.sleep(delay)
 
 

@@ -1,5 +1,4 @@
-"""The backends a model runs with, chosen once per model: its attention (``models.attention``),
-and how its forward and head run (``models.backend``; on a CPU, ``models.cpu.backend``)."""
+"""The backends a model runs with (attention, forward and head), chosen once per model."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from models.quant import Quant
 
 
 def row_ops_for(device: torch.device | str) -> RowOps:
-    """The row ops a model on ``device`` is built with."""
     return CpuRowOps() if torch.device(device).type == "cpu" else RowOps()
 
 
@@ -35,8 +33,7 @@ def attention_spec(
     block_size: int,
     window: int | None = None,
 ) -> AttentionSpec:
-    """What an attention backend needs of a model (``heads``, ``kv_heads``: its whole model's)
-    and its pool [layers, NB, 2, Hkv_local, BS, D]."""
+    """``heads``, ``kv_heads``: the whole model's; kv_pool: [layers, NB, 2, Hkv_local, BS, D]."""
     return AttentionSpec(
         block_size=block_size,
         group_size=heads // kv_heads,
@@ -66,9 +63,7 @@ def head_attention_spec(head: EagleHead, kv_pool: torch.Tensor, block_size: int)
 
 
 def attention_for(spec: AttentionSpec, dtype: torch.dtype, exact: bool = False) -> AttentionBackend:
-    """On a CPU the C kernel where it takes the model's dtype and head size, on a GPU the flex
-    backend, else the reference path; ``exact`` (a CPU model rounded to 16 bits) runs what the
-    kernel leaves to the reference path in float64 (``models.attention.reference``)."""
+    """The CPU kernel, flex on a GPU, else the reference path (in float64 where ``exact``)."""
     if spec.device.type == "cpu":
         if dtype in CPU_DTYPES and spec.head_dim % 16 == 0:
             return CpuAttentionBackend(spec, exact=exact)
@@ -80,9 +75,7 @@ def attention_for(spec: AttentionSpec, dtype: torch.dtype, exact: bool = False) 
 
 
 def exact_attention(model: LlamaModel) -> bool:
-    """Whether the reference path runs in float64: on a CPU, for a model whose activations are
-    rounded to 16 bits (bf16, or quantized weights), so that greedy speculation stays
-    token-identical to plain decoding."""
+    """A CPU model rounded to 16 bits attends in float64 so greedy speculation stays exact."""
     return model.device.type == "cpu" and (
         model.dtype != torch.float32 or model.quant is not Quant.NONE
     )
@@ -91,8 +84,7 @@ def exact_attention(model: LlamaModel) -> bool:
 def model_backend(
     model: LlamaModel, kv_pool: torch.Tensor, block_size: int, serve_cpu: bool = True
 ) -> ModelBackend:
-    """The backend ``model`` runs with over ``kv_pool``: on a CPU, ``CpuBackend.apply`` (weights
-    packed, screen, layer program) when ``serve_cpu``; else its modules in PyTorch ops."""
+    """On a CPU with ``serve_cpu``, ``CpuBackend.apply``; else the modules in PyTorch ops."""
     spec = model_attention_spec(model, kv_pool, block_size)
     attention = attention_for(spec, model.dtype, exact_attention(model))
     if serve_cpu and model.device.type == "cpu":

@@ -1,21 +1,5 @@
-"""Decode and verification steps at fixed shapes: persistent inputs, and CUDA graphs on a GPU.
-
-A decode step of a small model is a few thousand small kernels; launched one by one from
-Python they cost the GPU more time than they compute (the host is the bottleneck), and
-rebuilding every index tensor on the host each step adds to it. ``BucketedRunner`` runs the
-steps that ``runtime.step_buffers`` can lay out in a bucket (decodes and chain verifications)
-through persistent buffers filled in place, with metadata computed on the device
-(``AttentionBackend.plan_bucket``). On a GPU it captures the whole forward once per bucket as a
-CUDA graph and replays it (``graphs=True``); elsewhere the same bucketed forward runs eagerly.
-What attention does inside a bucket is its backend's (``models.attention``).
-Prompt chunks, draft trees and steps beyond the buffers run the ragged path
-(``runtime.runner.run_step``), counted in ``ragged_steps``.
-
-Every rank of a TP group wraps its own shard the same way: the ranks see the same batch
-(``runtime.step_wire``) and pick the same bucket. The decode engine asks for graphs with TP = 1
-only: capturing a group's NCCL all-reduces in each rank's graph is how it would extend, and no
-GPU has checked that yet, so a TP group runs its buckets eagerly.
-"""
+"""Decodes and chain verifications at fixed shapes, one CUDA graph per bucket on a GPU (TP = 1:
+capturing NCCL all-reduces is unchecked); other steps run ragged."""
 
 from __future__ import annotations
 
@@ -39,12 +23,10 @@ log = logging.getLogger(__name__)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [b * q, H] the graph's output buffers
-    features: torch.Tensor  # [b * q, F]
+    features: torch.Tensor
 
 
 class BucketedRunner(LocalRunner):
-    """A ``LocalRunner`` whose bucketable steps run at fixed shapes (module docstring)."""
-
     def __init__(
         self,
         model: LlamaModel,
@@ -108,9 +90,6 @@ class BucketedRunner(LocalRunner):
         return self.backend.forward(v.ids, self.kv_pool, meta)
 
     def _capture(self, bucket: Bucket) -> _Captured:
-        """``_capture_once``; where the attention backend's path breaks the capture and it
-        switches to one that captures (``AttentionBackend.capture_failed``), the bucket is
-        captured again."""
         try:
             return self._capture_once(bucket)
         except RuntimeError as e:
@@ -120,9 +99,7 @@ class BucketedRunner(LocalRunner):
             return self._capture_once(bucket)
 
     def _capture_once(self, bucket: Bucket) -> _Captured:
-        """Warm the bucket up on a side stream, then capture its forward. The buffers hold the
-        current step's inputs, so the warm-up and the capture compute this very step (their
-        writes are the step's own K/V, written again when the graph replays)."""
+        """Warm-up and capture compute this very step: their K/V writes are the step's own."""
         log.info(
             "capturing a CUDA graph for %d sequences x %d tokens over %d blocks",
             bucket.seqs,

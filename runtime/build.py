@@ -7,11 +7,9 @@ from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
 
 
 def build_shard(spec: ShardSpec) -> Shard:
-    """Load the models and allocate and register the pools: locally, or over a TP group."""
     spec.configure_process()
     if spec.tp_size > 1:
-        # Imported here: a TP group's ranks are Ray actors, while a one-process shard runs
-        # where Ray is not installed (the engine alone on a GPU machine, bench.gpu_check).
+        # imported here: TP ranks are Ray actors; a one-process shard runs without Ray
         from runtime.tp_group import build_tp_shard
 
         return build_tp_shard(spec)

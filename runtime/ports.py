@@ -1,11 +1,5 @@
-"""Choosing a port that a server binds later (torch.distributed's store, Serve's proxies).
-
-A port drawn with a port-0 bind comes from the kernel's ephemeral range (32768-60999 by
-default), where every outgoing connection and every other port-0 bind lands too, and Ray's
-workers take 10002-19999. Between the draw and the server's bind, Ray's own start-up can take
-such a port (CI saw a Serve gRPC proxy fail "Failed to bind to address [::]:44227"). So the
-port is drawn from the gap between the two ranges instead, and checked free on IPv4 and IPv6.
-"""
+"""A port a server binds later, drawn between Ray's worker ports and the ephemeral range (where
+Ray's start-up may take a port-0 draw first), checked free on IPv4 and IPv6."""
 
 from __future__ import annotations
 
@@ -18,7 +12,6 @@ PORT_RANGE = (20000, 32000)
 
 
 def free_port(draws: int = 200) -> int:
-    """A port in ``PORT_RANGE`` that nothing on this host has bound at the moment of the call."""
     rng = random.SystemRandom()
     for _ in range(draws):
         port = rng.randrange(*PORT_RANGE)

@@ -1,9 +1,4 @@
-"""One forward step of a model over a ragged batch of sequences in a paged KV pool.
-
-``SeqInput`` and ``StepResult`` are a step's typed input and output; ``ModelRunner`` runs a
-target on one process (``LocalRunner``) or over a TP group (``runtime.tp_group.TPRunner``);
-``EagleRunner`` runs an EAGLE head, which also reads the target's features.
-"""
+"""One forward step of a model over a ragged batch of sequences in a paged KV pool."""
 
 from __future__ import annotations
 
@@ -30,46 +25,37 @@ class SeqInput:
     num_cached: int
     token_ids: Sequence[int]
     logit_positions: Sequence[int]  # indices into token_ids whose next-token logits are wanted
-    tree: TreeSpan | None = None  # the new tokens are this tree's last nodes (models.tree)
-    kv_moves: Sequence[tuple[int, int]] = ()  # slot copies (src, dst) done before this step
-    # the caller reads only the argmax of this sequence's logit rows (a greedy request without
-    # logprobs): a head with a screen (``models.greedy_head``) computes just that. Not sent to
-    # other TP ranks (``runtime.step_wire``): a vocabulary sharded over ranks has no screen.
+    tree: TreeSpan | None = None
+    kv_moves: Sequence[tuple[int, int]] = ()
+    # only the rows' argmax is read (greedy, no logprobs); not sent to TP ranks (no screen there)
     argmax_only: bool = False
 
 
 @dataclass(frozen=True)
 class StepResult:
     hidden: torch.Tensor  # [N, hidden] final hidden states at the requested positions
-    # [N, vocab] float32, rows in batch order then position order; NaN in the rows of
-    # ``argmax_only`` sequences when ``tokens`` holds their argmax instead
+    # [N, vocab] fp32, batch then position order; NaN rows where ``tokens`` holds the argmax
     logits: torch.Tensor
     rows_per_seq: tuple[int, ...]
-    # [T, F] the drafter's features of every new token: the final hidden states, or for an
-    # EAGLE-3 head the residual streams it reads (``LlamaModel.feature_layers``)
+    # [T, F] drafter features per new token (EAGLE-3: ``LlamaModel.feature_layers``' streams)
     all_hidden: torch.Tensor
     tokens: torch.Tensor | None = None  # [N] int64 every row's argmax, where the head screened
 
     def argmax(self, rows: torch.Tensor | Sequence[int] | slice) -> torch.Tensor:
-        """[R] the argmax token of each of ``rows`` (the greedy choice)."""
         if self.tokens is not None:
             return self.tokens[rows]
-        # max's indices are argmax's (the first of equal maxima, NaN above all) at a third of
-        # its time on a CPU over a step's [N, vocab] logits
+        # max's indices equal argmax's (first of ties, NaN above all) at a third of its CPU time
         return self.logits[rows].max(dim=-1).indices
 
 
 def head_outputs(
     backend: ModelBackend, picked: torch.Tensor, batch: Sequence[SeqInput]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The logits and argmax tokens of the rows ``batch`` asked for (picked: [N, hidden], in
-    batch order): ``ModelBackend.head`` with each row's ``argmax_only``."""
     only = [s.argmax_only for s in batch for _ in s.logit_positions]
     return backend.head(picked, only)
 
 
 def logit_rows(batch: Sequence[SeqInput], device: torch.device) -> torch.Tensor:
-    """[N] the step's rows whose logits the batch asked for, in batch order."""
     rows: list[int] = []
     start = 0
     for s in batch:
@@ -79,11 +65,7 @@ def logit_rows(batch: Sequence[SeqInput], device: torch.device) -> torch.Tensor:
 
 
 def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqInput]) -> StepResult:
-    """Write the batch's K/V into ``kv_pool`` and return logits where each sequence asked.
-
-    kv_pool: [num_layers, num_blocks, 2, Hkv_local, block_size, head_dim]. Each sequence's
-    ``kv_moves`` (the compaction of a path accepted from a tree) are applied first.
-    """
+    """Apply each sequence's ``kv_moves``, write its K/V into ``kv_pool``, return asked logits."""
     model = backend.model
     dev = model.device
     block_size = backend.attention.spec.block_size
@@ -106,18 +88,13 @@ def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqIn
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work (a no-op on the CPU, whose ops run synchronously)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 class ModelRunner(ABC):
-    """Runs forward steps of one model over its paged KV, on one process or a TP group.
-
-    ``run`` writes the batch's K/V into the model's pool (every rank its own heads) and returns
-    the logits the batch asked for, full-vocabulary, on the calling process.
-    """
+    """Forward steps of one model over its paged KV; logits come back full-vocabulary."""
 
     @abstractmethod
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
@@ -129,8 +106,7 @@ class ModelRunner(ABC):
 
 
 class LocalRunner(ModelRunner):
-    """The whole model in this process (TP = 1), its pool a local tensor. ``backend``: unless
-    given, the model's own modules around the attention backend chosen for it here."""
+    """The whole model in this process; ``backend`` defaults to its modules in PyTorch ops."""
 
     def __init__(
         self,
@@ -140,7 +116,7 @@ class LocalRunner(ModelRunner):
         backend: ModelBackend | None = None,
     ) -> None:
         self.model = model
-        self.kv_pool = kv_pool  # [num_layers, num_blocks, 2, Hkv, block_size, head_dim]
+        self.kv_pool = kv_pool
         self.block_size = block_size
         self.backend = backend or model_backend(model, kv_pool, block_size, serve_cpu=False)
 
@@ -152,8 +128,6 @@ class LocalRunner(ModelRunner):
 
 
 class EagleRunner:
-    """Runs an EAGLE head over its paged KV: like ``LocalRunner``, plus the target's features."""
-
     def __init__(
         self,
         head: EagleHead,
@@ -162,7 +136,7 @@ class EagleRunner:
         attention: AttentionBackend | None = None,
     ) -> None:
         self.head = head
-        self.kv_pool = kv_pool  # [1, num_blocks, 2, Hkv, block_size, head_dim]
+        self.kv_pool = kv_pool
         self.block_size = block_size
         self.attention = attention or attention_for(
             head_attention_spec(head, kv_pool, block_size), head.dtype
@@ -172,8 +146,7 @@ class EagleRunner:
     def run(
         self, batch: Sequence[SeqInput], features: torch.Tensor, from_target: bool = True
     ) -> StepResult:
-        """features: [T, F], one per new token of the batch, in batch order: the target's
-        (``from_target``) or the head's own predictions (``EagleHead.forward``)."""
+        """features: [T, F] per new token, the target's (``from_target``) or the head's own."""
         dev = self.head.device
         meta = self.attention.plan(
             [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]

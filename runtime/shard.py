@@ -1,11 +1,4 @@
-"""What a prefill worker or decode engine computes with: its *shard* of the cluster.
-
-A shard is the target model over every tensor-parallel rank of the replica, the draft model or
-EAGLE head (co-hosted on rank 0), rank 0's KV pool, and a transport that covers every rank's
-pool. With ``tp_size == 1`` everything lives in this process; with more, ranks 1.. are Ray
-actors (``runtime.tp_group``) and the same interfaces hide them. ``runtime.build.build_shard``
-makes either.
-"""
+"""A worker's shard: the target over every TP rank, the drafter on rank 0, pools, transport."""
 
 from __future__ import annotations
 
@@ -35,24 +28,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShardSpec:
-    role: str  # "prefill" or "decode": names agents and logs
+    role: str
     target: ModelSpec
-    draft: DraftSpec  # its checkpoint (draft model or EAGLE head) is co-hosted on rank 0
+    draft: DraftSpec
     num_blocks: int
     block_size: int
     device: str = "cpu"
     tp_size: int = 1
     num_threads: int = 0  # torch CPU threads per rank; 0 keeps torch's default
-    # sys.setswitchinterval in each rank's process (None keeps the interpreter's): the step's
-    # thread takes the GIL back after every torch op, and waits up to this long each time
-    # another thread of the process (Serve's event loop, Ray's) is running Python
+    # GIL switch interval per rank (None: the interpreter's); the step thread waits this long
     switch_interval_s: float | None = None
     transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
     buckets: BucketSpec | None = None  # the target's bucketed steps (None: ragged only)
 
     def configure_process(self) -> None:
-        """Apply the process-wide settings of a rank's process: torch's CPU threads and the
-        interpreter's switch interval."""
         if self.num_threads > 0:
             torch.set_num_threads(self.num_threads)
         if self.switch_interval_s is not None:
@@ -61,23 +50,20 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """The largest bucket of a bucketed target (``runtime.bucketed``), and whether a GPU
-    captures each bucket as a CUDA graph."""
-
     max_seqs: int
     max_query: int  # new tokens per sequence: a chain's k + 1
-    max_blocks: int  # KV blocks per sequence: the context limit over the block size
+    max_blocks: int
     graphs: bool
 
 
 @dataclass
 class Shard:
-    target: ModelRunner  # the target over every rank
-    draft: ModelRunner | EagleRunner | None  # the draft model or EAGLE head, on rank 0
-    pool: KVPool  # rank 0's pool: its heads of the target, and the draft
-    transport: KVTransport  # every rank's pool
+    target: ModelRunner
+    draft: ModelRunner | EagleRunner | None
+    pool: KVPool  # rank 0's: its heads of the target, and the draft
+    transport: KVTransport
     tp_size: int
-    fallback_reason: str | None = None  # why the transport is not NIXL (None when it is)
+    fallback_reason: str | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -92,7 +78,6 @@ def _kv_shape(model: ModelSpec) -> tuple[int, int, int, str]:
 
 
 def rank_pool(spec: ShardSpec, rank: int) -> KVPool:
-    """Rank ``rank``'s KV pool: its heads of the target and, on rank 0, the draft's group."""
     draft = spec.draft.model
     draft_shape = _kv_shape(draft) if rank == 0 and draft is not None else None
     layout = pool_spec_for(
@@ -102,8 +87,7 @@ def rank_pool(spec: ShardSpec, rank: int) -> KVPool:
 
 
 def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
-    """The target residual streams the co-hosted drafter reads as features: an EAGLE-3 head's
-    three (``models.eagle``); none (the final hidden state) for any other drafter."""
+    """The residual streams an EAGLE-3 drafter reads; () (the final hidden state) otherwise."""
     d = spec.draft
     if d.kind is not DraftKind.EAGLE or d.model is None:
         return ()
@@ -112,8 +96,7 @@ def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
 
 
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
-    """This rank's shard of the target (``tp`` None: the whole model) over its pool, with its
-    backends chosen once (``runtime.backends``), returning the features its drafter reads."""
+    """This rank's shard of the target over its pool (``tp`` None: the whole model)."""
     model = spec.target.load(spec.device, tp, row_ops_for(spec.device))
     model.feature_layers = feature_layers(spec)
     kv = pool.tensor("target")
@@ -134,7 +117,6 @@ def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> L
 
 
 def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:
-    """The co-hosted drafter's model over the pool's "draft" group (rank 0)."""
     d = spec.draft
     if d.model is None:
         return None
@@ -160,8 +142,6 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
 
 
 def _served(backend: ModelBackend, what: str) -> ModelBackend:
-    """``backend``, having said once where a CPU has no packed matmul for the model's dtype
-    (it then runs on the plain matmul)."""
     if isinstance(backend, CpuBackend) and not backend.packed:
         _no_packed_matmul(what, backend.model.dtype)
     return backend

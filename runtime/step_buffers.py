@@ -1,15 +1,6 @@
-"""A bucketed step's inputs in persistent buffers, filled in place.
-
-One int64 host tensor (pinned on a GPU node) holds every input of a step of decodes and chain
-verifications, laid out for the largest bucket; a device mirror receives it in one copy per
-step, and the forward reads device views of it whose addresses never change, so the same views
-serve every step of a bucket (and a CUDA graph captured over them, ``runtime.bucketed``).
-
-A bucket is ``(seqs, query, blocks)``: the step's sequences, new tokens per sequence and KV
-blocks per sequence, each rounded up to a power of two (capped at the buffers' size), so a
-handful of shapes cover every step and padding wastes at most half of each dimension. Row
-``i * query + j`` is sequence ``i``'s ``j``-th new token; padding rows point at row 0.
-"""
+"""A bucketed step's inputs in one int64 host tensor, copied to the device in one transfer and
+read through views at fixed addresses (so CUDA graphs replay over them). A bucket rounds each of
+(seqs, query, blocks) up to a power of two; row ``i * query + j`` is sequence i's j-th token."""
 
 from __future__ import annotations
 
@@ -25,7 +16,6 @@ ROW_FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "write_rows", "
 
 
 def bucket_size(n: int, cap: int) -> int:
-    """``n`` rounded up to a power of two, at most ``cap`` (``n <= cap``)."""
     return min(1 << max(0, n - 1).bit_length(), cap)
 
 
@@ -38,8 +28,6 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Filled:
-    """What ``StepBuffers.fill`` wrote: the bucket, and how many logit rows and new tokens."""
-
     bucket: Bucket
     num_logits: int
     num_tokens: int
@@ -51,9 +39,9 @@ class BucketViews:
     """Device views of the buffers for one bucket (``b = seqs``, ``q = query``)."""
 
     ids: torch.Tensor  # [b * q] token ids (padding: 0)
-    positions: torch.Tensor  # [b * q] rotary positions (each row's slot)
-    slot_blocks: torch.Tensor  # [b * q]
-    slot_offsets: torch.Tensor  # [b * q]
+    positions: torch.Tensor
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     write_rows: torch.Tensor  # [b * q] the row whose K/V each row writes (itself, or row 0)
     tables: torch.Tensor  # [b, blocks] (padding: block 0)
     cached: torch.Tensor  # [b] tokens before the new ones
@@ -61,9 +49,6 @@ class BucketViews:
 
 
 class StepBuffers:
-    """Host and device buffers for steps of at most ``max_seqs`` sequences of at most
-    ``max_query`` new tokens over at most ``max_blocks`` blocks each."""
-
     def __init__(
         self, max_seqs: int, max_query: int, max_blocks: int, block_size: int, device: torch.device
     ) -> None:
@@ -94,8 +79,7 @@ class StepBuffers:
         return self.device[s : s + n]
 
     def fits(self, batch: Sequence[SeqInput]) -> bool:
-        """Whether a step can be bucketed: decodes and chain verifications (no trees, no prompt
-        chunks from the start) within the buffers' sizes."""
+        """Decodes and chain verifications (no trees, no first chunks) within the sizes."""
         if not batch or len(batch) > self.max_seqs:
             return False
         for s in batch:
@@ -111,8 +95,6 @@ class StepBuffers:
         return True
 
     def fill(self, batch: Sequence[SeqInput]) -> Filled:
-        """Write ``batch`` (which ``fits``) into the host buffers and copy them to the device
-        in one transfer."""
         bs = self.block_size
         b = bucket_size(len(batch), self.max_seqs)
         q = bucket_size(max(len(s.token_ids) for s in batch), self.max_query)

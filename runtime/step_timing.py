@@ -1,11 +1,4 @@
-"""Measuring a worker's step-time model at start-up (``speculation.step_time.StepTimeModel``).
-
-The target's forward is timed over a grid of shapes (sequences x tokens each) in scratch
-blocks; the shapes are interleaved across repeats and each keeps its fastest run, so a burst of
-load from another process inflates one sample, not one shape. The result is cached on disk per
-model, dtype, device, TP size and thread count, so replicas after the first start without
-measuring.
-"""
+"""Measuring a worker's step-time model (``speculation.step_time``) at start-up, cached on disk."""
 
 from __future__ import annotations
 
@@ -22,15 +15,12 @@ from runtime.runner import ModelRunner, SeqInput, synchronize
 from speculation.step_time import StepTimeModel, isotonic
 
 log = logging.getLogger(__name__)
-CONTEXT = 128  # tokens of context the calibration steps attend over
-# bumped when measurement, fit or the step's own cost change, so cached models are re-measured
-# (5: replicas build and step their engine on one thread; 6: fewer ops per layer and the MLP's
-# down projection in row-invariant chunks; 7: a CPU step's decoder layers in one C call)
+CONTEXT = 128
+# bumped when measurement, fit or the step's cost change, so cached models are re-measured
 METHOD = 7
 
 
 def calibration_points(max_batch: int, max_width: int, token_budget: int) -> list[tuple[int, int]]:
-    """(sequences, tokens each) shapes spanning the steps this replica will run."""
     shapes = set()
     batch = 1
     while batch <= max_batch:
@@ -49,10 +39,7 @@ def measure_step_time(
     repeats: int = 3,
     device: str = "cpu",
 ) -> StepTimeModel:
-    """Time the target's forward over each shape (fastest of ``repeats``, shapes interleaved),
-    in scratch blocks; shapes whose KV would not fit in the free pool are left out. The device
-    is synchronised before each clock reading, so a GPU's kernels are timed, not their
-    launches."""
+    """Fastest of ``repeats`` per shape, interleaved: a load burst inflates a sample only."""
     per_seq = math.ceil((CONTEXT + max(w for _, w in shapes)) / block_size)
     shapes = [s for s in shapes if s[0] * per_seq <= allocator.num_free] or [(1, 1)]
     largest = max(b for b, _ in shapes)
@@ -82,7 +69,6 @@ def measure_step_time(
 
 
 def cached_step_time(path: Path | None, measure: Callable[[], StepTimeModel]) -> StepTimeModel:
-    """Load a measured model from ``path``, or measure (``measure()``) and store it there."""
     if path is not None and path.exists():
         pts = json.loads(path.read_text())
         return StepTimeModel(tuple((int(n), float(t)) for n, t in pts))

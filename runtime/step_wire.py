@@ -1,11 +1,5 @@
-"""A step's inputs as one int64 tensor, so rank 0 of a TP group hands them to the other ranks
-with one collective broadcast (no RPC, no pickling) and every rank runs the same forward.
-
-Layout: ``[B, then per sequence 7 header ints, then per sequence its data]``. A sequence's
-header is the lengths of its block table, token ids, logit positions, tree parents (-1: no
-tree) and KV moves, its cached-token count and its tree's base; its data is those lists,
-concatenated in that order (KV moves as ``src, dst`` pairs).
-"""
+"""A step's inputs as one int64 tensor, broadcast from TP rank 0 to the others. Layout: ``B``,
+then per sequence 7 header ints (see ``pack``), then per sequence its lists in that order."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import torch
 from models.tree import TreeSpan
 from runtime.runner import SeqInput
 
-HEADER = 7  # ints per sequence
+HEADER = 7
 
 
 def pack(batch: Sequence[SeqInput]) -> torch.Tensor:

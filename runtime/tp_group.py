@@ -1,18 +1,5 @@
-"""A tensor-parallel group: rank 0 in the replica's process, ranks 1.. as Ray actors.
-
-Every rank holds its shard of the target's weights (``models.parallel`` layers load their own
-rows or columns) and of the KV pool (its KV heads), and a NIXL agent over that pool
-(``kvtransfer.tp_transport``). The ranks form a torch.distributed process group of their own
-(gloo on CPU, NCCL on CUDA) through a TCP store on rank 0's node; layers issue the
-collectives. Rank 0 drives: for each forward it broadcasts the step's inputs, packed into one
-tensor (``runtime.step_wire``), over the same group, and runs its own part while ranks 1..,
-each waiting in a loop for the next broadcast, run theirs; no RPC crosses per step. For each KV
-pull it asks every rank (a Ray call: pulls are per request, not per step) to read its heads
-from the matching source rank. The draft model stays on rank 0.
-
-Actors go into the replica's placement group (bundle ``r`` for rank ``r``) when there is one,
-so Ray Serve places a whole group on one node.
-"""
+"""A tensor-parallel group: rank 0 broadcasts each step's inputs; ranks 1.. are Ray actors
+(bundle ``r`` of the placement group) looping on them; KV pulls are a Ray call per request."""
 
 from __future__ import annotations
 
@@ -47,17 +34,14 @@ IDLE_TIMEOUT = timedelta(days=365)  # ranks wait for rank 0's next step as long 
 
 @dataclass(frozen=True)
 class Groups:
-    """The TP ranks' process groups: the layers' collectives (gloo on CPU, NCCL on CUDA), and
-    a gloo group that carries each step's inputs from rank 0. The second is apart because a
-    rank waits on it for as long as the replica is idle: a collective of its own may wait
-    forever, while the layers' keep a timeout that catches a hung rank."""
+    """The layers' collectives, and a gloo group for step inputs, apart because ranks wait on it
+    while the replica idles; the layers' keep a timeout that catches a hung rank."""
 
     compute: Any
     steps: Any
 
 
 def _process_groups(spec: ShardSpec, rank: int, host: str, port: int) -> Groups:
-    """Process groups of the TP ranks only, independent of any default group."""
     store = dist.TCPStore(  # type: ignore[attr-defined]
         host, port, spec.tp_size, is_master=rank == 0, use_libuv=False
     )
@@ -71,15 +55,12 @@ def _process_groups(spec: ShardSpec, rank: int, host: str, port: int) -> Groups:
     return Groups(compute, steps)
 
 
-STOP = -1  # the size rank 0 broadcasts to end the ranks' step loops
+STOP = -1
 
 
 class StepChannel:
-    """Step inputs from rank 0 to every rank: a size, then the packed step, each one gloo
-    broadcast of a host tensor (the ranks build their step metadata on the host anyway)."""
-
     def __init__(self, group: Any) -> None:
-        self.group = group  # Groups.steps
+        self.group = group
 
     def send(self, batch: Sequence[SeqInput] | None) -> None:
         """Rank 0: the next step's inputs (None: stop)."""
@@ -102,12 +83,7 @@ class StepChannel:
 
 
 class RankWorker:
-    """Rank ``r >= 1`` of a TP group (run as a Ray actor): its shard of the target, run on
-    every step rank 0 broadcasts (a loop thread), and its side of the group's KV pulls
-    (``RankPulls``, whose methods rank 0 calls).
-
-    The loop thread also allocates the rank's pool and loads its shard, so every torch op of
-    the rank runs on that one thread (one OpenMP team; ``decode.loop`` says why)."""
+    """Rank r >= 1: one loop thread builds and steps its shard (one OpenMP team)."""
 
     def __init__(self, spec: ShardSpec, rank: int, host: str, port: int) -> None:
         self.groups = _process_groups(spec, rank, host, port)
@@ -145,7 +121,6 @@ class RankWorker:
             log.exception("TP rank step loop ended")
 
     def peak_rss_bytes(self) -> int:
-        """This rank's peak resident memory so far (its checkpoint load included)."""
         return process_memory()["peak_rss_bytes"]
 
     def source(self) -> KVSource:
@@ -168,9 +143,6 @@ class RankWorker:
 
 
 class TPRunner(ModelRunner):
-    """Runs a step on every rank: the packed batch is broadcast to ranks 1.., then rank 0
-    computes its part alongside them (the layers' collectives keep them in step)."""
-
     def __init__(self, local: LocalRunner, channel: StepChannel) -> None:
         self.local = local
         self.channel = channel
@@ -188,9 +160,7 @@ class TPRunner(ModelRunner):
 
 
 def build_tp_shard(spec: ShardSpec) -> Shard:
-    """Start ranks 1.. as actors (in the replica's placement group, when there is one), join
-    them in a process group, and build rank 0 here. Every rank moves its KV over NIXL: the
-    object-store fallback serves single ranks only, so asking for it here is refused."""
+    """Start ranks 1.. and build rank 0; ValueError for object_store (single ranks only)."""
     if spec.transport == "object_store":
         raise ValueError(f"kv.transport=object_store needs TP = 1; this shard has {spec.tp_size}")
     host = ray.util.get_node_ip_address()
@@ -205,8 +175,8 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
             opts["num_gpus"] = 1
         actor_cls = ray.remote(RankWorker)
         actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
-    groups = _process_groups(spec, 0, host, port)  # waits for every rank to join
-    ray.get([a.source.remote() for a in actors])  # every rank loaded and registered
+    groups = _process_groups(spec, 0, host, port)
+    ray.get([a.source.remote() for a in actors])
     pool = rank_pool(spec, 0)
     local = rank_target(spec, pool, TPContext(0, spec.tp_size, groups.compute))
     draft = load_draft(spec, pool)

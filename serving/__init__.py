@@ -1,3 +1,1 @@
-"""What every replica shares: the pool health board, replica logs, serving metrics, the
-autoscaling metric names, shared acceptance priors. Imports no deployment (cluster/, prefill/,
-decode/): they import it."""
+"""What every replica shares; it imports no deployment (cluster/, prefill/, decode/ import it)."""

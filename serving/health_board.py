@@ -1,18 +1,4 @@
-"""Every replica's health, per pool: a board each replica publishes to, read by ``/health``.
-
-A ``DeploymentHandle`` reaches one replica per call, so asking a pool for its stats sees one
-replica: a decode replica that fell back to the object store, or one recomputing every prompt,
-would hide behind a healthy sibling. Each pool therefore declares a deployment-scoped actor,
-the ``HealthBoard`` (Ray Serve's ``deployment_actors``: created, health-checked and restarted by
-the Serve controller, shared by the pool's replicas and deleted with the deployment). Every
-replica publishes its stats there every ``PUBLISH_PERIOD_S`` from a ``BoardPublisher`` thread;
-the ingress asks any replica for the board's handle and reads every entry. An entry older than
-``STALE_S`` belongs to a replica that stopped (killed, drained, its node lost) and is dropped.
-
-``pool_health`` sums a pool's entries: replicas on a fallback transport, KV pulls that failed
-and were recomputed (or ended), and whether the share of failed pulls among the replicas'
-recent handoffs passes the configured fraction, which makes the pool *degraded*.
-"""
+"""Each pool's replicas publish their health to a deployment-scoped board that /health reads."""
 
 from __future__ import annotations
 
@@ -30,12 +16,11 @@ log = logging.getLogger(__name__)
 PUBLISH_PERIOD_S = 1.0
 STALE_S = 10.0
 PUBLISH_TIMEOUT_S = 5.0
-BOARD = "health"  # the deployment-scoped actor's name in each pool
+BOARD = "health"
 
 
 class Board:
-    """The latest stats of each replica of one pool, with when they arrived (this process's
-    monotonic clock, so no clock of another host is compared). ``HealthBoard`` is the actor."""
+    """One pool's latest stats per replica, timed on this process's monotonic clock."""
 
     def __init__(self, stale_s: float = STALE_S) -> None:
         self.stale_s = stale_s
@@ -56,24 +41,20 @@ HealthBoard = ray.remote(num_cpus=0)(Board)
 
 
 def board_actor_config() -> Any:
-    """The ``deployment_actors`` entry a pool's Serve options carry."""
     from ray.serve.config import DeploymentActorConfig
 
     return DeploymentActorConfig(name=BOARD, actor_class=HealthBoard, actor_options={"num_cpus": 0})
 
 
 def pool_board() -> Any:
-    """This replica's pool's board (a fresh lookup: the controller may have recreated it)."""
+    """This replica's pool's board (looked up afresh: the controller may have recreated it)."""
     from ray import serve
 
     return serve.get_deployment_actor(BOARD)
 
 
 class BoardPublisher:
-    """Publishes ``collect()`` to this replica's pool board every ``PUBLISH_PERIOD_S``, on a
-    daemon thread (the stats are copies, safe to take beside the engine's thread). Started
-    only inside a Serve replica of a pool that declares the board; a failed publish is logged
-    at debug and retried next period with a fresh handle."""
+    """Publishes ``collect()`` to the pool board every ``PUBLISH_PERIOD_S`` from a daemon thread."""
 
     def __init__(self, collect: Callable[[], dict[str, Any]]) -> None:
         from ray import serve
@@ -86,7 +67,6 @@ class BoardPublisher:
 
     @staticmethod
     def in_replica() -> bool:
-        """Whether this process is a Serve replica (else an engine in a test or a benchmark)."""
         try:
             from ray import serve
 
@@ -97,7 +77,6 @@ class BoardPublisher:
 
     @staticmethod
     def start(collect: Callable[[], dict[str, Any]]) -> BoardPublisher | None:
-        """A publisher when running in a Serve replica, else None (an engine in a test)."""
         return BoardPublisher(collect) if BoardPublisher.in_replica() else None
 
     def _run(self) -> None:
@@ -106,8 +85,7 @@ class BoardPublisher:
         while not self._stop.wait(PUBLISH_PERIOD_S if board is not None else 0.2):
             try:
                 board = board or pool_board()
-                # waited on, so a board that died (its node lost) is noticed and looked up
-                # again: the controller recreates it elsewhere
+                # waited on, so a dead board is noticed and looked up again once recreated
                 stats = {**self._collect(), "node_id": node}
                 ray.get(board.publish.remote(self.replica, stats), timeout=PUBLISH_TIMEOUT_S)
             except Exception as e:  # board being (re)created, or the replica shutting down
@@ -120,14 +98,12 @@ class BoardPublisher:
 
 @dataclass(frozen=True)
 class PoolHealth:
-    """One pool's replicas as ``/health`` shows them."""
-
-    replicas: dict[str, dict[str, Any]]  # replica id -> its summary
-    fallback_replicas: tuple[str, ...]  # replicas whose KV transport is not NIXL
-    kv_recomputed: int  # pulls that failed and were recomputed on decode, all replicas
-    kv_failed_fraction: float | None  # failed share of the replicas' recent handoffs
-    degraded: str | None  # why the pool is degraded, or None
-    acceptance_collapse: tuple[str, ...] = ()  # replicas whose drafts' acceptance collapsed
+    replicas: dict[str, dict[str, Any]]
+    fallback_replicas: tuple[str, ...]  # KV transport not NIXL
+    kv_recomputed: int
+    kv_failed_fraction: float | None
+    degraded: str | None
+    acceptance_collapse: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -177,9 +153,7 @@ SUMMARY = (
 
 
 def pool_health(pool: str, entries: dict[str, dict[str, Any]], max_failed: float) -> PoolHealth:
-    """Sum a pool's board entries; degraded when the failed share of recent handoffs over all
-    replicas passes ``max_failed`` (``kv.degraded_fraction``), or when a replica reports its
-    drafts' acceptance collapsed (``speculation.acceptance_alarm``)."""
+    """Sum a pool's board entries; degraded past ``max_failed`` or on an acceptance collapse."""
     replicas = {rid: {k: s[k] for k in SUMMARY if k in s} for rid, s in sorted(entries.items())}
     fallback = tuple(rid for rid, s in replicas.items() if s.get("transport_fallback"))
     recent = sum(int(s.get("kv_recent_handoffs", 0)) for s in entries.values())

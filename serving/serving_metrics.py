@@ -1,17 +1,4 @@
-"""The standard serving metrics, under the names and meanings vLLM operators already chart.
-
-Exported through Ray's metrics (``ray_`` prefixed on the metrics port), beside the existing
-``tandem_spec_*``, ``tandem_kv_*`` and ``tandem_router_*``. Per request, measured where the
-client's stream is (the ingress): ``tandem_time_to_first_token_seconds``,
-``tandem_inter_token_latency_seconds`` (the gap between token arrivals, spread over the
-tokens that arrived together), ``tandem_request_time_per_output_token_seconds``,
-``tandem_e2e_request_latency_seconds``, ``tandem_prompt_tokens_total``,
-``tandem_generation_tokens_total`` and ``tandem_request_success_total`` by finish reason. Per
-decode replica: ``tandem_request_queue_time_seconds`` (queued on the replica until admitted),
-``tandem_num_requests_running``, ``tandem_num_requests_waiting`` and
-``tandem_kv_cache_usage_perc`` (a fraction, as vLLM's). Every metric is tagged with the
-deployment (pool) and the replica.
-"""
+"""The standard serving metrics, under vLLM's names and meanings (``tandem_`` prefixed)."""
 
 from __future__ import annotations
 
@@ -22,7 +9,7 @@ LATENCY_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-PUBLISH_EVERY_S = 0.5  # the replica gauges are set at most this often
+PUBLISH_EVERY_S = 0.5
 
 
 def _replica() -> str:
@@ -35,8 +22,6 @@ def _replica() -> str:
 
 
 class RequestMetrics:
-    """Per-request latency and token metrics of one ingress replica."""
-
     def __init__(self, deployment: str = "ingress") -> None:
         from ray.util.metrics import Counter, Histogram
 
@@ -75,8 +60,6 @@ class RequestMetrics:
 
 
 class RequestClock:
-    """One request's clock: token arrivals, then its end."""
-
     def __init__(self, metrics: RequestMetrics, t0: float) -> None:
         self.metrics = metrics
         self.t0 = t0
@@ -110,8 +93,6 @@ class RequestClock:
 
 
 class ReplicaGauges:
-    """Load gauges and the queue-time histogram of one decode replica."""
-
     def __init__(self, deployment: str) -> None:
         from ray.util.metrics import Gauge, Histogram
 

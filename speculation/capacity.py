@@ -1,27 +1,5 @@
-"""A decode replica's capacity within a TPOT SLO, for the traffic it is serving now.
-
-How many streams a replica holds before its slowest one misses the SLO depends on how well
-their tokens are predicted: a stream that accepts most drafts emits several tokens a step, so
-the same step time is a shorter time per output token and more such streams fit. Queue-length
-autoscaling sees none of this. Here the same goodput model that adaptive speculation and the
-router use (``speculation.goodput``) answers, from a replica's ``RoutingStats``:
-
-- the **mix**: the acceptance estimates of the requests in its batch (the prior
-  ``DEFAULT_ACCEPTANCE`` while it has none), taken as what further requests will look like;
-- for ``N`` streams of that mix (the mix repeated to ``N``), the drafts adaptive speculation
-  would grant them with the SLO as its TPOT guard (``choose_ks``; ``k_max`` each when it is
-  pinned), the step's predicted time ``T(sum(1 + w k)) + r * max k`` (step-time model, draft
-  rounds ``r``), each stream's TPOT ``step / E(alpha, k)`` and the step's goodput
-  ``sum E / step``;
-- **capacity**: the largest ``N`` up to ``max_batch_size`` whose slowest stream stays within
-  the SLO, and within the KV blocks the running requests' average footprint leaves room for;
-- **headroom**: capacity minus the streams it has (running and queued), in streams and in the
-  goodput the difference would add;
-- and the goodput of one stream of the mix's mean acceptance alone: what a replica still
-  delivers where the SLO is out of reach even for one stream.
-
-``None`` where the replica has no step-time model yet (it has not measured its steps).
-"""
+"""A decode replica's capacity within a TPOT SLO: the most streams of its current acceptance mix
+whose slowest TPOT (step time over ``E(alpha, k)``) keeps to the SLO, and the goodput headroom."""
 
 from __future__ import annotations
 
@@ -38,35 +16,30 @@ from speculation.step_time import StepTimeModel
 
 @dataclass(frozen=True)
 class Capacity:
-    """A replica's capacity within the SLO at its current mix."""
-
-    streams: int  # the most streams of the mix whose slowest TPOT stays within the SLO
+    streams: int
     demand: int  # streams it has: running plus queued
-    goodput_tok_s: float  # predicted tokens/s of the streams it runs now
-    capacity_goodput_tok_s: float  # predicted tokens/s at capacity
-    single_goodput_tok_s: float  # predicted tokens/s of one stream of the mix alone
+    goodput_tok_s: float
+    capacity_goodput_tok_s: float
+    single_goodput_tok_s: float
 
     @property
     def headroom_streams(self) -> int:
-        """Streams it could still take within the SLO (negative: over capacity)."""
         return self.streams - self.demand
 
     @property
     def headroom_tok_s(self) -> float:
-        """Goodput it could still add within the SLO (negative: over capacity)."""
         return self.capacity_goodput_tok_s - self.goodput_tok_s
 
 
 @dataclass(frozen=True)
 class _Step:
-    tpot_s: float  # the slowest stream's time per output token
+    tpot_s: float
     goodput_tok_s: float
 
 
 def _step(
     alphas: np.ndarray, stats: RoutingStats, model: StepTimeModel, slo_s: float, width: int
 ) -> _Step:
-    """Predicted step of the streams of acceptance ``alphas`` ([N]) on this replica."""
     n = len(alphas)
     if stats.k_max <= 0:
         ks = [0] * n
@@ -88,8 +61,7 @@ def _step(
 
 
 def _mean_width(stats: RoutingStats) -> int:
-    """Tokens per draft level of the batch's drafts (the tree's width where greedy requests
-    draft trees), from the published aggregate ``step_tokens = sum(1 + w_i k_i)``."""
+    """Mean draft-tree width, from ``step_tokens = sum(1 + w_i k_i)``."""
     drafted = sum(stats.ks)
     if stats.tree_width <= 1 or drafted == 0 or stats.running == 0:
         return 1
@@ -98,12 +70,11 @@ def _mean_width(stats: RoutingStats) -> int:
 
 
 def capacity_within_slo(stats: RoutingStats, slo_s: float) -> Capacity | None:
-    """``stats``' replica's capacity within ``slo_s`` seconds per output token (module doc);
-    None without a step-time model."""
+    """Capacity within ``slo_s`` seconds per output token; None without a step-time model."""
     model = stats.step_time_model()
     if model is None:
         return None
-    mix = np.asarray(stats.alphas or (DEFAULT_ACCEPTANCE,), dtype=np.float64)  # [M]
+    mix = np.asarray(stats.alphas or (DEFAULT_ACCEPTANCE,), dtype=np.float64)
     width = _mean_width(stats)
     most = stats.max_batch_size
     if stats.running > 0:  # KV: the running requests' average footprint, repeated

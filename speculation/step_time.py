@@ -1,12 +1,5 @@
-"""The step-time model: what a decode step costs as a function of the tokens it scores, and
-how a replica keeps it current.
-
-``StepTimeModel`` interpolates measured ``(tokens, seconds)`` points; the engine's adaptive
-speculation, the router and the simulator all price steps with it. A replica measures one at
-start-up (``runtime.step_timing``) and then refines it from the steps it runs
-(``StepTimeTracker``). Every model is made non-decreasing in tokens (``isotonic``): noise must
-never make a bigger step look cheaper.
-"""
+"""Step-time model: seconds per decode step by tokens scored, made non-decreasing (``isotonic``)
+so that noise never makes a bigger step look cheaper."""
 
 from __future__ import annotations
 
@@ -24,12 +17,8 @@ import numpy.typing as npt
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """Step time as a function of tokens per forward, from measured points.
-
-    ``points`` are ``(tokens, seconds)`` sorted by tokens; between points the time is linearly
-    interpolated, beyond the last it grows with the last segment's slope (or proportionally,
-    with a single point), below the first it is the first point's time.
-    """
+    """Step time from measured ``(tokens, seconds)`` points sorted by tokens: linear between them,
+    the last segment's slope beyond them (proportional with one point), flat below the first."""
 
     points: tuple[tuple[int, float], ...]
 
@@ -41,7 +30,6 @@ class StepTimeModel:
 
     @classmethod
     def linear(cls, base_s: float, per_token_s: float, max_tokens: int = 4096) -> StepTimeModel:
-        """``base + per_token * tokens`` (for analytical profiles, e.g. a GPU on paper)."""
         return cls(((1, base_s + per_token_s), (max_tokens, base_s + per_token_s * max_tokens)))
 
     def predict(self, tokens: int) -> float:
@@ -56,15 +44,14 @@ class StepTimeModel:
         return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
 
     def predict_many(self, tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
-        """``predict`` over an array of token counts at once (the router scores every replica
-        in one call, the planner every step size): the same arithmetic, so the same floats."""
+        """``predict`` over an array of token counts: the same arithmetic, so the same floats."""
         x = np.asarray(tokens, dtype=np.float64)
         xs, ys = self._arrays
-        i = np.searchsorted(xs, x, side="left")  # bisect_left
+        i = np.searchsorted(xs, x, side="left")
         if xs.size > 1:
             j = np.clip(i, 1, xs.size - 1)
             x0, y0, x1, y1 = xs[j - 1], ys[j - 1], xs[j], ys[j]
-        else:  # one point: proportional beyond it, as from the origin
+        else:
             x0, y0, x1, y1 = np.zeros_like(x), np.zeros_like(x), xs[[0]], ys[[0]]
         inside = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
         beyond = y1 + (y1 - y0) / (x1 - x0) * (x - x1)
@@ -84,9 +71,8 @@ class StepTimeModel:
 
 
 def isotonic(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """The non-decreasing least-squares fit of ``(tokens, seconds)`` points sorted by tokens
-    (pool adjacent violators): a dip between two slower points is averaged away, not kept."""
-    pools: list[tuple[float, int]] = []  # (mean seconds, points pooled)
+    """The non-decreasing least-squares fit of points sorted by tokens (pool adjacent violators)."""
+    pools: list[tuple[float, int]] = []
     for _, t in points:
         mean, size = t, 1
         while pools and pools[-1][0] > mean:
@@ -98,21 +84,8 @@ def isotonic(points: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ..
 
 
 class StepTimeTracker:
-    """The start-up model, refined by the wall time of the steps this replica actually runs.
-
-    ``observe`` after every step (its tokens scored, its seconds: forward, sampling and
-    lookup, the draft rounds left out: ``speculation.draft_cost``);
-    ``model`` is rebuilt every ``refit_every`` observations, and replaced only when some point
-    moved by more than ``tolerance`` (relative): the model is published to the routers, which
-    tabulate each distinct one, so it changes when the replica did, not with every jitter.
-    Steps are grouped by token count (exactly up to 16 tokens, in eighths of an octave above,
-    where prompt chunks make every count rare); a group needs ``min_samples`` recent steps
-    (the last ``window`` are kept) before its medians override the start-up model; counts never
-    seen keep the start-up shape, scaled by the median ratio of
-    seen to predicted times. Unseen wide steps stay at their (scaled) calibrated cost, so a
-    stale model that overprices speculation only makes it cautious, and one that underprices
-    it is corrected by the very steps it causes.
-    """
+    """The start-up model refined by observed steps (target forward only, draft rounds excluded);
+    replaced only when a point moves over ``tolerance``, so routers see it change when it did."""
 
     def __init__(
         self,
@@ -128,7 +101,7 @@ class StepTimeTracker:
         self.min_samples = min_samples
         self.window = window
         self.tolerance = tolerance
-        self._recent: dict[int, deque[tuple[int, float]]] = {}  # group -> (tokens, seconds)
+        self._recent: dict[int, deque[tuple[int, float]]] = {}
         self._since_refit = 0
 
     def observe(self, tokens: int, seconds: float) -> None:

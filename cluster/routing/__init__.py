@@ -1,3 +1,2 @@
 """Request routing: decode placement by expected acceptance (and baselines), prefill placement
-by prefix-cache affinity. Pure policies over a replica table, wired into Ray Serve by
-``cluster.routing.ray_routers``."""
+by prefix-cache affinity; pure policies, wired into Ray Serve by ``ray_routers``."""

@@ -1,9 +1,5 @@
-"""The columns of the router's replica table (``cluster.routing.table``): one float per row each.
-
-- **snapshot** (``STATS``): the replica's last published ``RoutingStats`` and when it arrived;
-- **overlay** (``OVERLAY``): what this router has sent the replica since that snapshot;
-- **effective** (``EFFECTIVE``): snapshot plus overlay, what policies read.
-"""
+"""The router's replica table columns, one float per row: the snapshot (``STATS``), what this
+router sent since (``OVERLAY``), and their sum that policies read (``EFFECTIVE``)."""
 
 from __future__ import annotations
 
@@ -52,14 +48,14 @@ class Columns:
     o_queued: FloatArray
     o_tokens: FloatArray
     o_weight: FloatArray
-    o_slowest: FloatArray  # the largest 1 / E among overlay entries that joined the batch
+    o_slowest: FloatArray  # largest 1 / E (and o_max_k: k) of entries that joined the batch
     o_emitted: FloatArray
-    o_max_k: FloatArray  # the largest k among overlay entries that joined the batch
+    o_max_k: FloatArray
     o_blocks: FloatArray
-    eff_tokens: FloatArray  # tokens the next step scores
-    eff_weight: FloatArray  # TPOT weight of the batch
+    eff_tokens: FloatArray
+    eff_weight: FloatArray
     eff_slowest: FloatArray  # the slowest request's TPOT per second of step time
-    eff_emitted: FloatArray  # tokens a step emits
+    eff_emitted: FloatArray
     eff_max_k: FloatArray  # draft rounds per step
     eff_slots: FloatArray  # batch slots left after the queue
-    eff_free: FloatArray  # free KV blocks
+    eff_free: FloatArray

@@ -1,25 +1,6 @@
-"""What a router did, for operators: decisions by the basis they were taken on, their cost, and
-the acceptance estimates it placed by.
-
-Exported to Prometheus through Ray's metrics (``tandem_router_*``, tagged with the deployment
-and the policy) from the process the router runs in (the ingress replica, whose handles route
-to prefill and decode), and kept as totals on the router (the same increments, so the two
-always agree). No gauges: Ray drops a gauge's series once it goes unset for two export
-intervals, and a router sets nothing while no calls come.
-
-A decision is one ranking of a call's replicas: Ray Serve ranks a call again when every replica
-it was offered is full, so decisions can outnumber calls. Estimates are counted once per request,
-when it is placed. A decision's **basis** says what it was taken on:
-
-- ``stats``: every live replica had fresh routing stats (the policy scored them all);
-- ``partial``: some had; the stale ones were kept as a last, power-of-two rank;
-- ``fallback``: none had, so the policy fell back to power of two choices (stats stale for
-  longer than ``max_staleness_s``, or not published yet);
-- ``stats_free``: a policy that reads no stats (round-robin; a deployment's power of two is
-  Ray Serve's own router, which reports none of these);
-- ``other_call``: a call that is not a ``generate`` (``stats``, ``record_routing_stats``): two
-  replicas at random;
-- ``affinity`` / ``two_choices`` (prefill): sent after the prompt's cached prefix, or not.
+"""What a router did, for operators: decisions by basis (``BASES``, see docs/deploy.md), their
+cost, the acceptance estimates it placed by; ``tandem_router_*`` metrics plus in-process totals.
+No gauges: Ray drops a gauge's series unset for two export intervals, and an idle router sets none.
 """
 
 from __future__ import annotations
@@ -37,7 +18,7 @@ class RouterTotals:
 
     decisions: dict[str, int] = field(default_factory=dict)  # basis -> count
     decision_s: float = 0.0  # wall time, summed over decisions
-    decision_cpu_s: float = 0.0  # the router thread's CPU time, summed
+    decision_cpu_s: float = 0.0
     slowest_s: float = 0.0
     estimates: dict[str, list[float]] = field(default_factory=dict)  # greedy|sampled -> alphas
     stats_rejected: int = 0
@@ -85,8 +66,7 @@ class RouterMetrics:
             m.set_default_tags(self.tags)
 
     def decided(self, basis: str, seconds: float, cpu_seconds: float) -> None:
-        """One call placed on ``basis`` (one of ``BASES``) in ``seconds`` of wall time, of which
-        the router's thread ran ``cpu_seconds``."""
+        """One ranking on ``basis`` (one of ``BASES``): wall and router-thread CPU seconds."""
         if basis not in BASES:
             raise ValueError(f"unknown routing decision basis {basis!r}")
         t = self.totals
@@ -99,7 +79,6 @@ class RouterMetrics:
         self._cpu.observe(cpu_seconds)
 
     def estimate(self, alpha: float, greedy: bool) -> None:
-        """The acceptance estimate a request was placed by."""
         sampling = "greedy" if greedy else "sampled"
         kept = self.totals.estimates.setdefault(sampling, [])
         if len(kept) < self.keep_estimates:

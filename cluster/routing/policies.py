@@ -1,8 +1,5 @@
-"""Decode routing policies over a ``ReplicaTable``: round-robin, power of two choices, least KV
-load, acceptance-aware, and acceptance-aware within a TPOT SLO. The Ray Serve routers
-(``cluster.routing.ray_routers``) and the simulator (``bench/router_sim.py``) run these same
-objects.
-"""
+"""Decode routing policies over a ``ReplicaTable``, run by the Ray Serve routers and by the
+simulator (``bench/router_sim.py``) alike."""
 
 from __future__ import annotations
 
@@ -33,22 +30,15 @@ SLO_MISS_S = 1.0  # added per request a placement predicts above the TPOT SLO (s
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a policy knows about the request it places."""
-
     alpha: float  # acceptance estimate: prefill's probe, or a prior from the sampling params
     prompt_tokens: int
     greedy: bool = False  # drafts a tree where the replica runs them (RoutingStats.tree_width)
 
 
 class RoutingPolicy(ABC):
-    """Ranks replicas (table rows) for one request.
-
-    ``rank`` returns ranks, best first, each a list of rows. The caller sends the request to the
-    first rank holding a replica that accepts it (Ray Serve: a queue below
-    ``max_ongoing_requests``; within a rank, the shortest queue), then calls ``routed`` with the
-    row it used. ``rank`` runs for every request, so it must be cheap; policies read nothing but
-    the table and their own state.
-    """
+    """Ranks replicas (table rows) for one request, best first, each rank a list of rows; the
+    caller sends it to the first rank with a replica that accepts it, then calls ``routed``.
+    ``rank`` runs for every request: it reads only the table and the policy's own state."""
 
     name: ClassVar[str]
 
@@ -56,7 +46,6 @@ class RoutingPolicy(ABC):
     def rank(self, req: RouteRequest, table: ReplicaTable, now: float) -> Ranks: ...
 
     def routed(self, req: RouteRequest, table: ReplicaTable, row: int, now: float) -> None:
-        """Record the request on the row's overlay (see ``ReplicaTable``)."""
         record_routed(req, table, row, now)
 
     def fresh_rows(self, table: ReplicaTable, now: float) -> BoolArray | None:
@@ -101,8 +90,7 @@ class RoundRobin(RoutingPolicy):
 
 
 class PowerOfTwo(RoutingPolicy):
-    """Two replicas at random; the caller takes the one with the shorter queue (Ray Serve's
-    default router, which probes the queues)."""
+    """Two replicas at random; the caller takes the one with the shorter queue."""
 
     name = "power_of_two"
 
@@ -126,8 +114,7 @@ def two_choices(rows: np.ndarray, rng: random.Random) -> Ranks:
 
 
 class LeastKV(RoutingPolicy):
-    """The replica with the most free KV blocks (as a fraction), by its last snapshot plus what
-    was sent since; power of two choices when no snapshot is fresh."""
+    """The most free KV blocks (as a fraction); power of two when no snapshot is fresh."""
 
     name = "least_kv"
 
@@ -153,9 +140,8 @@ class LeastKV(RoutingPolicy):
 
 
 class AcceptanceAware(RoutingPolicy):
-    """The replica where the request adds least to the sum of all TPOTs (``score``), among
-    replicas whose stats are at most ``max_staleness_s`` old; replicas that would queue it come
-    last. Power of two choices when no replica has fresh stats."""
+    """Where the request adds least to the sum of all TPOTs, among replicas with fresh stats
+    (power of two choices when none has); replicas that would queue it come last."""
 
     name = "acceptance_aware"
 
@@ -186,13 +172,10 @@ class AcceptanceAware(RoutingPolicy):
         return out
 
     def score(self, o: Outlook, table: ReplicaTable) -> FloatArray:
-        """The cost of each row from the request's outlook there."""
         return o.cost_s
 
     def outlook(self, req: RouteRequest, table: ReplicaTable) -> Outlook:
-        """The request's predicted fate on every row."""
         k_max = table.k_cap()
-        # tokens per draft level on each row: its tree width for a greedy request (None: 1)
         width = np.maximum(table.tree_width, 1.0) if req.greedy else None
         if len(table.steps) == 1:  # one model for the whole pool (the simulator's case)
             only = next(iter(table.steps.values()))
@@ -210,7 +193,6 @@ class AcceptanceAware(RoutingPolicy):
 
 
 def _replica_steps(table: ReplicaTable, rows: BoolArray | None) -> ReplicaSteps:
-    """The table's effective view of ``rows`` (None: every row), as placements score it."""
     sel = slice(None) if rows is None else rows
     return ReplicaSteps(
         step_tokens=table.eff_tokens[sel],
@@ -224,15 +206,9 @@ def _replica_steps(table: ReplicaTable, rows: BoolArray | None) -> ReplicaSteps:
 
 
 class SloAware(AcceptanceAware):
-    """Acceptance-aware placement that first keeps requests within a TPOT SLO.
-
-    A row costs ``SLO_MISS_S`` more for each of: the request's own predicted TPOT there above
-    ``tpot_slo_s``; the slowest running request there (``eff_slowest``) pushed above it by the
-    longer step. Among rows that miss alike, the acceptance-aware cost decides, so a request
-    that fits nowhere goes where it slows the others least. Low-acceptance requests (TPOT near
-    the step time) thus keep to replicas with short steps, and high-acceptance ones, which
-    emit several tokens per step, take the long steps of deep speculation elsewhere.
-    """
+    """Acceptance-aware placement that first keeps requests within a TPOT SLO: a row costs
+    ``SLO_MISS_S`` more if the request's TPOT there, or the slowest running one's pushed by the
+    longer step, passes ``tpot_slo_s``; among rows that miss alike, the acceptance-aware cost."""
 
     name = "slo_aware"
 
@@ -272,7 +248,6 @@ def _stale_rank(table: ReplicaTable, fresh: np.ndarray, fallback: PowerOfTwo) ->
 def make_policy(
     name: str, max_staleness_s: float, seed: int | None = None, tpot_slo_s: float | None = None
 ) -> RoutingPolicy:
-    """A decode routing policy by its config name (``slo_aware`` needs ``tpot_slo_s``)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "power_of_two":

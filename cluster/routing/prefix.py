@@ -1,12 +1,5 @@
-"""Prefill placement: power of two choices with prefix-cache affinity.
-
-A prefill worker reuses the KV of full prompt blocks an earlier prompt computed there
-(``kvtransfer.allocator.block_hashes``: hashes chained over every full ``block_size``-token
-block). The router remembers which replica it last sent each block hash to (``PrefixIndex``, a
-bounded LRU), finds the replica holding the longest run of the new prompt's leading blocks, and
-sends the prompt there unless that replica is busier than the lighter of two random replicas by
-more than ``imbalance`` requests; otherwise it is plain power of two choices.
-"""
+"""Prefill placement: power of two choices, unless the replica that last prefilled the longest
+run of the prompt's leading block hashes is within ``imbalance`` requests of the lighter one."""
 
 from __future__ import annotations
 
@@ -47,7 +40,6 @@ class PrefixIndex:
             self._row.popitem(last=False)
 
     def forget(self, row: int) -> None:
-        """A replica went away: its cache went with it."""
         for h in [h for h, r in self._row.items() if r == row]:
             del self._row[h]
 

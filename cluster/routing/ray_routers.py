@@ -1,19 +1,5 @@
-"""Ray Serve request routers running the policies of ``cluster.routing``.
-
-Decode routers (``AcceptanceAwareRouter``, ``SloAwareRouter``, ``LeastKVRouter``,
-``RoundRobinRouter``) keep a ``ReplicaTable`` in step with the deployment's replicas: Ray Serve
-hands them each replica's ``routing_stats`` (what ``DecodeServer.record_routing_stats``
-returned, refreshed every ``request_routing_stats_period_s``) through ``update_replicas``; a
-snapshot is parsed once, when its timestamp changes. ``choose_replicas`` reads the pending
-``generate(req, handoff)`` call's arguments (its acceptance estimate calibrated by the
-replicas' published acceptance cells, ``speculation.calibration.CalibrationPool``) and returns
-the policy's ranks; ``on_request_routed`` records the request on the chosen row's overlay.
-Power of two choices is Ray Serve's own default router.
-
-``PrefixAffinityRouter`` places prefill calls: power of two choices over this router's own count
-of requests in flight per replica, with affinity to the replica that last prefilled the prompt's
-leading blocks (``cluster.routing.prefix``).
-"""
+"""Ray Serve request routers running the ``cluster.routing`` policies: decode routers keep a
+``ReplicaTable`` fed by the replicas' ``routing_stats``; ``PrefixAffinityRouter`` places prefill."""
 
 from __future__ import annotations
 
@@ -75,19 +61,15 @@ class _Rows:
 
 
 def _since(start: float, cpu: float) -> tuple[float, float]:
-    """(wall, this thread's CPU) seconds since ``time.perf_counter()``, ``time.thread_time()``."""
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
 def _deployment_name(router: RequestRouter) -> str:
-    """The deployment a router places calls on ("" where Serve has not set it, as in tests)."""
     dep = getattr(router, "_deployment_id", None)
     return str(getattr(dep, "name", "")) if dep is not None else ""
 
 
 class _DecodeRouter(RequestRouter):
-    """A decode router over a ``ReplicaTable`` for the policy named ``policy``."""
-
     policy: ClassVar[str]
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -188,27 +170,20 @@ class AcceptanceAwareRouter(_DecodeRouter):
 
 
 class SloAwareRouter(_DecodeRouter):
-    """Places each request where it and the requests beside it stay within the TPOT SLO, then
-    where its expected acceptance buys the most (``policies.SloAware``)."""
+    """Within the TPOT SLO first, then where acceptance buys the most (``policies.SloAware``)."""
 
     policy = "slo_aware"
 
 
 class LeastKVRouter(_DecodeRouter):
-    """Places each request on the replica with the most free KV blocks."""
-
     policy = "least_kv"
 
 
 class RoundRobinRouter(_DecodeRouter):
-    """Places requests on the replicas in turn."""
-
     policy = "round_robin"
 
 
 class PrefixAffinityRouter(RequestRouter):
-    """Prefill placement: power of two choices with prefix-cache affinity."""
-
     def initialize_state(self, **kwargs: Any) -> None:
         """``request_router_kwargs``: ``block_size`` (the prefill KV block size, default 16),
         ``imbalance`` (requests in flight affinity may add over the lighter of two, default 4),

@@ -1,13 +1,5 @@
-"""What a router reads from a pending call's arguments.
-
-The ingress calls ``prefill.prefill(req)`` and then ``decode.generate(req, handoff)``
-(``cluster.generation``): the ``Request`` carries the prompt and the sampling parameters, the
-``KVHandoff`` prefill's acceptance probe. The decode router's acceptance estimate is the probe;
-without one (colocated mode, no prefill) the request's own estimate, or else a prior from its
-temperature: sampling at temperature 1 accepts far fewer drafts than greedy decoding. The
-router then calibrates that estimate by what finished requests like it accepted
-(``speculation.calibration.CalibrationPool``).
-"""
+"""What a router reads from a pending ``generate(req, handoff)`` call: the acceptance estimate
+(prefill's probe, else the request's own, else a prior from its temperature) and prompt length."""
 
 from __future__ import annotations
 
@@ -40,9 +32,7 @@ def route_request(
     args: Iterable[Any], kwargs: Mapping[Any, Any], calibration: CalibrationPool | None = None
 ) -> RouteRequest | None:
     """The decode policy's view of ``generate(req, handoff)``; None if there is no Request.
-
-    With ``calibration`` the estimate is calibrated by what the replicas' finished requests of
-    the same temperature and probe bins accepted, as the engine will calibrate it."""
+    ``calibration`` calibrates the estimate by temperature and probe bin, as the engine will."""
     values = [*args, *kwargs.values()]
     req: Request | None = _first(values, Request)
     if req is None:

@@ -1,39 +1,5 @@
 """What placing one request on a decode replica costs, by the goodput model
-(``speculation.goodput``).
-
-A replica's next step scores ``t`` tokens, takes ``T(t)`` seconds and emits ``G`` tokens; its
-running requests have TPOT weight ``W = sum_i 1 / E(alpha_i, k_i)`` (``speculation.routing_stats``).
-A request of acceptance ``alpha`` placed there:
-
-- gets the speculation length the replica's engine would grant it. Adaptive speculation
-  (``choose_ks``) admits a draft level while its expected gain ``alpha^m`` beats what the
-  level's ``w`` tokens cost at the batch's goodput, ``w * theta`` with
-  ``theta = (G / T) * max(T(t + 1) - T(t), c)``, where ``c`` is what a draft token costs there
-  as the replica has measured it (``DraftCost``; 0 until it has) and ``w`` the width of
-  the request's draft there: the replica's ``tree_width`` for a greedy request, else 1 (a
-  chain); a level deeper than the batch's longest speculation ``m`` also costs a draft round
-  ``r`` (below), ``(G / T) * r`` more; so
-  ``k = #{j <= k_max : alpha^j > w * theta + [j > m] * (G / T) * r}``. A pinned engine gives
-  ``k_max``;
-- makes the step take
-  ``T' = T(t + 1) + max(T(t + 1 + w k) - T(t + 1), c * w k) + r * max(m, k)``
-  (from ``T(t) + r * m``), where ``m`` is the longest speculation in the batch and ``r`` the
-  cost of one draft round: a model drafter proposes in ``max k`` sequential rounds (a tree in
-  one round per level), paid by every request in the step;
-- has time per output token ``T' / E(alpha, k)``;
-- raises the running requests' TPOTs by ``(T' - T) * W`` in sum (their ks held fixed);
-- **costs** ``T' / E + SLOWDOWN_WEIGHT * (T' - T) * W``. The slowdown lasts as long as the
-  request stays, and over its stay it meets the requests running now and, with arrivals
-  steady and stays alike, about as many again that join meanwhile (a request's stay overlaps
-  ``n + lambda * stay = 2n`` others on average): hence a weight of 2 on the rise summed over
-  the requests running now.
-
-Minimising that rise keeps apart requests whose costs multiply. A high-acceptance request takes
-many drafts; its extra tokens and draft rounds slow every request there in proportion to ``W``,
-which low-acceptance requests (``E`` near 1) make large. A low-acceptance request gains nothing
-from drafts and pays the rounds of others', so it is best where the step is short and nobody
-drafts long. Replicas therefore drift towards batches of like acceptance.
-"""
+(``speculation.goodput``); the derivation is in docs/structure.md."""
 
 from __future__ import annotations
 
@@ -52,10 +18,8 @@ SLOWDOWN_WEIGHT = 2.0  # the running requests now, and as many again joining dur
 
 @dataclass(frozen=True)
 class Placement:
-    """The request's predicted fate on one replica."""
-
     k: int  # the speculation length the replica's engine would grant it
-    tpot_s: float  # the request's time per output token there
+    tpot_s: float
     slowdown_s: float  # the rise in the running requests' TPOTs, summed
     cost_s: float  # tpot_s + SLOWDOWN_WEIGHT * slowdown_s
 
@@ -76,12 +40,11 @@ def granted_k(alpha: float, k_max: int, theta: FloatArray) -> IntArray:
 
 @dataclass(frozen=True)
 class ReplicaStep:
-    """A replica's next step as a router scores it: its ``RoutingStats`` aggregates plus what
-    the router sent it since (the table's ``eff_*`` columns)."""
+    """A replica's next step as a router scores it (the table's ``eff_*`` columns)."""
 
-    step_tokens: int  # tokens the step scores
+    step_tokens: int
     tpot_weight: float  # sum over the batch of 1 / E(alpha_i, k_i)
-    step_emitted: float  # tokens the step emits
+    step_emitted: float
     adaptive: bool  # the engine chooses k per request (else it pins k_max)
     step_max_k: int  # the longest speculation in the batch: draft rounds per step
     draft_round_s: float  # one draft round (0: no model drafter)
@@ -98,7 +61,7 @@ def placement(
     k = k_max
     if r.adaptive:
         theta = width * r.step_emitted / target * max(joined - target, r.draft_token_s)
-        deeper = r.step_emitted / target * r.draft_round_s  # a level beyond step_max_k: a round
+        deeper = r.step_emitted / target * r.draft_round_s
         k = sum(  # alpha^m falls with m, the threshold rises: a prefix of the levels
             1 for m in range(1, k_max + 1) if alpha**m > theta + (deeper if m > r.step_max_k else 0)
         )
@@ -112,8 +75,8 @@ def placement(
 
 @dataclass(frozen=True, eq=False)
 class StepTable:
-    """A step-time model tabulated at every integer token count below ``size`` (steps score
-    whole tokens), so scoring every replica is array lookups; beyond, the model itself."""
+    """A step-time model tabulated at integer token counts below ``size`` (array lookups when
+    scoring every replica); the model itself beyond."""
 
     model: StepTimeModel
     seconds: FloatArray  # [size]
@@ -136,8 +99,6 @@ class StepTable:
 
 @dataclass(frozen=True)
 class Outlook:
-    """A request's predicted fate on many replicas at once (one entry per replica)."""
-
     k: IntArray  # [D] the speculation length each replica's engine would grant it
     step_s: FloatArray  # [D] the replica's step time with it
     base_s: FloatArray  # [D] the replica's step time without it
@@ -146,22 +107,21 @@ class Outlook:
 
     @property
     def tpot_s(self) -> FloatArray:
-        """[D] the request's own time per output token there."""
         out: FloatArray = self.step_s / self.expected
         return out
 
 
 @dataclass(frozen=True)
 class ReplicaSteps:
-    """``ReplicaStep`` over many replicas at once (one entry per replica)."""
+    """``ReplicaStep`` over D replicas: every column is [D]."""
 
-    step_tokens: FloatArray  # [D]
-    tpot_weight: FloatArray  # [D]
-    step_emitted: FloatArray  # [D]
-    adaptive: npt.NDArray[np.bool_]  # [D]
-    step_max_k: FloatArray  # [D]
-    draft_round_s: FloatArray  # [D]
-    draft_token_s: FloatArray | None = None  # [D]; None: unknown everywhere
+    step_tokens: FloatArray
+    tpot_weight: FloatArray
+    step_emitted: FloatArray
+    adaptive: npt.NDArray[np.bool_]
+    step_max_k: FloatArray
+    draft_round_s: FloatArray
+    draft_token_s: FloatArray | None = None  # None: unknown everywhere
 
 
 def placement_outlook(

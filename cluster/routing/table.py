@@ -1,16 +1,6 @@
-"""The router's view of the decode replicas: one row per replica, numpy columns.
-
-Each row holds the replica's last published ``RoutingStats`` and, on top of it, an **overlay**
-of what this router has sent the replica since that snapshot was taken: without it every
-decision between two refreshes would see the same state and pile onto the same replica. When a
-newer snapshot arrives, overlay entries older than it are dropped (the snapshot counts them).
-
-Rows are assigned by the caller (the Ray Serve router or the simulator) and reused after
-``clear``. The table never calls out; it is fed and read. Policies read the ``eff_*`` columns
-(snapshot plus overlay), kept current on every change so that a decision adds nothing up.
-The overlay's entries are kept per row (``SentLog``) until a snapshot counts them, and the rows'
-step-time models are shared and tabulated once per distinct model (``StepModels``).
-"""
+"""The router's view of the decode replicas: one row per replica, numpy columns. A row is the
+replica's last ``RoutingStats`` plus an overlay of what this router sent it since (else every
+decision between two refreshes would pile onto one replica); policies read the ``eff_*`` sums."""
 
 from __future__ import annotations
 
@@ -31,12 +21,10 @@ BoolArray = npt.NDArray[np.bool_]
 
 
 class Sent(NamedTuple):
-    """A request this router sent a replica."""
-
-    time: float  # when it was sent (router clock)
-    k: int  # draft levels it is predicted to verify per step
-    expected: float  # tokens it is predicted to emit per step
-    blocks: int  # KV blocks its prompt takes
+    time: float  # router clock
+    k: int
+    expected: float
+    blocks: int
     joins: bool  # joins the batch (else the queue)
     width: int  # tokens per draft level (its tree's width, else 1)
 
@@ -48,7 +36,6 @@ class SentLog:
         self._rows: list[deque[Sent]] = []
 
     def grow(self, n: int) -> None:
-        """Room for ``n`` more rows."""
         self._rows.extend(deque() for _ in range(n))
 
     def add(self, row: int, sent: Sent) -> None:
@@ -68,18 +55,15 @@ class SentLog:
             yield log.popleft()
 
     def joined_peaks(self, row: int) -> tuple[int, float]:
-        """Among the requests still logged that joined the batch: the largest k and the largest
-        ``1 / expected`` (the slowest one's TPOT per second of step time)."""
+        """The largest k and ``1 / expected`` among the logged requests that joined the batch."""
         joined = [s for s in self._rows[row] if s.joins]
         k = max((s.k for s in joined), default=0)
         return k, max((1 / s.expected for s in joined), default=0.0)
 
 
 class StepModels:
-    """The step-time models a router scores replicas with: one per distinct model, shared by
-    every replica that publishes it, each tabulated once (``StepTable``) for scoring all rows at
-    a time. Replicas refine their models while serving, so a model no replica uses any more is
-    dropped."""
+    """The rows' step-time models, one per distinct model, each tabulated once; replicas refine
+    theirs while serving, so a model no row uses is dropped."""
 
     def __init__(self) -> None:
         self.models: dict[int, StepTimeModel] = {}
@@ -101,12 +85,10 @@ class StepModels:
         return i
 
     def acquire(self, mid: int, rows: int) -> None:
-        """``rows`` more rows use model ``mid``."""
         if mid >= 0:
             self._refs[mid] += rows
 
     def release(self, mid: int, rows: int) -> None:
-        """``rows`` rows stopped using model ``mid``; at none it is dropped."""
         if mid < 0:
             return
         self._refs[mid] -= rows
@@ -121,10 +103,10 @@ class ReplicaTable(Columns):
         self._usable: BoolArray | None = None  # alive, with stats and a model (cached)
         self._oldest = -np.inf  # earliest received_at among usable rows (cached)
         self._usable_is_alive: bool | None = None
-        self._adaptive: BoolArray | None = None  # cached with _usable
+        self._adaptive: BoolArray | None = None
         self._k_cap = 0
-        self.step_models = StepModels()  # the rows' step-time models, by id (model_id)
-        self._sent = SentLog()  # requests sent since each row's snapshot (the overlay)
+        self.step_models = StepModels()
+        self._sent = SentLog()
         self.alive = np.zeros(0, dtype=bool)
         self.has_stats = np.zeros(0, dtype=bool)
         self.model_id = np.zeros(0, dtype=np.int64)
@@ -155,19 +137,15 @@ class ReplicaTable(Columns):
         return self.step_models.steps
 
     def model_index(self, model: StepTimeModel | None) -> int:
-        """The id of a step-time model in ``models`` (-1 for none); equal models share one."""
         return self.step_models.index(model)
 
     def _use_model(self, rows: int | npt.NDArray[np.int64], model: StepTimeModel | None) -> None:
-        """Point ``rows`` at ``model``; a model left with no rows is dropped."""
         new = self.step_models.index(model)
         old, counts = np.unique(np.atleast_1d(self.model_id[rows]), return_counts=True)
         self.model_id[rows] = new
         self.step_models.acquire(new, int(np.size(self.model_id[rows])))
         for mid, n in zip(old.tolist(), counts.tolist(), strict=True):
             self.step_models.release(mid, n)
-
-    # ---- feeding ------------------------------------------------------------------------
 
     def set_stats(self, row: int, s: RoutingStats, received_at: float) -> None:
         """A replica's new snapshot (``received_at`` on the router's clock)."""
@@ -251,9 +229,8 @@ class ReplicaTable(Columns):
         now: float,
         width: int = 1,
     ) -> None:
-        """This router sent the replica a request that will verify ``k`` draft levels of
-        ``width`` tokens each and emit ``expected`` tokens per step: it joins the batch or,
-        when ``joins`` is false, the queue."""
+        """This router sent the replica a request verifying ``k`` draft levels of ``width``
+        tokens, emitting ``expected`` per step, into the batch (else, not ``joins``, the queue)."""
         sent = Sent(now, k, expected, blocks, joins, width)
         self._sent.add(row, sent)
         self._apply(row, sent, 1.0)
@@ -282,7 +259,6 @@ class ReplicaTable(Columns):
         self._sync(row)
 
     def _sync(self, rows: int | npt.NDArray[np.int64]) -> None:
-        """Recompute the effective columns of ``rows`` from snapshot and overlay."""
         self.eff_tokens[rows] = self.step_tokens[rows] + self.o_tokens[rows]
         self.eff_weight[rows] = self.tpot_weight[rows] + self.o_weight[rows]
         self.eff_slowest[rows] = np.maximum(self.slowest_weight[rows], self.o_slowest[rows])
@@ -300,8 +276,6 @@ class ReplicaTable(Columns):
                 getattr(self, name)[row] = 0.0
         else:
             self.o_max_k[row], self.o_slowest[row] = self._sent.joined_peaks(row)
-
-    # ---- reading ------------------------------------------------------------------------
 
     def fresh(self, now: float, max_age_s: float) -> BoolArray:
         """Rows whose snapshot arrived at most ``max_age_s`` ago and carries a step model."""
@@ -322,14 +296,12 @@ class ReplicaTable(Columns):
         self._oldest = float(seen.min()) if seen.size else np.inf
 
     def adaptive_mask(self) -> BoolArray:
-        """Rows whose engine chooses k per request."""
         if self._usable is None:
             self._refresh_cache()
         assert self._adaptive is not None
         return self._adaptive
 
     def k_cap(self) -> int:
-        """The largest k_max of any row."""
         if self._usable is None:
             self._refresh_cache()
         return self._k_cap

@@ -14,19 +14,14 @@ from speculation.draft_cost import DraftRounds
 
 
 class DraftModelDrafter(Drafter):
-    """Runs the draft model autoregressively, one forward per proposed position, each over the
-    whole batch.
-
-    The first forward of a step also catches the draft's KV up on every token it has not seen
-    (the previous step's bonus or recovered token, or the whole prompt when the prompt was
-    computed locally), so the draft never needs a separate prefill on decode.
-    """
+    """One draft forward per position over the batch; the first also catches the draft's KV up
+    on every unseen token, so decode needs no separate draft prefill."""
 
     uses_kv = True
     rounds: DraftRounds
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner  # the draft model over the pool's "draft" group
+        self.runner = runner
         self._fed = 0
         self.rounds = DraftRounds()  # forwards after the first (which also catches up)
 
@@ -56,7 +51,7 @@ class DraftModelDrafter(Drafter):
             drawn, q = sample_logits(out.logits, params, positions, Stream.DRAFT)  # [B_j]
             rows = iter(range(q.shape[0] if q is not None else 0))
             for row, (i, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
-                r = reqs[i]  # (one device->host copy per round, above)
+                r = reqs[i]
                 r.num_draft_computed += len(batch[row].token_ids)
                 tokens[i].append(token)
                 if q is not None and not r.sampling.greedy:
@@ -67,5 +62,4 @@ class DraftModelDrafter(Drafter):
 
 
 def _proposal(tokens: Sequence[int], probs: Sequence[torch.Tensor]) -> DraftProposal:
-    """A chain and its draws' distributions (None for a greedy request: one-hot)."""
     return DraftProposal(tuple(tokens), torch.stack(list(probs)) if probs else None)

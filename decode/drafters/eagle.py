@@ -1,14 +1,6 @@
-"""The EAGLE drafter: an EAGLE-style head (``models.eagle``) drafting from the target's features.
-
-Per request the drafter keeps the target features it has not yet fed to the head. A step first
-catches the head up — head position ``t`` reads ``(f_t, x_{t+1})`` for every position the target
-has computed since last time (one, after a plain step; the whole prompt when the prompt was
-computed here) — and the head's output at the last of them proposes the next token; each
-further draft feeds the head its own predicted feature and the token it just drafted. Head KV
-computed from predicted features is provisional: ``num_draft_computed`` only counts positions
-fed with the target's true features, so the next step overwrites the rest. With
-``tree_width`` > 1, greedy requests draft trees instead of chains (``eagle_tree``).
-"""
+"""The EAGLE drafter: a head (``models.eagle``) caught up on the target's true features, then fed
+its own predicted ones. Head KV from predicted features is provisional: ``num_draft_computed``
+counts true-feature positions only."""
 
 from __future__ import annotations
 
@@ -32,7 +24,6 @@ class EagleDrafter(Drafter):
 
     def __init__(self, runner: EagleRunner, tree_width: int = 1) -> None:
         self.runner = runner
-        # > 1: greedy requests draft trees this wide (decode.drafters.eagle_tree)
         self.tree_width = tree_width
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
@@ -55,7 +46,6 @@ class EagleDrafter(Drafter):
         if not live:
             return out
         first = self._catch_up([reqs[i] for i in live])
-        # Greedy requests verifying at least one fed draft grow a tree (tree_width > 1).
         tree = [
             row
             for row, i in enumerate(live)
@@ -90,9 +80,8 @@ class EagleDrafter(Drafter):
         return out
 
     def _catch_up(self, reqs: Sequence[Request]) -> StepResult:
-        """Feed the head positions ``num_draft_computed .. num_computed - 1``, each with the
-        token that follows it (the last: the pending, newest token); its output at the last
-        one, per request, proposes the first draft."""
+        """Feed head positions ``num_draft_computed .. num_computed - 1`` (position t reads f_t
+        and token t + 1); the output at the last proposes the first draft."""
         batch, feats = [], []
         for r in reqs:
             f = self._features.pop(r.request_id)
@@ -113,11 +102,10 @@ class EagleDrafter(Drafter):
         hidden: torch.Tensor,
         logits: torch.Tensor,
     ) -> list[DraftProposal]:
-        """Each request's draft drawn token by token: the head's own predicted feature and the
-        token it just drafted give the next. hidden [B, H] and logits [B, V]: the catch-up's."""
+        """Chains drawn token by token from the catch-up's hidden [B, H] and logits [B, V]."""
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # sampled requests' q rows
-        last = [hidden[b : b + 1] for b in range(len(reqs))]  # each request's predicted feature
+        last = [hidden[b : b + 1] for b in range(len(reqs))]
         live = list(range(len(reqs)))
         for j in range(max(widths)):
             if j > 0:

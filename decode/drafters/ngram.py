@@ -10,15 +10,13 @@ from models.request import Request
 
 
 class NgramDrafter(Drafter):
-    """Deterministic proposals over prompt and output; its draft distribution is one-hot.
-
-    Each request keeps an ``NgramIndex`` over its known tokens, fed the new ones at each
-    proposal, so a lookup costs the same at any context length."""
+    """One-hot proposals from a per-request ``NgramIndex`` fed only new tokens, so a lookup costs
+    the same at any context length."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n = max_n
         self.min_n = min_n
-        self._indexes: dict[str, NgramIndex] = {}  # request id -> its index
+        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         out = []

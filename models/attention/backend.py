@@ -1,12 +1,5 @@
-"""The one interface every attention implementation sits behind.
-
-A backend is chosen once per model (``runtime.backends``). Each step it plans the metadata
-every layer shares (``plan`` for a ragged step, ``plan_bucket`` for a bucketed one, with device
-ops only so a CUDA graph can hold it); each layer then writes its new K/V into the pool
-(``write_kv``) and attends (``attend``). The model calls ``paged_attention`` and never knows
-which backend runs. What a backend cannot serve it hands to the reference gather path, and
-counts it in ``fallbacks``.
-"""
+"""The interface every attention implementation sits behind: a step's metadata is planned once
+and shared by every layer, which writes its K/V and attends through ``paged_attention``."""
 
 from __future__ import annotations
 
@@ -28,8 +21,6 @@ from models.attention.metadata import (
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one model over one pool (``spec``)."""
-
     name: str
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -41,7 +32,6 @@ class AttentionBackend(ABC):
         return 0
 
     def plan(self, seqs: Sequence[SeqSlice]) -> StepMetadata:
-        """The metadata of a ragged step over ``seqs``, in the order of their tokens."""
         layout = step_layout(seqs, self.spec.block_size)
         return step_metadata(self, layout, self.groups(layout))
 
@@ -57,7 +47,7 @@ class AttentionBackend(ABC):
         self, k: torch.Tensor, v: torch.Tensor, layer_kv: torch.Tensor, meta: StepMetadata
     ) -> None:
         """k, v: [T, Hkv, D] into layer_kv [NB, 2, Hkv, BS, D] at the step's slots."""
-        new = torch.stack((k, v), 1)  # [T, 2, Hkv, D]
+        new = torch.stack((k, v), 1)
         if meta.write_rows is not None:
             new = new[meta.write_rows]
         layer_kv[meta.slot_blocks, :, :, meta.slot_offsets] = new
@@ -68,20 +58,19 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D] -> [T, Hq * D], each group over its rows."""
         if len(meta.groups) == 1 and meta.groups[0].rows is None:
             return meta.groups[0].attend(q, layer_kv, scale)
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [T, Hq * D]
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for g in meta.groups:
             rows = g.rows
-            assert rows is not None  # only a lone group covering the whole step has none
+            assert rows is not None
             out[rows] = g.attend(q[rows], layer_kv, scale)
         return out
 
     def capture_failed(self, error: Exception) -> bool:
-        """Graph hook: a bucket's capture raised ``error``. True when the backend switched to
-        a path that captures (the runner then captures again); False re-raises."""
+        """A bucket's capture raised ``error``: True when the backend switched to a path that
+        captures (the runner captures again); False re-raises."""
         return False
 
     def describe(self) -> str:
-        """What runs attention, for ``/health``."""
         return self.name
 
 
@@ -93,7 +82,6 @@ def paged_attention(
     meta: StepMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write the step's K/V into the pool, then attend over each sequence's context.
-    q: [T, Hq, D]; k, v: [T, Hkv, D]; layer_kv: [NB, 2, Hkv, BS, D]. Returns [T, Hq * D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D], written first -> [T, Hq * D]."""
     meta.backend.write_kv(k, v, layer_kv, meta)
     return meta.backend.attend(q, layer_kv, meta, scale)

@@ -1,6 +1,5 @@
 """The flex backend: decodes and chain verifications read the pool in place through
-``flex_attention`` (``models.attention.flex_kernel``); prompt chunks, trees, sliding windows
-and short contexts take the reference path."""
+``flex_attention``; prompt chunks, trees, sliding windows and short contexts gather."""
 
 from __future__ import annotations
 
@@ -31,8 +30,6 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FlexGroup:
-    """A ragged group read in place; its padded layout doubles as the fallback."""
-
     gathered: GatherGroup
     plan: FlexPlan | None  # None: more (sequence, head) pairs than the kernel serves
     kernel: FlexKernel
@@ -44,7 +41,7 @@ class FlexGroup:
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
         g = self.gathered
         if self.plan is not None:
-            qp = g.pad(q)  # [b, q, Hq, D]
+            qp = g.pad(q)
             found = self.kernel.attend(qp, layer_kv, self.plan, scale)
             if found is not None:
                 b, qn, hq, d = qp.shape
@@ -54,8 +51,6 @@ class FlexGroup:
 
 @dataclass(frozen=True)
 class FlexBucketGroup:
-    """A bucket read in place, gathering where the kernel cannot run."""
-
     plan: FlexPlan
     kernel: FlexKernel
     gathered: BucketGatherGroup
@@ -65,15 +60,13 @@ class FlexBucketGroup:
         g = self.gathered
         _t, hq, d = q.shape
         queries = q.view(g.num_seqs, g.max_query, hq, d)
-        found = self.kernel.attend(queries, layer_kv, self.plan, scale)  # [b, q, Hq, D]
+        found = self.kernel.attend(queries, layer_kv, self.plan, scale)
         if found is not None:
             return found.reshape(g.num_seqs * g.max_query, hq * d)
         return g.attend(q, layer_kv, scale)
 
 
 class FlexBackend(ReferenceBackend):
-    """In place where the kernel applies (``FlexKernel.applies``), else the reference path."""
-
     name = "flex"
 
     def __init__(self, spec: AttentionSpec, kernel: FlexKernel | None = None) -> None:
@@ -98,8 +91,8 @@ class FlexBackend(ReferenceBackend):
         if fits:
             gathered = gather_group(layout, fits, spec, exact=False)
             part = [layout.seqs[i] for i in fits]
-            need = torch.tensor([layout.need[i] for i in fits])  # [b]
-            cached = torch.tensor([s.num_cached for s in part])  # [b]
+            need = torch.tensor([layout.need[i] for i in fits])
+            cached = torch.tensor([s.num_cached for s in part])
             tables = layout.tables[torch.tensor(fits), : max(layout.need[i] for i in fits)]
             plan = kernel.plan(tables, need, cached, spec)
             groups = (FlexGroup(gathered, plan, kernel), *groups)
@@ -119,8 +112,7 @@ class FlexBackend(ReferenceBackend):
         return bucket_metadata(self, bucket, group)
 
     def capture_failed(self, error: Exception) -> bool:
-        """A capture with in-place attention failed (an op that waits for the device, in a
-        torch where flex_attention has one): buckets gather from now on, logged and counted."""
+        """Buckets gather from now on (a torch whose flex_attention waits on the device)."""
         if not self.buckets_in_place:
             return False
         log.error("graph capture with in-place attention failed, buckets gather: %s", error)

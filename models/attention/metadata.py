@@ -1,10 +1,5 @@
-"""What every attention backend shares: a step's sequences, its metadata and its groups.
-
-The KV pool is ``[num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim]``
-(``models.kv_layout``); token ``p`` of a sequence lives in block ``table[p // block_size]`` at
-offset ``p % block_size``. A step may mix prompt chunks, decodes, chain verifications and token
-trees (``models.tree``). Its metadata is planned once by a backend and shared by every layer.
-"""
+"""What every attention backend shares: a step's sequences, metadata and groups. Token p of a
+sequence lives in block ``table[p // block_size]`` at offset ``p % block_size``."""
 
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ from models.tree import TreeSpan
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence in a step: ``num_new`` tokens after ``num_cached`` cached ones; with
-    ``tree``, the new tokens are that tree's last ``num_new`` nodes."""
+    """One sequence in a step; with ``tree``, the new tokens are its last ``num_new`` nodes."""
 
     block_table: Sequence[int]
     num_cached: int
@@ -39,7 +33,6 @@ class SeqSlice:
             )
 
     def positions(self) -> list[int]:
-        """The rotary position of each new token."""
         if self.tree is None:
             return list(range(self.num_cached, self.num_cached + self.num_new))
         depths = self.tree.depths()[self.num_cached - self.tree.base :]
@@ -48,23 +41,19 @@ class SeqSlice:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a backend needs of one model and its pool, fixed for the model's life."""
-
     block_size: int
-    group_size: int  # query heads per KV head
+    group_size: int
     head_dim: int
-    num_kv_heads: int  # on this rank
+    num_kv_heads: int
     num_blocks: int
-    block_chunks: int  # chunks from one block of a layer to the next (models.kv_layout)
-    rope_cos: torch.Tensor  # [max_positions, head_dim / 2]
+    block_chunks: int
+    rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     device: torch.device
-    window: int | None = None  # sliding window in positions (Mistral)
+    window: int | None = None
 
 
 class AttentionGroup(Protocol):
-    """Sequences one kernel attends in one call, shared by every layer of a step."""
-
     @property
     def rows(self) -> torch.Tensor | None:
         """[t] the group's tokens among the step's T; None: all of them, in order."""
@@ -74,8 +63,6 @@ class AttentionGroup(Protocol):
 
 
 class LayerAttention(Protocol):
-    """What a layer calls on its step's backend (``models.attention.backend``)."""
-
     @property
     def spec(self) -> AttentionSpec: ...
 
@@ -93,10 +80,10 @@ class StepMetadata:
     """Indices shared by every layer of one step (T new tokens; a bucket's T is ``b * q``)."""
 
     backend: LayerAttention
-    positions: torch.Tensor  # [T] rotary position of each new token
-    slot_blocks: torch.Tensor  # [T] block that receives each new token's K/V
-    slot_offsets: torch.Tensor  # [T] offset inside that block
-    cos: torch.Tensor  # [T, 1, 2, head_dim / 2] (models.layers.rotary_tables)
+    positions: torch.Tensor
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    cos: torch.Tensor  # [T, 1, 2, head_dim / 2]
     sin: torch.Tensor
     groups: tuple[AttentionGroup, ...]
     # a bucket's padding rows write their source row's K/V again: [T] the row each write carries
@@ -109,25 +96,22 @@ class StepMetadata:
 
 @dataclass(frozen=True)
 class BucketInputs:
-    """A bucketed step's device buffers (``runtime.step_buffers``): ``b`` sequences of ``q``
-    rows over ``nb`` blocks each."""
+    """A bucketed step's device buffers: ``b`` sequences of ``q`` rows over ``nb`` blocks."""
 
-    positions: torch.Tensor  # [b * q]
-    slot_blocks: torch.Tensor  # [b * q]
-    slot_offsets: torch.Tensor  # [b * q]
+    positions: torch.Tensor
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
     write_rows: torch.Tensor  # [b * q] the row whose K/V each write carries (padding: row 0)
-    tables: torch.Tensor  # [b, nb] (padding: block 0)
-    cached: torch.Tensor  # [b]
+    tables: torch.Tensor
+    cached: torch.Tensor
     num_new: torch.Tensor  # [b] (a padding sequence brings 0)
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Host-side facts of a ragged step, built once and handed to the backend's planner."""
-
     seqs: Sequence[SeqSlice]
-    need: list[int]  # [B] blocks each sequence attends over
-    tables: torch.Tensor  # [B, NBmax] each sequence's blocks, padded with block 0
+    need: list[int]
+    tables: torch.Tensor
     starts: list[int]  # [B + 1] each sequence's first row in the step; the last: T
 
     def rows(self, members: Sequence[int]) -> torch.Tensor | None:
@@ -140,7 +124,6 @@ class StepLayout:
         )
 
     def tables_of(self, members: Sequence[int]) -> torch.Tensor:
-        """[b, NBmax of the members] the members' block tables."""
         if len(members) == len(self.seqs):
             return self.tables
         return self.tables[torch.tensor(list(members)), : max(self.need[i] for i in members)]
@@ -151,7 +134,7 @@ def step_layout(seqs: Sequence[SeqSlice], block_size: int) -> StepLayout:
         raise ValueError("every sequence in a step must bring at least one new token")
     need = [(s.num_cached + s.num_new + block_size - 1) // block_size for s in seqs]
     width = max(need)
-    rows: list[list[int]] = []  # one host list, one tensor: this runs every step
+    rows: list[list[int]] = []
     for s, n in zip(seqs, need, strict=True):
         if len(s.block_table) < n:
             raise ValueError(f"block table holds {len(s.block_table)} blocks, step needs {n}")
@@ -165,7 +148,6 @@ def step_layout(seqs: Sequence[SeqSlice], block_size: int) -> StepLayout:
 def step_metadata(
     backend: LayerAttention, layout: StepLayout, groups: tuple[AttentionGroup, ...]
 ) -> StepMetadata:
-    """The per-token indices of a ragged step, around the groups its backend planned."""
     spec = backend.spec
     bs = spec.block_size
     positions = [p for s in layout.seqs for p in s.positions()]
@@ -176,7 +158,7 @@ def step_metadata(
             blocks.append(s.block_table[slot // bs])
             offsets.append(slot % bs)
     dev = spec.device
-    pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)  # [T]
+    pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
     cos, sin = rotary_tables(spec.rope_cos, spec.rope_sin, pos)
     return StepMetadata(
         backend=backend,
@@ -190,18 +172,17 @@ def step_metadata(
 
 
 def bucket_mask(bucket: BucketInputs, block_size: int, window: int | None) -> torch.Tensor:
-    """[b, 1, q, nb * block_size] True where a bucket's query row may attend, with device ops
-    only: the keys at or before its position (and within the window); a padding row sees
-    key 0 alone, so no softmax row is empty."""
+    """[b, 1, q, nb * block_size] True where a row may attend, with device ops only; a padding
+    row sees key 0 alone, so no softmax row is empty."""
     b, nb = bucket.tables.shape
     q = bucket.positions.shape[0] // b
     c = nb * block_size
     dev = bucket.positions.device
-    q_idx = torch.arange(q, device=dev)  # [q]
-    q_pos = bucket.cached.view(b, 1) + q_idx.view(1, q)  # [b, q]
-    valid = q_idx.view(1, q) < bucket.num_new.view(b, 1)  # [b, q]
-    ctx = torch.arange(c, device=dev).view(1, 1, c)  # [1, 1, C]
-    mask = ctx <= q_pos.unsqueeze(2)  # [b, q, C]
+    q_idx = torch.arange(q, device=dev)
+    q_pos = bucket.cached.view(b, 1) + q_idx.view(1, q)
+    valid = q_idx.view(1, q) < bucket.num_new.view(b, 1)
+    ctx = torch.arange(c, device=dev).view(1, 1, c)
+    mask = ctx <= q_pos.unsqueeze(2)
     if window is not None:
         mask = mask & (ctx > q_pos.unsqueeze(2) - window)
     mask = (mask & valid.unsqueeze(2)) | (~valid.unsqueeze(2) & (ctx == 0))
@@ -211,8 +192,6 @@ def bucket_mask(bucket: BucketInputs, block_size: int, window: int | None) -> to
 def bucket_metadata(
     backend: LayerAttention, bucket: BucketInputs, group: AttentionGroup
 ) -> StepMetadata:
-    """A bucket's metadata around its one group, with device ops only (a CUDA graph holds
-    it)."""
     spec = backend.spec
     cos, sin = rotary_tables(spec.rope_cos, spec.rope_sin, bucket.positions)
     return StepMetadata(

@@ -1,15 +1,6 @@
-"""The reference backend: each group's blocks gathered into a dense copy, then SDPA.
-
-Sequences are grouped by new-token count and by context blocks, each in powers of two, and
-padded to their group's longest query and context: a prompt chunk does not pad every decode
-beside it, nor the longest context every short one. Every other backend is checked against
-this one (``tests/models/test_attention_conformance.py``) and hands it what it cannot serve.
-
-``exact`` runs attention in float64: SDPA's CPU kernels round a row differently by how many
-rows share the call, which a bf16 or quantized model amplifies into other greedy tokens; in
-float64 the difference is far below what rounding back keeps, so speculation stays
-token-identical to plain decoding.
-"""
+"""The reference backend: each group's blocks gathered into a dense copy, then SDPA. ``exact``
+attends in float64, since SDPA rounds a row differently by how many rows share the call and 16-bit
+models turn that into other greedy tokens; in float64 the difference vanishes on rounding back."""
 
 from __future__ import annotations
 
@@ -32,9 +23,7 @@ from models.attention.metadata import (
 
 
 def gather(layer_kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """layer_kv [NB, 2, Hkv, BS, D], tables [b, NBmax] -> [2, b, Hkv, NBmax * BS, D]: one
-    ``index_select`` over the pool seen as [2, Hkv, NB, BS, D] copies whole blocks straight
-    into the (K/V, head)-major order attention wants."""
+    """layer_kv [NB, 2, Hkv, BS, D], tables [b, NBmax] -> [2, b, Hkv, NBmax * BS, D]."""
     _nb, _two, hkv, bs, d = layer_kv.shape
     b, nbmax = tables.shape
     out = torch.index_select(layer_kv.permute(1, 2, 0, 3, 4), 2, tables.reshape(-1))
@@ -49,16 +38,15 @@ def sdpa(
     scale: float,
     exact: bool,
 ) -> torch.Tensor:
-    """queries [b, q, Hq, D] over the gathered ``tables`` [b, NBmax] with ``mask``
-    [b, 1, q, C] -> [b * q, Hq * D]."""
+    """queries [b, q, Hq, D], tables [b, NBmax], mask [b, 1, q, C] -> [b * q, Hq * D]."""
     b, qn, hq, d = queries.shape
     keys, values = gather(layer_kv, tables)  # [b, Hkv, C, D] each
-    qs = queries.transpose(1, 2)  # [b, Hq, q, D]
+    qs = queries.transpose(1, 2)
     if exact:
         qs, keys, values = qs.double(), keys.double(), values.double()
     out = F.scaled_dot_product_attention(
         qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=hq != keys.shape[1]
-    ).to(queries.dtype)  # [b, Hq, q, D]
+    ).to(queries.dtype)
     return out.transpose(1, 2).reshape(b * qn, hq * d)
 
 
@@ -66,21 +54,19 @@ def sdpa(
 class GatherGroup:
     """Sequences padded to one ``[b, q]`` query layout and one context of ``C`` keys."""
 
-    rows: torch.Tensor | None  # [t] the group's tokens among the step's T; None: all, in order
-    tables: torch.Tensor  # [b, NBmax]
-    token_index: torch.Tensor  # [t] each token's row in the padded [b * q] layout
-    mask: torch.Tensor  # [b, 1, q, C] True where a query may attend
+    rows: torch.Tensor | None
+    tables: torch.Tensor
+    token_index: torch.Tensor
+    mask: torch.Tensor
     num_seqs: int
     max_query: int
-    exact: bool  # float64 (module docstring)
+    exact: bool
 
     @property
     def dense(self) -> bool:
-        """One sequence, no padding: the padded layout is the flat one."""
         return self.num_seqs == 1
 
     def pad(self, q: torch.Tensor) -> torch.Tensor:
-        """q: [t, Hq, D] -> [b, q, Hq, D]."""
         if self.dense:
             return q.unsqueeze(0)
         _t, hq, d = q.shape
@@ -89,7 +75,6 @@ class GatherGroup:
         return qp.view(self.num_seqs, self.max_query, hq, d)
 
     def unpad(self, out: torch.Tensor) -> torch.Tensor:
-        """[b * q, Hq * D] -> [t, Hq * D]."""
         return out if self.dense else out[self.token_index]
 
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
@@ -100,29 +85,27 @@ class GatherGroup:
 def gather_group(
     layout: StepLayout, members: Sequence[int], spec: AttentionSpec, exact: bool
 ) -> GatherGroup:
-    """The padded layout of ``layout.seqs[members]``; a tree's tokens see their ancestors only
-    inside it, and a sliding window limits every query to its last ``window`` positions."""
     part = [layout.seqs[i] for i in members]
-    num_new = torch.tensor([s.num_new for s in part])  # [b]
-    cached = torch.tensor([s.num_cached for s in part])  # [b]
+    num_new = torch.tensor([s.num_new for s in part])
+    cached = torch.tensor([s.num_cached for s in part])
     b, q = len(part), int(num_new.max())
     tables = layout.tables[torch.tensor(list(members)), : max(layout.need[i] for i in members)]
     c = tables.shape[1] * spec.block_size
-    q_idx = torch.arange(q)  # [q]
-    q_valid = q_idx.unsqueeze(0) < num_new.unsqueeze(1)  # [b, q]
-    q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)  # [b, q]
-    ctx_pos = torch.arange(c)  # [C]
-    mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)  # [b, q, C]
-    if spec.window is not None:  # key j is seen from query i when i - window < j <= i
+    q_idx = torch.arange(q)
+    q_valid = q_idx.unsqueeze(0) < num_new.unsqueeze(1)
+    q_pos = cached.unsqueeze(1) + q_idx.unsqueeze(0)
+    ctx_pos = torch.arange(c)
+    mask = ctx_pos.view(1, 1, c) <= q_pos.unsqueeze(2)
+    if spec.window is not None:
         mask &= ctx_pos.view(1, 1, c) > q_pos.unsqueeze(2) - spec.window
     for row, s in enumerate(part):
         if s.tree is not None:
             t = s.tree
-            anc = t.ancestors()[s.num_cached - t.base :]  # [num_new, tree size]
+            anc = t.ancestors()[s.num_cached - t.base :]
             mask[row, : s.num_new, t.base : t.base + t.size] &= anc
     # padded query rows attend to slot 0 only, so no softmax row is empty
     mask = (mask & q_valid.unsqueeze(2)) | (~q_valid.unsqueeze(2) & (ctx_pos == 0).view(1, 1, c))
-    token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]  # [t]
+    token_index = (torch.arange(b).unsqueeze(1) * q + q_idx.unsqueeze(0))[q_valid]
     rows = layout.rows(members)
     dev = spec.device
 
@@ -141,14 +124,12 @@ def gather_group(
 
 
 def pow2(n: int) -> int:
-    """1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
     return (n - 1).bit_length()
 
 
 def gather_groups(
     layout: StepLayout, members: Sequence[int], spec: AttentionSpec, exact: bool
 ) -> tuple[GatherGroup, ...]:
-    """``members`` grouped by new tokens and context blocks, to a factor 2."""
     by_bucket: dict[tuple[int, int], list[int]] = {}
     for i in members:
         key = (pow2(layout.seqs[i].num_new), pow2(layout.need[i]))
@@ -158,10 +139,8 @@ def gather_groups(
 
 @dataclass(frozen=True)
 class BucketGatherGroup:
-    """A bucket's rows, ``b`` sequences of ``q``, over its gathered tables."""
-
-    tables: torch.Tensor  # [b, nb]
-    mask: torch.Tensor  # [b, 1, q, nb * BS]
+    tables: torch.Tensor
+    mask: torch.Tensor
     num_seqs: int
     max_query: int
     exact: bool
@@ -174,14 +153,12 @@ class BucketGatherGroup:
 
 
 class ReferenceBackend(AttentionBackend):
-    """Gather and SDPA for every group (module docstring)."""
-
     name = "gather"
 
     def __init__(self, spec: AttentionSpec, exact: bool = False, why: str | None = None) -> None:
         super().__init__(spec)
         self.exact = exact
-        self.why = why  # why a faster backend is not used here, for /health
+        self.why = why
 
     def groups(self, layout: StepLayout) -> tuple[AttentionGroup, ...]:
         return gather_groups(layout, range(len(layout.seqs)), self.spec, self.exact)

@@ -1,2 +1,1 @@
-"""The CPU wing: C kernels for attention, matmuls, row ops and whole decode steps, applied to a
-loaded model by ``backend.CpuBackend.apply``."""
+"""The CPU wing: C kernels applied to a loaded model by ``backend.CpuBackend.apply``."""

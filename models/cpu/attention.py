@@ -1,7 +1,5 @@
-"""The CPU backend: every decode, verification, tree and prompt chunk of a step reads the pool
-in place through one C call per layer (``models.cpu.paged``), and the step's K/V is written
-in one call too. What the kernel does not take (no compiler; a test's ``max_new_tokens``)
-takes the reference path, counted."""
+"""The CPU attention backend: every step reads the pool in place, one C call per layer
+(``models.cpu.paged``); what the kernel does not take gathers, counted."""
 
 from __future__ import annotations
 
@@ -20,8 +18,6 @@ from models.cpu.paged import CpuPagedAttention, NativeGroup
 
 
 class CpuAttentionBackend(ReferenceBackend):
-    """``kernel`` for what it fits, the reference path (``exact`` as given) for the rest."""
-
     name = "cpu_paged"
 
     def __init__(
@@ -41,7 +37,7 @@ class CpuAttentionBackend(ReferenceBackend):
         if kernel.ready():
             on_cpu = [i for i in everyone if kernel.fits(spec.block_size, layout.seqs[i])]
         else:
-            kernel.fallbacks += 1  # the kernel could not be built here (logged once)
+            kernel.fallbacks += 1
         taken = set(on_cpu)
         rest = [i for i in everyone if i not in taken]
         groups: tuple[AttentionGroup, ...] = gather_groups(layout, rest, spec, self.exact)

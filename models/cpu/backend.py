@@ -1,9 +1,5 @@
-"""The CPU wing's one entry point: ``CpuBackend.apply`` readies a loaded model for serving on a
-CPU. Its matmul weights are packed for the panel kernel (``models.cpu.linear``), its greedy
-rows' argmax goes through a certified bf16 screen (``models.cpu.greedy_head``), its decode
-steps' layers run as one C call (``models.cpu.program``), its attention reads the pool in place
-(``models.cpu.attention``); the row ops it was built with (``models.cpu.row_ops``) are loaded.
-Each part falls back by name where this CPU lacks it, and ``describe`` says which ran."""
+"""The CPU wing's one entry point, ``CpuBackend.apply``: packed matmuls, the greedy screen, the
+layer program and in-place attention, each falling back where this CPU lacks it (``describe``)."""
 
 from __future__ import annotations
 
@@ -28,15 +24,14 @@ from models.quant import QuantizedWeight
 
 
 def pack_linear(packer: CpuPacker, m: ServedLinear) -> bool:
-    """Serve ``m`` through the packed kernel; False where this CPU has no path for a plain
-    weight's dtype (a quantized weight the kernel does not take keeps its own matmul)."""
+    """False where this CPU has no path for a plain weight's dtype."""
     if isinstance(m.kernel, QuantizedWeight):
         packed_q = packer.pack_quantized(m.kernel)
         if packed_q is not None:
             m.serve(packed_q)
         return True
     if m.kernel is not None:
-        return True  # packed already
+        return True
     packed = packer.pack(m.weight.data)
     if packed is None:
         return False
@@ -45,7 +40,6 @@ def pack_linear(packer: CpuPacker, m: ServedLinear) -> bool:
 
 
 def pack_logits(packer: CpuPacker, head: VocabParallelEmbedding) -> bool:
-    """Serve ``head``'s logits through the packed kernel (the table stays for the lookup)."""
     if isinstance(head.kernel, QuantizedWeight):
         packed_q = packer.pack_quantized(head.kernel)
         if packed_q is not None:
@@ -59,14 +53,12 @@ def pack_logits(packer: CpuPacker, head: VocabParallelEmbedding) -> bool:
 
 
 def pack_module(packer: CpuPacker, module: nn.Module) -> bool:
-    """Every served linear under ``module`` packed (``pack_linear``); whether all were."""
     done = [pack_linear(packer, m) for m in module.modules() if isinstance(m, ServedLinear)]
     return all(done)
 
 
 def pack_eagle_head(head: EagleHead) -> bool:
-    """An EAGLE head's matmuls packed for drafting on a CPU (after loading and quantizing; the
-    head can then no longer be saved). False where this CPU has no such path."""
+    """After loading and quantizing (the head can then no longer be saved)."""
     if head.device.type != "cpu":
         return False
     packer = CpuPacker()
@@ -78,15 +70,14 @@ def pack_eagle_head(head: EagleHead) -> bool:
         head_q = packer.pack_quantized(head.head_kernel)
         head.fc_kernel = fc_q or head.fc_kernel
         head.head_kernel = head_q or head.head_kernel
-        return layer  # without the kernel, the quantized matmuls serve
+        return layer
     head.fc_kernel = packer.pack(head.fc.weight.data)
     head.head_kernel = packer.pack(head.lm_head.weight.data)
     return layer and head.fc_kernel is not None and head.head_kernel is not None
 
 
 class CpuBackend(ModelBackend):
-    """A model served on a CPU (module docstring). ``packed``: every matmul found a packed
-    path."""
+    """``packed``: every matmul found a packed path."""
 
     def __init__(
         self,
@@ -105,7 +96,6 @@ class CpuBackend(ModelBackend):
 
     @classmethod
     def apply(cls, model: LlamaModel, attention: AttentionBackend) -> CpuBackend:
-        """Ready ``model`` (loaded, and quantized if at all) for serving with ``attention``."""
         packer = CpuPacker()
         layers = pack_module(packer, model)
         head = pack_logits(packer, model.lm_head)
@@ -113,7 +103,7 @@ class CpuBackend(ModelBackend):
         if isinstance(model.lm_head.kernel, PanelWeight) and model.tp.world_size == 1:
             screen = GreedyHead.build(model.lm_head.weight.data, model.lm_head.kernel)
         if isinstance(model.norm.ops, CpuRowOps):
-            model.norm.ops.ready()  # built now, not on the first request's step
+            model.norm.ops.ready()
         kernel = attention.kernel if isinstance(attention, CpuAttentionBackend) else None
         if kernel is not None:
             kernel.ready()
@@ -129,7 +119,7 @@ class CpuBackend(ModelBackend):
             return model.forward_with_features(input_ids, kv_pool, meta)
         x = model.embed(input_ids)
         if program.run(x, kv_pool, meta):
-            out: torch.Tensor = model.norm(x)  # x: the last layer's output, updated in place
+            out: torch.Tensor = model.norm(x)
             return out, out
         return model.run_layers(x, kv_pool, meta)
 
@@ -137,13 +127,12 @@ class CpuBackend(ModelBackend):
     def head(
         self, hidden: torch.Tensor, argmax_only: Sequence[bool]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows that ask for their argmax alone go through the screen when it takes them
-        (``GreedyHead.takes``); their logits are not computed and read NaN."""
+        """Argmax-only rows go through the screen when it takes them; their logits read NaN."""
         screen, model = self.screen, self.model
         n = hidden.shape[0]
         if screen is None or not any(argmax_only) or not screen.takes(sum(argmax_only)):
             return model.logits(hidden), None
-        only = torch.tensor(list(argmax_only), dtype=torch.bool)  # [N]
+        only = torch.tensor(list(argmax_only), dtype=torch.bool)
         tokens = torch.empty(n, dtype=torch.long)
         tokens[only] = screen.argmax(hidden[only])
         vocab = model.cfg.vocab_size

@@ -1,27 +1,6 @@
-"""Matmuls on a CPU over weights packed once into column panels: a small C kernel, built on
-first use, that computes every row alike whatever the number of rows.
-
-A decode step at batch 1 to 32 is a few rows times every weight: the time is the weights'
-stream from memory. oneDNN's matmul, made row-invariant by reordering in column chunks
-(``models.onednn``), falls well short of that stream at one row. The kernel of
-``models/csrc/panel_linear.c`` streams each weight once per call in panels of 16 output
-columns and feeds every output element by multiply-adds over the input features
-in order, so:
-
-- **Row invariance by construction**: a row's bits depend on that row and the weight alone,
-  for any number of rows (not only the counts a probe tried), so verifying k + 1 tokens gives
-  each row its one-token decode's logits and greedy speculation stays token-identical to plain
-  decoding in every dtype.
-- **fp32, bf16 and int8 weights**: bf16 by the CPU's bf16 dot-product instruction (AVX512-BF16;
-  without it bf16 weights take oneDNN), int8 (``models.quant``) converted in registers, so the
-  weights stream at one byte a value; in a bf16 model, where the CPU has the int8 dot-product
-  instruction (AVX512-VNNI), int8 is multiplied in integers against each row written as two
-  int8 digits (``PanelKind.INT8_DIGITS``; the C source says why and how exact).
-
-**Fallback.** Where the kernel cannot be built or loaded (no compiler), the reason is logged
-once and kept in ``failed``, and weights are reordered for oneDNN instead (``models.onednn``),
-counted in ``CpuPacker.fallbacks``; ``describe`` names the path for ``/health``.
-"""
+"""Row-invariant CPU matmuls over weights packed once into 16-column panels
+(``csrc/panel_linear.c``): a row's bits depend on the row and the weight alone, for any number of
+rows. Without the kernel, weights are reordered for oneDNN (``models.cpu.onednn``)."""
 
 from __future__ import annotations
 
@@ -40,7 +19,7 @@ from models.quant import Quant, QuantizedWeight
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "panel_linear.c"
-# No -ffast-math or -fassociative-math: each output's multiply-adds must stay in order.
+# no -ffast-math or -fassociative-math: each output's multiply-adds must stay in order
 FLAGS = (
     "-O3",
     "-march=native",
@@ -51,12 +30,10 @@ FLAGS = (
     "-fPIC",
     "-shared",
 )
-PANEL = 16  # output columns per panel (NR in the C source)
+PANEL = 16
 
 
 class PanelKind(enum.IntEnum):
-    """What the kernel multiplies (its ``kind`` argument)."""
-
     F32 = 0  # fp32 x, weights and y
     BF16 = 1  # bf16 x, weights and y, fp32 accumulation
     INT8 = 2  # int8 weights with fp32 per-column scales; fp32 x and y
@@ -64,9 +41,6 @@ class PanelKind(enum.IntEnum):
 
 
 class CpuLinear:
-    """The kernel (loaded on first use). ``failed``: why it could not be built or loaded (then
-    it is never tried again)."""
-
     def __init__(self) -> None:
         self._fn: Callable[..., int] | None = None
         self._pairs: Callable[..., None] | None = None
@@ -77,10 +51,9 @@ class CpuLinear:
         self.failed: str | None = None
 
     def ready(self) -> bool:
-        """Whether the kernel is loaded, loading it on the first call."""
         if self._fn is None and self.failed is None:
             try:
-                lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))  # releases the GIL
+                lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))
                 fn = lib.tandem_panel_linear
                 fn.restype = ctypes.c_int
                 p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -102,24 +75,20 @@ class CpuLinear:
                 at_least.argtypes = [p, i64, i64, i64, p, p, p, i64]
                 self._at_least = at_least
                 self._fn = fn
-            except Exception as e:  # no compiler, a failed compile, a library that won't load
+            except Exception as e:
                 self.failed = f"{type(e).__name__}: {e}"[:500]
                 log.error("the CPU panel matmul kernel is unavailable, using oneDNN: %s", e)
         return self._fn is not None
 
     def function(self) -> Callable[..., int]:
-        """The loaded C function (``models.cpu_program`` calls it from C)."""
         assert self._fn is not None, "ready() first"
         return self._fn
 
     def side_function(self) -> Callable[..., int]:
-        """The loaded C function that also brings given memory into cache over the call
-        (``models.cpu_program`` fetches the next layer's KV through it)."""
         assert self._side is not None, "ready() first"
         return self._side
 
     def kind_for(self, dtype: torch.dtype) -> PanelKind | None:
-        """The kind a plain weight of ``dtype`` is served as, None where the kernel has none."""
         if not self.ready():
             return None
         if dtype == torch.float32:
@@ -129,9 +98,7 @@ class CpuLinear:
         return None
 
     def int8_kind(self, dtype: torch.dtype) -> PanelKind | None:
-        """The kind an int8 weight of a model of ``dtype`` is served as: in a bf16 model by
-        digits where the CPU has the int8 and bf16 dot-product instructions, else (and in every
-        fp32 model) widened to fp32 in registers; None without the kernel."""
+        """By digits in a bf16 model on a CPU with VNNI, else widened; None without the kernel."""
         if not self.ready():
             return None
         if dtype == torch.bfloat16 and self._digits:
@@ -160,15 +127,13 @@ class CpuLinear:
             y.shape[1],
             x.shape[1],
         )
-        if rc != 0:  # pack() keeps this from happening
+        if rc != 0:
             raise ValueError(f"the panel matmul refused kind {kind.name} (code {rc})")
 
     def pairs(
         self, x: torch.Tensor, data: torch.Tensor, rows: torch.Tensor, panels: torch.Tensor
     ) -> torch.Tensor:
-        """[n, 16] row i: fp32 ``x[rows[i]]`` times the fp32 packed panel ``panels[i]`` of
-        ``data`` ([P, K, 16]), each value bit for bit what ``run`` gives that row and column
-        (x: [M, K], unit stride along K; rows, panels: [n] int64)."""
+        """[n, 16]: ``x[rows[i]]`` times panel ``panels[i]``, bit for bit what ``run`` gives."""
         assert self._pairs is not None and x.stride(-1) == 1
         assert data.dtype == x.dtype == torch.float32 and data.is_contiguous()
         rows, panels = rows.contiguous(), panels.contiguous()
@@ -188,9 +153,7 @@ class CpuLinear:
     def panels_at_least(
         self, s: torch.Tensor, low: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The 16-column panels of bf16 ``s`` [M, V] (unit stride along V) holding a value of
-        at least their row's ``low`` [M] (float32): ([Q] rows, [Q] panels), by row then
-        panel."""
+        """([Q] rows, [Q] panels) of ``s`` [M, V] holding a value >= their row's ``low`` [M]."""
         assert self._at_least is not None and s.dtype == torch.bfloat16 and s.stride(1) == 1
         low = low.float().contiguous()
         m, v = s.shape
@@ -210,13 +173,12 @@ class CpuLinear:
             )
             if q <= cap:
                 return rows[:q], panels[:q]
-            cap = q  # a second pass with room for every pair
+            cap = q
 
 
 def pack_panels(w: torch.Tensor, kind: PanelKind) -> torch.Tensor:
-    """``w`` [N, K] in the kernel's layout: [P, K, 16] (fp32, int8), [P, K / 2, 16, 2]
-    (bf16) or [P, K4 / 4, 16, 4] uint8 of w + 128 (int8 by digits, K4 = K rounded up to 4),
-    P = ceil(N / 16), the last panel padded with zero columns (and K4's rows with zeros)."""
+    """``w`` [N, K] -> [P, K, 16] (fp32, int8), [P, K / 2, 16, 2] (bf16) or [P, K4 / 4, 16, 4]
+    uint8 of w + 128 (digits, K4 = K rounded up to 4); P = ceil(N / 16), zero-padded."""
     n, k = w.shape
     panels = -(-n // PANEL)
     if kind is PanelKind.INT8_DIGITS:
@@ -231,28 +193,25 @@ def pack_panels(w: torch.Tensor, kind: PanelKind) -> torch.Tensor:
     return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
 
 
-_BF16_ROWS = (PanelKind.BF16, PanelKind.INT8_DIGITS)  # the kinds whose x and y are bf16
+_BF16_ROWS = (PanelKind.BF16, PanelKind.INT8_DIGITS)
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A weight [out, in] packed for the kernel."""
-
     kernel: CpuLinear
     kind: PanelKind
-    data: torch.Tensor  # pack_panels' layout
+    data: torch.Tensor
     scale: torch.Tensor | None  # [P * 16] float32 per-column scales (int8), padding 0
     out_features: int
-    out_dtype: torch.dtype  # what the layer returns: the model's dtype
+    out_dtype: torch.dtype
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, in] -> [T, out] in ``out_dtype``, ``x @ weight^T (+ bias)``."""
         act = torch.bfloat16 if self.kind in _BF16_ROWS else torch.float32
         if x.dtype != act:
-            x = x.to(act)  # int8 widened (kind INT8) in a bf16 model: its activations to fp32
+            x = x.to(act)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        y = x.new_empty(x.shape[0], self.out_features)  # [T, out]
+        y = x.new_empty(x.shape[0], self.out_features)
         if x.shape[0]:
             self.kernel.run(self.kind, x, self.data, self.scale, y)
         if y.dtype != self.out_dtype:
@@ -265,17 +224,11 @@ CpuWeight = PanelWeight | PackedWeight
 
 @dataclass
 class CpuPacker:
-    """Packs a model's weights for the CPU: for the panel kernel, else (no kernel, or bf16 on a
-    CPU without bf16 instructions) reordered for oneDNN in row-invariant chunks, each such
-    weight counted in ``fallbacks``. One per model being packed."""
-
     kernel: CpuLinear = field(default_factory=CpuLinear)
     invariance: RowInvariance = field(default_factory=RowInvariance)
     fallbacks: int = 0
 
     def pack(self, w: torch.Tensor) -> CpuWeight | None:
-        """``w`` [out, in] packed for the fastest row-invariant path here, None where there is
-        none (a GPU tensor; a dtype neither path takes)."""
         if w.device.type != "cpu":
             return None
         kind = self.kernel.kind_for(w.dtype)
@@ -287,19 +240,16 @@ class CpuPacker:
         return onednn_pack(w, self.invariance)
 
     def pack_quantized(self, q: QuantizedWeight) -> PanelWeight | None:
-        """An int8 weight packed for the kernel; None for fp8 or without the kernel (the
-        quantized weight then serves through its own matmul, ``models.quant``)."""
         if q.kind is not Quant.INT8 or q.data.device.type != "cpu" or not self.kernel.ready():
             return None
         n = q.data.shape[0]
         scale = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
         scale[:n] = q.scale.float()
         kind = self.kernel.int8_kind(q.out_dtype)
-        assert kind is not None  # ready() above
+        assert kind is not None
         return PanelWeight(self.kernel, kind, pack_panels(q.data, kind), scale, n, q.out_dtype)
 
     def describe(self) -> str:
-        """What runs this model's matmuls, for ``/health``."""
         if self.kernel.failed is not None:
             return f"onednn (cpu_panel unavailable: {self.kernel.failed})"
         if self.fallbacks:

@@ -1,16 +1,5 @@
-"""C kernels built on first use with the system's C compiler, for this CPU, and cached.
-
-Two kernels are compiled this way (``models.cpu_paged``, ``models.cpu_linear``): each is small,
-written for a guarantee no maintained library gives on a CPU for this torch (paged attention
-read in place, row-invariant matmuls), and tuned by ``-march=native`` to the instructions the
-host has, which a prebuilt wheel could not assume.
-
-The compiled library goes into a cache keyed by the source, the flags, the compiler's version
-and the CPU's feature flags (``$TANDEM_KERNEL_CACHE``, else ``~/.cache/tandem/kernels``), so a
-replica restarting on the same machine loads it without compiling, and a different CPU gets
-its own build. The compiler is ``$CC``, else ``cc``. Libraries link the OpenMP runtime torch has
-loaded, so their threads are torch's.
-"""
+"""C kernels compiled on first use with ``$CC`` (else ``cc``) and ``-march=native``, cached by
+source, flags, compiler and CPU flags (``$TANDEM_KERNEL_CACHE``, else ~/.cache/tandem/kernels)."""
 
 from __future__ import annotations
 
@@ -28,7 +17,6 @@ CSRC = Path(__file__).with_name("csrc")
 
 
 def cpu_flags() -> str:
-    """The CPU's feature flags, which ``-march=native`` compiles for."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -44,14 +32,13 @@ def cache_dir() -> Path:
 
 
 def build_library(source: Path, flags: tuple[str, ...]) -> Path:
-    """``source`` compiled into a shared library with ``flags``: from the cache, else compiled
-    into it (about a second). Raises when no compiler is found or the compile fails."""
+    """Raises when no compiler is found or the compile fails."""
     cc = os.environ.get("CC", "cc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(flags).encode(), version.stdout.encode()):
         key.update(part)
-    for header in sorted(source.parent.glob("*.h")):  # what the sources may include
+    for header in sorted(source.parent.glob("*.h")):
         key.update(header.read_bytes())
     key.update(cpu_flags().encode())
     out_dir = cache_dir()

@@ -1,28 +1,6 @@
-"""A CPU decode step's decoder layers in one C call (``models/csrc/layer_program.c``).
-
-At the few rows of a decode or verification step, each layer of ``models.llama`` is about a
-dozen kernel calls (``models.cpu.linear``, ``models.cpu.row_ops``, ``models.cpu.paged``) with
-Python between them: module calls, argument checks, views, allocations, two residual adds.
-That Python costs about as much as the kernels' own work at batch 1. The layer program calls
-the same kernels in the same order over the same kinds of buffers from C, once per step, so
-every value keeps the bits the module path gives it (the tests compare the two bit for bit).
-
-One thing the modules cannot do, off by default: while a layer's MLP computes, its matmuls can
-bring the next layer's KV blocks into cache, up to 8 MB a layer, so that layer's attention
-reads less from memory (``tandem_panel_linear_side``, ``fetch_next_kv``). Whether that pays
-depends on how much memory bandwidth the MLP leaves idle on the machine: ``bench.kv_stream``
-measures it both ways. Prefetches change no value.
-
-It takes what is common, and says no to the rest, which runs the modules as before:
-
-- the model (``LayerProgram.build``): on a CPU, packed for it, every matmul in the panel
-  kernel at the model's dtype, row ops loaded, one rank, no attention biases, no q/k norms, no
-  feature taps for an EAGLE-3 head; ``build`` returns None with the reason in ``why_not``;
-- the step (``LayerProgram.run``): one in-place attention group covering every row in order
-  (decodes, verifications, trees and prompt chunks; a step with a group that gathers, where
-  the kernel is limited by ``max_new_tokens``, runs the modules). ``steps`` and ``declined``
-  count them.
-"""
+"""A CPU step's decoder layers in one C call (``csrc/layer_program.c``): the module path's
+kernels in the same order, so every value keeps its bits. Models (``why_not``) and steps it does
+not take run the modules."""
 
 from __future__ import annotations
 
@@ -45,7 +23,7 @@ from models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 log = logging.getLogger(__name__)
 
 SOURCE = native.CSRC / "layer_program.c"
-FLAGS = ("-O2", "-fPIC", "-shared")  # it only calls the kernels; no arithmetic of its own
+FLAGS = ("-O2", "-fPIC", "-shared")
 
 _i64, _p, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -89,7 +67,6 @@ class _Step(ctypes.Structure):
 
 
 def c_layout(lib: ctypes.CDLL) -> list[int]:
-    """The C side's struct sizes and field offsets (``tandem_layer_program_layout``)."""
     fn = lib.tandem_layer_program_layout
     fn.restype = _i64
     fn.argtypes = [ctypes.POINTER(_i64), _i64]
@@ -99,22 +76,19 @@ def c_layout(lib: ctypes.CDLL) -> list[int]:
 
 
 def py_layout() -> list[int]:
-    """What the ctypes mirrors here say of the same sizes and offsets."""
     sizes = [ctypes.sizeof(t) for t in (_Weight, _Layer, _Model, _Step)]
     offsets = [getattr(t, name).offset for t in (_Model, _Step) for name, *_ in t._fields_]
     return sizes + offsets
 
 
 def _address(fn: object) -> int:
-    """A loaded C function's address, for the program to call."""
     address = ctypes.cast(fn, ctypes.c_void_p).value  # type: ignore[arg-type]
     assert address is not None
     return int(address)
 
 
 def _weight(w: object, dtype: torch.dtype) -> _Weight | None:
-    """A matmul's packed weight as the program takes it: the panel kernel with activations of
-    the model's dtype (not kind INT8 in a bf16 model, which widens them)."""
+    """None unless the panel kernel takes activations of the model's dtype."""
     if not isinstance(w, PanelWeight) or w.out_dtype != dtype:
         return None
     act = torch.bfloat16 if w.kind in (PanelKind.BF16, PanelKind.INT8_DIGITS) else torch.float32
@@ -126,9 +100,7 @@ def _weight(w: object, dtype: torch.dtype) -> _Weight | None:
 
 @dataclass
 class LayerProgram:
-    """The decoder layers of one CPU model as one C call per step (see the module docstring).
-    Holds the kernels' addresses and the weights' pointers: the model must outlive it and keep
-    its weights where they are (``models.cpu.backend`` builds it after packing them)."""
+    """Holds the weights' pointers: the model must outlive it, its weights unmoved."""
 
     model: LlamaModel
     _fn: Callable[..., int]
@@ -136,15 +108,12 @@ class LayerProgram:
     _layers: ctypes.Array[_Layer]
     steps: int = 0
     declined: int = 0
-    # fetch each next layer's KV blocks into cache while the MLP computes (bench.kv_stream
-    # compares the two)
+    # prefetch the next layer's KV during the MLP (off: it did not pay, docs/cpu-kernels.md)
     fetch_next_kv: bool = False
     _lib: ctypes.CDLL | None = field(default=None, repr=False)
 
     @staticmethod
     def why_not(model: LlamaModel, attention: CpuPagedAttention | None, packed: bool) -> str | None:
-        """Why ``model``'s layers cannot run as a program (None: they can), given its CPU
-        attention kernel and whether its weights are ``packed`` for the CPU."""
         cfg = model.cfg
         reasons = {
             "not on a CPU": model.device.type != "cpu",
@@ -174,8 +143,6 @@ class LayerProgram:
     def build(
         cls, model: LlamaModel, attention: CpuPagedAttention | None, linear: CpuLinear
     ) -> LayerProgram | None:
-        """The program of ``model`` (its weights packed for ``linear``), or None (logged)
-        where ``why_not`` names a reason or the program's library cannot be built."""
         reason = cls.why_not(model, attention, packed=True)
         if reason is not None:
             log.info("decoder layers run as modules: %s", reason)
@@ -185,7 +152,7 @@ class LayerProgram:
         assert rows is not None
         try:
             lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))
-        except Exception as e:  # no compiler, a failed compile, a library that won't load
+        except Exception as e:
             log.error("the layer program is unavailable, layers run as modules: %s", e)
             return None
         if c_layout(lib) != py_layout():
@@ -233,13 +200,11 @@ class LayerProgram:
         return cls(model, fn, spec, table, _lib=lib)
 
     def run(self, x: torch.Tensor, kv_pool: torch.Tensor, meta: StepMetadata) -> bool:
-        """Run every decoder layer over ``x`` [T, hidden] (the embeddings, updated in place to
-        the last layer's output) for a step whose attention is one in-place group over all its
-        rows; False, having done nothing, for any other step (the caller runs the modules).
-        kv_pool: [layers, NB, 2, Hkv, BS, D], each block of a layer one contiguous slab."""
+        """Every layer over ``x`` [T, hidden], in place, for a step whose attention is one
+        in-place group over all its rows; False, having done nothing, for any other step."""
         group = meta.groups[0] if len(meta.groups) == 1 else None
         if (
-            meta.write_rows is not None  # a bucket
+            meta.write_rows is not None
             or not isinstance(group, NativeGroup)
             or group.rows is not None
             or not slabs_in_place(kv_pool[0])
@@ -259,16 +224,16 @@ class LayerProgram:
             2 * m.inter,
             m.inter,
         )
-        scratch = x.new_empty(t * sum(widths))  # each buffer [T, width], end to end
+        scratch = x.new_empty(t * sum(widths))
         base, size = scratch.data_ptr(), scratch.element_size()
         starts = [0]
         for width in widths[:-1]:
             starts.append(starts[-1] + t * width)
-        cos = meta.cos.contiguous()  # [T, 1, 2, D / 2]: [T, D] per row
+        cos = meta.cos.contiguous()
         sin = meta.sin.contiguous()
         blocks = meta.slot_blocks.contiguous()
         offsets = meta.slot_offsets.contiguous()
-        sides = torch.empty(group.tables.numel(), dtype=torch.long)  # the next layer's slabs
+        sides = torch.empty(group.tables.numel(), dtype=torch.long)
         step = _Step(
             t,
             x.data_ptr(),

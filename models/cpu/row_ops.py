@@ -1,17 +1,6 @@
-"""A decoder layer's RMSNorm, rotary embedding and SiLU-gated product on a CPU in one call each: a
-small C kernel, built on first use (``models/csrc/row_ops.c``, ``models.native``).
-
-At the few rows of a decode step these are a handful of PyTorch ops of a few microseconds each
-(RMSNorm in a 16-bit model: seven), twice or three times a layer, around arithmetic that takes
-well under a microsecond; one C call does each. The arithmetic is the reference's (fp32, rounded
-to the model's dtype where the reference rounds), each row alike whatever the row count; the
-rotation is bit-identical to ``models.layers.RotaryEmbedding``'s PyTorch ops.
-
-A CPU model is built with a ``CpuRowOps`` (``runtime.backends``), which every norm, rotary
-embedding and MLP calls; the layer program (``models.cpu.program``) calls the same functions,
-so a row gets the same bits on either path. Where it cannot be built (no compiler), the reason
-is logged once and the PyTorch ops of ``models.layers.RowOps`` run.
-"""
+"""RMSNorm, rotary embedding and SiLU-gated product on a CPU, one C call each
+(``csrc/row_ops.c``), rounding as the PyTorch ops of ``models.layers.RowOps`` do, which run where
+the kernel cannot be built. The layer program calls the same functions."""
 
 from __future__ import annotations
 
@@ -41,17 +30,16 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class CpuRowOps(RowOps):
-    """The kernel (loaded on first use); ``failed``: why it could not be built or loaded."""
+    """The kernel, loaded on first use; ``failed``: why it could not be."""
 
     def __init__(self) -> None:
         self._norm: Callable[..., int] | None = None
         self._rope: Callable[..., int] | None = None
         self._silu_mul: Callable[..., int] | None = None
-        self.lib: ctypes.CDLL | None = None  # for the layer program's function addresses
+        self.lib: ctypes.CDLL | None = None
         self.failed: str | None = None
 
     def ready(self) -> bool:
-        """Whether the kernel is loaded, loading it on the first call."""
         if self._norm is None and self.failed is None:
             try:
                 lib = ctypes.CDLL(str(native.build_library(SOURCE, FLAGS)))
@@ -63,17 +51,15 @@ class CpuRowOps(RowOps):
                 silu_mul.argtypes = [i32, p, i64, p, i64, i64, i64]
                 lib.tandem_add.restype = i32
                 self._norm, self._rope, self._silu_mul, self.lib = norm, rope, silu_mul, lib
-            except Exception as e:  # no compiler, a failed compile, a library that won't load
+            except Exception as e:
                 self.failed = f"{type(e).__name__}: {e}"[:500]
                 log.error("the CPU row-ops kernel is unavailable, using PyTorch ops: %s", e)
         return self._norm is not None
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is one the kernel computes: on the CPU, fp32 or bf16, unit stride."""
         return x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and self.ready()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [T, H] (rows strided) -> [T, H], RMSNorm with ``weight`` [H] (x's dtype)."""
         if x.dim() != 2 or not self.takes(x):
             return super().rms_norm(x, weight, eps)
         assert self._norm is not None
@@ -84,8 +70,6 @@ class CpuRowOps(RowOps):
         return y
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] (heads D apart, rows strided) rotated by ``cos``, ``sin``
-        [T, 1, 2, D / 2] float32 (``rotary_tables``) -> [T, heads, D] contiguous."""
         if x.dim() != 3 or x.stride(1) != x.shape[2] or not self.takes(x):
             return super().rope(cos, sin, x)
         assert self._rope is not None
@@ -106,8 +90,6 @@ class CpuRowOps(RowOps):
         return y
 
     def silu_mul(self, gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        """gate_up: [T, 2 * inter] (rows strided), the gate then the up projection ->
-        silu(gate) * up [T, inter]."""
         if not self.takes(gate_up):
             return super().silu_mul(gate_up, inter)
         assert self._silu_mul is not None

@@ -63,7 +63,7 @@ def test_poisson_arrivals_follow_the_offsets() -> None:
     async def timers() -> None:
         t0 = time.perf_counter()
         for t in want:
-            await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+            await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))  # the plain timer
             late.append(time.perf_counter() - t0 - t)
 
     async def run() -> LoadResult:

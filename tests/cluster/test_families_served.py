@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.families import family_checkpoint, served
 from models.weights import resolve_checkpoint
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # serves the checkpoint on a local Ray
 
 
 def test_a_mistral_checkpoint_with_its_window_is_served_as_transformers_decodes_it(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from decode.tree_verify import accept_greedy_path
@@ -43,6 +45,7 @@ def _per_forward(reqs: list[Request]) -> float:
     return sum(r.stats.num_emitted_tokens for r in reqs) / sum(r.stats.num_steps for r in reqs)
 
 
+@pytest.mark.slow
 def test_trees_keep_greedy_output_and_accept_more_per_forward(embedded_folder: Path) -> None:
     tok = Tokenizer(embedded_folder)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]

@@ -43,6 +43,7 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=(2,))
 
 
+@pytest.mark.slow
 def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     embedded_folder: Path, prompts: list[list[int]]
 ) -> None:

@@ -176,6 +176,7 @@ def _same_distribution(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(chi2_contingency(table.numpy()).pvalue)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("temperature", "top_p", "quantization"), [(1.0, 1.0, "none"), (0.7, 0.9, "int8")]
 )

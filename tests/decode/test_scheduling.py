@@ -40,6 +40,7 @@ def specs(tiny_folder: Path, tiny_draft_folder: Path) -> tuple[ModelSpec, DraftS
     return ModelSpec(str(tiny_folder)), draft
 
 
+@pytest.mark.slow
 def test_preemption_and_chunking_do_not_change_outputs(specs: tuple[ModelSpec, DraftSpec]) -> None:
     target, draft = specs
     prompts = _prompts(6, 30, seed=21)
@@ -148,6 +149,7 @@ def _solo(target: ModelSpec, r: Request) -> list[int]:
     return run_all(engine, [one])[r.request_id]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [1, 4])
 def test_a_request_that_cannot_progress_never_stalls_the_others(
     specs: tuple[ModelSpec, DraftSpec], limit: int

@@ -32,25 +32,29 @@ HKV, G, D, BS, NB = 4, 3, 64, 16, 200
 
 
 def test_forward_matches_transformers(gpu_target: Path, device: str) -> None:
+    """fp32 logits within 1e-3 of transformers'; in bf16, every position whose fp32 winner
+    leads by a clear margin keeps its argmax (a random model's near-ties may flip)."""
     from transformers import LlamaForCausalLM
 
     ids = torch.randint(3, 4000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = LlamaForCausalLM.from_pretrained(gpu_target, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids], device=device)).logits[0].float()  # [70, V]
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * theirs.abs().max()
+    assert int(clear.sum()) >= 20
     for dtype in ("float32", "bfloat16"):
         ours = ModelSpec(str(gpu_target), dtype).load(device)
-        ref = LlamaForCausalLM.from_pretrained(gpu_target, dtype=ours.dtype).to(device).eval()
         c = ours.cfg
         pool = new_kv_pool(16, c.num_kv_heads, c.num_layers, 16, c.head_dim, ours.dtype, device)
         runner = LocalRunner(ours, pool, 16)
         a = runner.run([SeqInput([3, 1, 7, 2, 9], 0, ids[:60], list(range(60)))])
         b = runner.run([SeqInput([3, 1, 7, 2, 9], 60, ids[60:], list(range(10)))])
         mine = torch.cat([a.logits, b.logits])
-        with torch.no_grad():
-            theirs = ref(torch.tensor([ids], device=device)).logits[0].float()
         if dtype == "float32":
             assert (mine - theirs).abs().max().item() <= 1e-3
         else:
-            agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-            assert agree >= 0.95, f"bf16 argmax agrees on {agree:.2%}"
+            assert torch.equal(mine.argmax(-1)[clear], theirs.argmax(-1)[clear])
         assert runner.backend.attention.fallbacks == 0
 
 

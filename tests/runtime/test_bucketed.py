@@ -75,6 +75,7 @@ def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel) -> None:
     assert bucketed.bucketed_steps == 4 and bucketed.ragged_steps == 0
 
 
+@pytest.mark.slow  # flex_attention compiles a kernel per bucket on a CPU
 def test_buckets_reading_the_pool_through_flex_attention_equal_the_ragged_path(
     tiny_folder: Path,
 ) -> None:

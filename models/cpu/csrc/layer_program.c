@@ -1,22 +1,11 @@
 /* A decode step's decoder layers on a CPU in one call: the kernels the modules of
- * models/llama.py call for each layer (RMSNorm, the packed matmuls, the rotary embedding, the
- * KV write, paged attention, the SiLU-gated product), called in the same order on the same
- * buffers, so every value has the bits the module path gives it.
+ * models/llama.py call for each layer, in the same order on the same buffers, so every value
+ * has the bits the module path gives it, without Python between the calls.
  *
- * Why by hand: at the few rows of a decode step a layer's arithmetic is a few tens of
- * microseconds of kernels, and the Python around them (module calls, argument checks, views,
- * tensor allocations, a residual add) costs about as much again per layer; one call per step
- * from models/cpu/program.py takes that away. No maintained library runs a graph of foreign C
- * functions on a CPU without Python between them (torch.compile breaks its graph at each).
- *
- * The kernels live in their own libraries (each compiled with its own flags) and come in as
- * function pointers. Buffers are the caller's: the residual stream x [t, hidden] is updated in
- * place; n, qkv, qk, att, o, gu, act are scratch rows of the widths below.
- *
- * Given room for the next layer's KV slab pointers (Step.sides), the MLP's matmuls also
- * prefetch those blocks (linear_side, a few lines per K step of their tiles): attention is
- * bound by memory and the MLP mostly by arithmetic, so the KV can stream in while the MLP
- * computes, where the weights leave the memory the bandwidth to. Prefetches change no value.
+ * The kernels come in as function pointers (each library has its own flags). The residual
+ * stream x [t, hidden] is updated in place; n, qkv, qk, att, o, gu, act are scratch rows.
+ * Given Step.sides, the MLP's matmuls also prefetch the next layer's KV slabs (linear_side);
+ * prefetches change no value.
  */
 #include <stddef.h>
 #include <stdint.h>

@@ -1,15 +1,8 @@
 /* Attention over the paged KV pool, read in place, on a CPU: decodes, chain and tree
- * verifications and prompt chunks.
+ * verifications and prompt chunks (no maintained CPU kernel reads a paged cache for this torch).
  *
- * Why by hand: no maintained CPU kernel reads a paged KV cache for the torch this project runs
- * on (IPEX's paged attention stops at torch 2.8; vLLM's and SGLang's CPU kernels are built
- * against their own torch pins). The gather path copies every context block into a dense
- * tensor per layer and SDPA reads it again, padded to the longest context of the group; this
- * kernel reads each (block, head) of K and V once, in place.
- *
- * One layer of the pool is [NB, 2, Hkv, BS, D] (models/attention.py): each block one
- * contiguous slab, the blocks block_stride elements apart (kvtransfer.pool keeps a block's
- * layers together, so a layer's slabs are a whole block of every layer apart). The keys of head
+ * One layer of the pool is [NB, 2, Hkv, BS, D] (models/kv_layout.py): each block one
+ * contiguous slab, the blocks block_stride elements apart. The keys of head
  * h of block b are the BS x D values at b * block_stride + h * BS * D, its values Hkv * BS * D
  * further. Queries and outputs are flat [T, Hq, D] rows (row stride given), sequence s owning
  * the q_len[s] rows from q_start[s]: its new tokens, at positions cached[s] + t. Query t
@@ -43,8 +36,7 @@
 #endif
 
 #define MAX_ACC 16384 /* floats of accumulator per call of attend_pair: rows * head_dim */
-/* (models/cpu_paged.py checks these limits before it calls: MAX_ACCUMULATOR, MAX_ROWS,
- * MAX_BLOCK_SIZE, MAX_HEAD_DIM, MAX_BLOCK_FLOATS) */
+/* (models/cpu/paged.py checks these limits before it calls) */
 #define MAX_ROWS (MAX_ACC / 16) /* query rows per call of attend_pair */
 #define MAX_BS 256
 #define MAX_D 512
@@ -487,9 +479,7 @@ int tandem_paged_attention(const void* q, int64_t q_stride, const void* kv,
  * block_stride elements apart): row r
  * of k and of v (each [T, Hkv, D] with row stride ks / vs, heads D apart) goes to slot
  * offsets[r] of block blocks[r], for every KV head; esize bytes a value. Returns -1 at the
- * first slot outside the pool. Why by hand: in PyTorch this is an indexed assignment of the
- * two stacked (a stack, an index computation and a scatter), tens of microseconds a layer at
- * the few rows of a decode step for a few kilobytes of copy. */
+ * first slot outside the pool. One call where PyTorch takes a stack, an index and a scatter. */
 int tandem_kv_write(const void* k, int64_t ks, const void* v, int64_t vs, void* kv, int64_t nb,
                     int64_t block_stride, const int64_t* blocks, const int64_t* offsets,
                     int64_t t, int hkv, int d, int bs, int esize) {

@@ -1,15 +1,13 @@
 /* y = x W^T on a CPU over weights packed once into column panels: every row computed alike for
  * any number of rows, from one row (a batch-1 decode) to a prompt chunk.
  *
- * Why by hand: greedy speculation is token-identical to plain decoding only if a row verified
- * among k + 1 gets the bits of its one-token decode, and a decode row's bits must not change
- * with what shares its step. oneDNN's matmul blocks its reduction differently by row count;
- * reordering around that (models/onednn.py) costs it about half its speed at one row. No
- * maintained CPU GEMM promises row invariance, so this one is written for it: each output
- * element is one lane of one accumulator, fed by fused multiply-adds over the input features
- * in order 0, 1, ..., K-1 (bf16: pairs 0-1, 2-3, ... by the CPU's bf16 dot-product
- * instruction), whatever tile of rows and panels the element falls in. No horizontal sums, no
- * reassociation (this file is compiled without -ffast-math / -fassociative-math).
+ * Why by hand: greedy speculation stays exact only if a row's bits do not depend on how many
+ * rows share the call, which no maintained CPU GEMM promises (oneDNN blocks its reduction by row
+ * count; models/cpu/onednn.py works around it at a cost). Each output element is one lane of one
+ * accumulator, fed by fused multiply-adds over the input features in order 0, 1, ..., K-1
+ * (bf16: pairs 0-1, 2-3, ... by the CPU's bf16 dot-product instruction), whatever tile of rows
+ * and panels the element falls in. No horizontal sums, no reassociation (this file is compiled
+ * without -ffast-math / -fassociative-math).
  *
  * Layout. W [N, K] is packed in panels of NR = 16 output columns (N padded with zero columns
  * to a multiple of 16): panel p holds columns 16p .. 16p + 15 as [K][16] (fp32, int8) or
@@ -58,13 +56,10 @@
 #endif
 
 #define NR 16  /* output columns per panel: one 16-float vector */
-/* Tile shapes. A K step of a tile loads one weight vector per panel and broadcasts one input
- * per row, so a tile of MR rows x NPG panels makes MR x NPG multiply-adds per MR + NPG loads;
- * its MR x NPG accumulators and NPG weight vectors share the 32 vector registers. fp32 and int8
- * weights take 8 x 3: a decode step's 8, 16 or 32 rows are then whole tiles and each weight
- * vector is loaded for 8 rows, not 6 (at 32 rows, 6 x 4 tiles end in a 2-row tile that loads
- * its weights for two rows alone). bf16 weights keep 6 x 4: at a few rows their step is bound
- * by streaming the weights, and four panels keep more of the weight streams in flight. */
+/* Tile shapes. A tile of MR rows x NPG panels makes MR x NPG multiply-adds per MR + NPG loads;
+ * its accumulators and weight vectors share the 32 vector registers. fp32 and int8 weights take
+ * 8 x 3, so a decode step's 8, 16 or 32 rows are whole tiles; bf16 keeps 6 x 4: at a few rows
+ * its step is bound by the weight stream, and four panels keep more of it in flight. */
 #define MR 6    /* rows per tile: bf16 and int8 by digits (digit rows) */
 #define NPG 4   /* panels per tile (and per unit of work): bf16 and int8 by digits */
 #define MR32 8  /* the same for the fp32-arithmetic kinds, fp32 and int8 weights */
@@ -461,7 +456,7 @@ static inline __attribute__((always_inline)) void tile_digits(
 /* y [n, 16] row i = fp32 row x[rows[i]] (row stride xs) times the one fp32 panel
  * panels[i] of W, each lane by the fused multiply-adds of tile_fp32_acc in the same order from
  * the same zero, so its bits are those tandem_panel_linear gives that row and column. For the
- * LM head's bf16 screen (models/greedy_head.py): the few panels per row that could hold the
+ * LM head's bf16 screen (models/cpu/greedy_head.py): the few panels per row that could hold the
  * row's argmax, computed exactly without the panels other rows need. */
 void tandem_panel_pairs(const float* x, int64_t xs, const float* w, int64_t k,
                         const int64_t* rows, const int64_t* panels, int64_t n, float* y) {
@@ -477,7 +472,7 @@ void tandem_panel_pairs(const float* x, int64_t xs, const float* w, int64_t k,
 /* The 16-column panels of bf16 rows s [m, v] (row stride ss) that hold a value >= their row's
  * bound low[r]: their rows and panels, by row then panel, into rows and panels (room for cap
  * pairs); returns how many there are (more than cap: the first cap are written). For the LM
- * head's screen (models/greedy_head.py): a pass over the screened logits that keeps only the
+ * head's screen (models/cpu/greedy_head.py): a pass over the screened logits that keeps only the
  * panels to compute exactly. */
 int64_t tandem_bf16_panels_at_least(const uint16_t* s, int64_t ss, int64_t m, int64_t v,
                                     const float* low, int64_t* rows, int64_t* panels,
@@ -583,7 +578,7 @@ int tandem_panel_linear(int kind, const void* x, int64_t xs, const void* w, cons
 
 /* tandem_panel_linear, also bringing nsides regions of side_bytes each (sides[i]) into cache
  * over the call, a few lines at each K step of every tile: memory the caller reads next (the
- * next layer's KV blocks, models/csrc/layer_program.c) streams while the matmul computes.
+ * next layer's KV blocks, layer_program.c) streams while the matmul computes.
  * Prefetches change no value. Kind 3 takes none. */
 int tandem_panel_linear_side(int kind, const void* x, int64_t xs, const void* w,
                              const float* scale, void* y, int64_t ys, int64_t m, int64_t n,

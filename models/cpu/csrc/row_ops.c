@@ -1,16 +1,8 @@
 /* A decoder layer's per-token operations on a CPU, one call each: RMSNorm, rotary position
- * embedding, the MLP's SiLU-gated product and the residual add.
- *
- * Why by hand: at the few rows of a decode step each is a handful of PyTorch ops of a few
- * microseconds (RMSNorm in a 16-bit model: seven), about twice a layer, where the arithmetic
- * itself takes well under a microsecond; this file does each in one call. The arithmetic is
- * the reference's: RMSNorm and the rotation in fp32, rounded to the model's dtype where the
- * reference rounds. Compiled without contraction (-ffp-contract=off), so the rotation's
- * products and sum round as PyTorch's separate ops do, bit for bit.
- *
- * dtype: 0 fp32, 1 bf16 (converted exactly to fp32 on load, rounded to nearest even on store).
- * Rows are independent and computed alike whatever the row count, so a verified token gets the
- * bits of its one-token decode.
+ * embedding, the MLP's SiLU-gated product and the residual add. The arithmetic is the
+ * reference's (fp32, rounded to the model's dtype where the reference rounds); compiled with
+ * -ffp-contract=off so products and sums round as PyTorch's separate ops do, bit for bit.
+ * dtype: 0 fp32, 1 bf16. Rows are computed alike whatever the row count.
  */
 #include <math.h>
 #include <stdint.h>
@@ -48,11 +40,9 @@ static inline void store(int dtype, void* p, int64_t i, float v) {
         ((float*)p)[i] = v;
 }
 
-/* Each op below is an always-inlined body for one row taking the dtype; ROWS runs it over t
- * rows once for each constant dtype, the parallel loop inside each branch (OpenMP outlines a
- * loop before inlining, so a dtype tested outside it would reach the loop as a variable), so
- * that every element loop is compiled for one dtype and vectorises. Rows run in parallel where
- * `work` holds (enough work to pay for waking the threads), else without entering OpenMP. */
+/* ROWS runs a row body over t rows with the dtype a constant inside each parallel loop (OpenMP
+ * outlines a loop before inlining, so a dtype tested outside would stay a variable and the
+ * element loops would not vectorise). Rows run in parallel only where `work` holds. */
 #define INLINE static inline __attribute__((always_inline))
 #define ROWS(work, ROW)                                            \
     do {                                                           \
@@ -132,12 +122,9 @@ static inline float exp_clamped(float x) {
 }
 
 #ifdef __AVX512F__
-/* The SiLU over 16 lanes by hand: left to the vectoriser, the clamp above is if-converted into
- * a division of every lane by 1 + e^88 beside the real one, and g / (1 + e^88) is subnormal for
- * the g of a SiLU, so every vector took a microcode assist (several times the SiLU's own
- * arithmetic). Here the clamp is a max and a min on x, and the operations
- * are exp_in_range's and silu_mul_row's, one for one in the same order, so the lanes have the
- * scalar loop's bits (a NaN g gives NaN either way). */
+/* The SiLU over 16 lanes by hand: the vectoriser if-converts the clamp into a second division
+ * by 1 + e^88, whose subnormal result costs a microcode assist per vector. The operations are
+ * exp_in_range's and silu_mul_row's in the same order, so the lanes have the scalar loop's bits. */
 static inline __m512 exp_clamped16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     const __m512 n = _mm512_roundscale_ps(
@@ -187,10 +174,8 @@ static inline void store16(int dtype, void* p, int64_t i, __m512 v) {
 #endif
 
 /* y[t] = silu(g) * u for each of t rows of gu = [g | u] (inter values each; strides in
- * elements): silu(g) = g / (1 + e^-g) in fp32, rounded to the dtype, times u, rounded again,
- * as the reference's two ops round. One call where PyTorch takes a split, a SiLU and a product;
- * the module path (models/llama.py) and the layer program (models/csrc/layer_program.c) both
- * call it, so a row has the same bits on either. */
+ * elements): silu(g) in fp32, rounded to the dtype, times u, rounded again, as the reference's
+ * two ops round. The modules (models/cpu/row_ops.py) and layer_program.c both call it. */
 INLINE void silu_mul_row(int dtype, const void* gu, int64_t gs, void* y, int64_t ys,
                          int64_t inter, int64_t r) {
     const int64_t go = r * gs, yo = r * ys;

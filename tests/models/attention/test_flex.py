@@ -14,6 +14,8 @@ from models.attention.reference import ReferenceBackend
 from models.kv_layout import block_chunks
 from tests.models.attention.cases import layer_spec
 
+pytestmark = pytest.mark.slow  # flex_attention compiles a kernel per shape on a CPU
+
 HKV, G, D, BS, NB = 2, 3, 16, 16, 96
 LAYERS = 3  # of a block-major pool, whose middle layer the tests read
 

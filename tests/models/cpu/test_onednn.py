@@ -9,6 +9,7 @@ from itertools import accumulate, pairwise
 
 import pytest
 import torch
+
 from models.cpu.onednn import RowInvariance, onednn_pack
 
 

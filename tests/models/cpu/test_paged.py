@@ -279,6 +279,7 @@ def test_without_a_compiler_every_step_gathers_named_and_counted(
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow  # compiles the kernel from scratch
 def test_the_build_is_cached_per_source_and_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
