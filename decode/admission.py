@@ -1,5 +1,4 @@
-"""The queue of requests waiting for KV blocks, first come, first served; a preempted request
-returns to its head."""
+"""The queue of requests waiting for KV blocks, first come, first served."""
 
 from __future__ import annotations
 
@@ -35,13 +34,12 @@ class Admission:
         self.max_stalled_preemptions = max_stalled_preemptions
         self.waiting: deque[Queued] = deque()
         self.queue_times: deque[float] = deque()
-        self._queued_at: dict[str, float] = {}  # request id -> time.monotonic() queued
+        self._queued_at: dict[str, float] = {}
 
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
     def most_tokens(self, r: Request) -> int:
-        """The most KV slots ``r`` can need (drafts are capped to that room)."""
         return min(len(r.prompt_token_ids) + r.sampling.max_tokens, self.max_model_len) + 1
 
     def refusal(self, r: Request) -> str | None:
@@ -70,7 +68,6 @@ class Admission:
         self.waiting.appendleft(Queued(r, None, 0.0))
 
     def remove(self, request_id: str) -> bool:
-        """Take a request out of the queue (False: it is not queued)."""
         self._queued_at.pop(request_id, None)
         for i, q in enumerate(self.waiting):
             if q.req.request_id == request_id:
@@ -92,14 +89,13 @@ class Admission:
             return None
         self.waiting.popleft()
         queued = self._queued_at.pop(q.req.request_id, None)
-        if queued is not None:  # first admission only
+        if queued is not None:
             self.queue_times.append(time.monotonic() - queued)
         q.req.block_table = self.allocator.allocate(need)
         return q
 
     def preempted(self, r: Request) -> str | None:
-        """Count a preemption of ``r``: an error once ``max_stalled_preemptions`` in a row came
-        without a new token, else None (it is requeued)."""
+        """An error once ``max_stalled_preemptions`` in a row brought no new token, else None."""
         outputs = len(r.output_token_ids)
         stalled = outputs == r.outputs_at_preemption
         r.stalled_preemptions = r.stalled_preemptions + 1 if stalled else 0

@@ -1,6 +1,5 @@
-"""A request's further choices (``n`` > 1): sequences of their own that share its full prompt
-blocks (reference-counted; no sequence writes a shared block) and compute only the prompt's last
-partial block, sampling their first token with their own seed."""
+"""A request's further choices (``n`` > 1): sequences sharing its full prompt blocks, copy-on-write
+by reference count (none writes a shared block), that compute the last partial block themselves."""
 
 from __future__ import annotations
 
@@ -15,12 +14,11 @@ class Choices:
         self.allocator = allocator
         self.block_size = block_size
         self.drafter_kv = drafter_kv
-        self._held: dict[str, list[Request]] = {}  # request id -> its choices, not started
+        self._held: dict[str, list[Request]] = {}
         # requests whose own output ended before decode: they only bring their choices' KV
         self._sources: set[str] = set()
 
     def hold(self, req: Request, source: bool) -> None:
-        """Hold ``req``'s further choices; ``source``: its own output has already ended."""
         self._held[req.request_id] = req.choices()
         if source:
             self._sources.add(req.request_id)
@@ -36,8 +34,6 @@ class Choices:
         return [running[rid] for rid in self._held if self._prompt_shared(running.get(rid))]
 
     def start(self, r: Request) -> list[Request]:
-        """``r``'s choices, each holding a reference to the shared prompt blocks; the caller runs
-        them."""
         self._sources.discard(r.request_id)
         choices = self._held.pop(r.request_id, [])
         if not choices:
@@ -62,8 +58,7 @@ class Choices:
         return done // self.block_size * self.block_size
 
     def _prompt_shared(self, r: Request | None) -> bool:
-        """Once every KV group holds all that can be shared, or a decode step later (a lagging
-        drafter then shares less rather than holding the choices back)."""
+        """Once every KV group holds its shareable part, or a step later (a laggard shares less)."""
         if r is None or r.num_computed < len(r.prompt_token_ids):
             return False
         most = (len(r.prompt_token_ids) - 1) // self.block_size * self.block_size

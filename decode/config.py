@@ -15,17 +15,17 @@ class DecodeEngineConfig:
     draft: DraftSpec = field(default_factory=DraftSpec)
     device: str = "cpu"
     tp_size: int = 1
-    transport: str = "auto"  # auto (NIXL, else the object store) | nixl | object_store
+    transport: str = "auto"
     num_blocks: int = 1024
     block_size: int = 16
     max_batch_size: int = 64
-    max_num_batched_tokens: int = 2048  # per step: decodes, drafts and prompt chunks
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
-    num_threads: int = 0  # 0: torch's default
+    num_threads: int = 0
     switch_interval_s: float | None = None
     pull_margin_s: float = 1.0
     pull_timeout_s: float = 10.0
-    kv_failure_policy: str = "recompute"  # or "fail"
+    kv_failure_policy: str = "recompute"
     kv_health_window: int = 64
     max_stalled_preemptions: int = 4
     speculation_tpot_slo_s: float | None = None
@@ -33,7 +33,7 @@ class DecodeEngineConfig:
     acceptance_alarm_ratio: float = 0.5
     acceptance_alarm_window_tokens: int = 1024
     stream_interval_s: float = 0.0
-    step_shapes: str = "auto"  # auto | bucketed | ragged
+    step_shapes: str = "auto"
 
     def bucketed(self) -> bool:
         if self.step_shapes == "auto":

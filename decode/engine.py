@@ -96,17 +96,16 @@ class DecodeEngine:
         self.steps = 0
         self.preemptions = 0
         self.recomputed = 0
-        self.stalled = 0  # requests ended for preemption without progress
-        self.handoffs = 0  # handoffs whose pull ended (landed or failed)
+        self.stalled = 0
+        self.handoffs = 0
         self.handoffs_ok = 0
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
-        """Queue a request; its outputs (or its error) come out of later ``step`` calls."""
         if handoff is not None:
             try:
                 check_compat(self.compat, handoff.compat)
-            except KVCompatError as e:  # counts as a failed handoff
+            except KVCompatError as e:
                 self._handoff_ended(failed=True)
                 self._finish(req, FinishReason.ERROR, str(e))
                 return
@@ -152,7 +151,6 @@ class DecodeEngine:
         return not (self.running or self._outbox or self.waiting)
 
     def stats(self) -> EngineStats:
-        """A copy: another thread may take it while this one steps."""
         return EngineStats(
             num_blocks=self.cfg.num_blocks,
             free_blocks=self.allocator.num_free,
@@ -228,7 +226,7 @@ class DecodeEngine:
                     continue
                 self.drafter.observe(req, handoff.hidden_state.view(1, -1).to(self.pool.device))
             self._run(req)
-            if self.choices.is_source(req.request_id):  # its own output ended on prefill
+            if self.choices.is_source(req.request_id):
                 self._end_source(req)
 
     def _run_step(self, plan: Sequence[Planned]) -> list[Emission]:
@@ -300,9 +298,8 @@ class DecodeEngine:
         return None
 
     def _ended_before_decode(self, req: Request, handoff: KVHandoff | None) -> bool:
-        if handoff is not None:  # prefill's first token may have ended it
+        if handoff is not None:
             return handoff.finish_reason is not None
-        # a resent request brings that first token itself
         return bool(req.output_token_ids) and bool(self._ended(req, req.output_token_ids[-1]))
 
     def _start_choices(self, r: Request) -> None:
@@ -310,7 +307,6 @@ class DecodeEngine:
             self._run(c)
 
     def _end_source(self, r: Request) -> None:
-        """``r``'s own output ended before decode: start its choices on its KV, then end it."""
         self._start_choices(r)
         self.running.pop(r.request_id, None)
         self._finish(r, self._ended(r, r.output_token_ids[-1]) or FinishReason.LENGTH, None)
@@ -323,12 +319,11 @@ class DecodeEngine:
             self.speculation.start(r)
 
     def _kv_failed(self, r: Request, handoff: KVHandoff, error: str) -> None:
-        """Per ``kv_failure_policy``: recompute the prompt here (the sent first token stays), or
-        end the request."""
+        """Per ``kv_failure_policy``: recompute the prompt here, or end the request."""
         first = self.handoffs == self.handoffs_ok
         self._handoff_ended(failed=True)
         recompute = self.cfg.kv_failure_policy == "recompute"
-        if first:  # loud once; the rest are counted
+        if first:
             log.error(
                 "request %s: %s; %s. KV pulls that fail from now on are counted in /health "
                 "(kv_recomputed, kv_failed_fraction) and the tandem_kv_failures metric and "
@@ -390,7 +385,7 @@ class DecodeEngine:
         if reason is FinishReason.ERROR:  # its choices not yet started fail with it
             for c in self.choices.drop(r.request_id):
                 self._finish(c, reason, error)
-        else:  # they go on without it
+        else:
             self._start_choices(r)
         self._release(r)
         if self.speculation is not None and reason is not FinishReason.ERROR:

@@ -1,4 +1,4 @@
-"""KV intake: pulls of prompts' KV from prefill replicas, polled from the engine loop."""
+"""Pulls of prompts' KV from prefill replicas, polled from the engine loop."""
 
 from __future__ import annotations
 
@@ -13,17 +13,14 @@ from models.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class Quarantined:
-    """Blocks a read may still land in, held out of the pool until the transport releases it."""
-
     request_id: str
     blocks: tuple[int, ...]
     pull: PullHandle
 
 
 class KVIntake:
-    """One pull per handoff into the request's blocks. A pull past its lease fails (the source
-    may have reused the blocks). A pull ending unlanded while a read still runs (reads cannot be
-    cancelled) quarantines its blocks until ``settled`` sees the transport release it."""
+    """A pull past its lease fails (the source may reuse the blocks). One ending unlanded while a
+    read still runs (reads cannot be cancelled) quarantines its blocks until it is released."""
 
     def __init__(
         self,
@@ -39,11 +36,10 @@ class KVIntake:
         # request id -> (request, handoff, pull, the time.monotonic() its lease ends)
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle, float]] = {}
         self.quarantine: list[Quarantined] = []
-        self.cancelled: dict[str, Request] = {}  # cancelled mid-pull, not yet handed back
+        self.cancelled: dict[str, Request] = {}
 
     def start(self, req: Request, handoff: KVHandoff, lease_end: float) -> str | None:
-        """Begin the pull, or return why it cannot. ``lease_end``: this host's ``time.monotonic()``
-        by which the source's lease ends."""
+        """Begin the pull, or return why it cannot; ``lease_end``: this host's monotonic clock."""
         if lease_end - time.monotonic() < self.margin_s:
             self._fail("lease_expired")
             return "the prefill lease expired before decode could pull"
@@ -57,8 +53,6 @@ class KVIntake:
         return None
 
     def poll(self) -> list[tuple[Request, KVHandoff, str | None]]:
-        """Requests whose pull ended since the last call, with an error where it failed; a landed
-        one's counters say its prompt is computed and prefill's token is its first output."""
         out: list[tuple[Request, KVHandoff, str | None]] = []
         entries = list(self.pending.items())
         states = self.transport.poll_many([pull for _, (_, _, pull, _) in entries])
@@ -108,7 +102,6 @@ class KVIntake:
         return True
 
     def settled(self) -> tuple[list[Request], list[int]]:
-        """Cancelled requests to release, and the blocks of quarantined pulls now released."""
         done, self.cancelled = list(self.cancelled.values()), {}
         blocks: list[int] = []
         if self.quarantine:

@@ -1,6 +1,5 @@
-"""Drives a ``DecodeEngine`` from its own thread: commands through a thread-safe inbox, outputs
-through a callback on that thread. The engine is built there too: a second thread's OpenMP team
-would oversubscribe the cores, and libgomp's idle workers then sleep between a step's small ops."""
+"""Drives a ``DecodeEngine`` from its own thread, where it is built too: a second thread's OpenMP
+team would oversubscribe the cores, and libgomp's idle workers then sleep between small ops."""
 
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ class EngineLoop:
         return self._engine
 
     def start(self) -> DecodeEngine:
-        """Start the thread and wait until it has built the engine (re-raising its error)."""
         self._thread.start()
         self._built.wait()
         if self._engine is None:
@@ -72,7 +70,6 @@ class EngineLoop:
         self._thread.join(timeout_s)
 
     def _drain(self, block: bool) -> None:
-        """Apply every queued command; wait up to 0.5 s for one when ``block`` (idle engine)."""
         try:
             cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -116,7 +113,6 @@ class EngineLoop:
             raise
 
     def _fail_running(self, error: str) -> list[StepOutput]:
-        """End every request the engine holds (running, pulling KV, waiting) with ``error``."""
         outs = []
         e = self.engine
         held = [*e.running, *e.intake.pending, *(req.request_id for req, _, _ in e.waiting)]

@@ -19,8 +19,6 @@ class SpecTotals:
 
 
 class SpecMetrics:
-    """Counters ``tandem_spec_*`` tagged with the deployment; one instance per replica."""
-
     def __init__(self, deployment: str) -> None:
         from ray.util.metrics import Counter, Gauge
 
@@ -48,7 +46,6 @@ class SpecMetrics:
             c.set_default_tags(self.tags)
 
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
-        """One request's verification step: ``drafted`` tested, the first ``accepted`` kept."""
         if drafted <= 0:
             return
         t = self.totals

@@ -11,7 +11,7 @@ from models.logprobs import TokenLogprob
 class SpecUsage:
     """One request's ``usage.speculative`` so far."""
 
-    num_steps: int  # steps that tested at least one draft token
+    num_steps: int
     draft_tokens: int  # a draft tree counts its depth, not its nodes
     accepted_tokens: int
     emitted_tokens: int
@@ -21,7 +21,7 @@ class SpecUsage:
 class StepOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
-    finish_reason: str | None  # a FinishReason value once finished
+    finish_reason: str | None
     spec: SpecUsage
     error: str | None = None
     step_drafted: int = 0
@@ -41,7 +41,7 @@ class EngineStats:
     waiting: int
     pulling: int
     running: int
-    target_tokens_fed: int  # prompts included
+    target_tokens_fed: int
     draft_tokens_fed: int
     steps: int
     preemptions: int

@@ -25,9 +25,8 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor,
 ) -> Verification:
-    """target_probs [sum w_i, V] (each sequence's rows contiguous), draft_tokens [sum t_i],
-    draft_probs [sum t_i, V] or None (one-hot), uniforms [sum t_i] in [0, 1); ``rows``: w_i >= 1,
-    ``num_drafts``: t_i."""
+    """target_probs [sum w_i, V], draft_tokens and uniforms [sum t_i], draft_probs [sum t_i, V]
+    or None (one-hot); ``rows`` and ``num_drafts`` give each sequence's w_i and t_i."""
     dev = target_probs.device
     lay = _Ragged.of(rows, num_drafts, dev)
     ws, ts, row_start, draft_start, tmax = lay.ws, lay.ts, lay.row_start, lay.draft_start, lay.tmax
@@ -72,8 +71,7 @@ def verify_greedy(
     draft_tokens: torch.Tensor,
     num_drafts: Sequence[int],
 ) -> GreedyVerification:
-    """``rejection_sample`` for one-hot (greedy) sequences, from target_tokens [sum w_i], each
-    row's argmax: a draft is accepted iff it is the argmax."""
+    """``rejection_sample`` for greedy sequences; target_tokens [sum w_i]: each row's argmax."""
     dev = target_tokens.device
     lay = _Ragged.of(rows, num_drafts, dev)
     n = torch.zeros(len(rows), dtype=torch.long, device=dev)
@@ -120,7 +118,6 @@ class _Ragged:
 
 
 def _check_drafts(rows: Sequence[int], num_drafts: Sequence[int]) -> None:
-    """Checked on the host, so verification never waits for the device."""
     if len(rows) != len(num_drafts) or any(
         t not in (w, w - 1) for w, t in zip(rows, num_drafts, strict=True)
     ):

@@ -1,6 +1,5 @@
-"""Each decode step's work, first come, first served within the batch and token budgets. Blocks
-are reserved for every position a step may write (a tree's every node); when the pool runs out
-the newest running request is preempted."""
+"""Each decode step's work, first come, first served; blocks are reserved for every position it
+may write (a tree's every node), preempting the newest running requests where they lack."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ class Scheduler:
         self.speculation = speculation
 
     def plan(self, running: Sequence[Request], preempt: Callable[[Request], None]) -> list[Planned]:
-        """This step's work; ``running`` and the plan are in arrival order."""
         chosen: list[tuple[Request, int]] = []
         budget = self.token_budget
         for r in running:

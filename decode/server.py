@@ -38,11 +38,10 @@ class DecodeServer:
     """One decode replica; cancelling a ``generate`` stream aborts the request and frees its KV."""
 
     def __init__(self, cfg: DecodeEngineConfig, capacity_slo_s: float | None = None) -> None:
-        """``capacity_slo_s``: the TPOT SLO this replica reports its capacity within."""
         route_to_serve()
         self.cfg = cfg
         self.capacity_slo_s = capacity_slo_s
-        self._delivered = 0  # output tokens streamed, and when the last report read them
+        self._delivered = 0
         self._reported = (0, time.monotonic())
         kv_metrics = KVMetrics("decode")
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
@@ -110,7 +109,6 @@ class DecodeServer:
         return pool_board()
 
     def snapshot(self) -> dict[str, Any]:
-        """This replica's stats (copies: safe beside the engine's thread)."""
         out = asdict(self.engine.stats())
         out["kv_pool_bytes"] = self.engine.pool.nbytes
         out.update(process_memory())
@@ -135,12 +133,9 @@ class DecodeServer:
         return out
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve hands this to every router of the deployment (``RoutingStats``)."""
         return self.engine.routing_stats().to_dict()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """For the pool's autoscaling policy (``cluster.capacity_policy``): streams and goodput
-        delivered, and with a TPOT SLO the capacity within it (``speculation.capacity``)."""
         stats = self.engine.routing_stats()
         now = time.monotonic()
         tokens, since = self._reported

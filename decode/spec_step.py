@@ -1,6 +1,4 @@
-"""One speculative step over a ragged batch: draft, verify in one target forward, accept.
-A sampling request verifies ``w = min(m, k) + 1`` positions (``m`` drafts proposed); rejected KV
-is rolled back by lowering counters, and a tree's accepted path is compacted at the next step."""
+"""One speculative step over a ragged batch: draft, verify in one target forward, accept."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ class Emission:
     num_drafted: int  # draft tokens tested (a tree: its depth, the positions it offered)
     num_accepted: int
     num_fed: int
-    rows: tuple[int, ...] = ()  # each token's row in the step's logits
+    rows: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -39,7 +37,7 @@ class SeqStep:
     proposal: DraftProposal
     width: int  # output positions it verifies, one logit row each (0: mid-prompt)
     first_row: int
-    offset: int  # its first row of ``all_hidden``
+    offset: int
 
     @property
     def samples(self) -> bool:
@@ -51,13 +49,11 @@ class SeqStep:
 
     @property
     def fed_drafts(self) -> tuple[int, ...]:
-        """The drafts the target computes: a tree's every node, a chain's first ``w - 1``."""
         tokens = self.proposal.tokens
         return tokens if self.is_tree else tokens[: max(self.width - 1, 0)]
 
     @property
     def tested(self) -> tuple[int, ...]:
-        """A chain's drafts the rejection rule tests: ``w`` or ``w - 1``."""
         return self.proposal.tokens[: self.width]
 
     @property
@@ -68,9 +64,8 @@ class SeqStep:
 def _propose(
     drafter: Drafter | None, reqs: Sequence[Request], samples: Sequence[bool], ks: Sequence[int]
 ) -> list[DraftProposal]:
-    """Proposals for the ``k + 1`` positions after each sampling request's known tokens. ``k = 0``
-    gets only ``propose_free`` (no draft round), except a client-seeded sampled request, whose
-    tokens must not depend on k. Position 0 is never drafted, as on prefill."""
+    """``k = 0`` gets only ``propose_free`` (no draft round), except a client-seeded sampled
+    request, whose tokens must not depend on k. Position 0 is never drafted, as on prefill."""
     out = [NO_DRAFT] * len(reqs)
     if drafter is None:
         return out
@@ -128,7 +123,7 @@ def decode_step(
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
     batch = [_seq_input(s) for s in steps]
     for r in reqs:
-        r.kv_moves = ()  # owed compaction travels with this step's input
+        r.kv_moves = ()
     out = target.run(batch)
 
     for s in steps:
@@ -211,9 +206,7 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
 def _draw_finals(
     dist: torch.Tensor, accepted: torch.Tensor, reqs: Sequence[Request], widths: Sequence[int]
 ) -> torch.Tensor:
-    """[B] each sampled chain's final token, drawn from ``dist`` [B, V] at the position it
-    reached: every candidate position's uniform is made on the host, the landed one picked on
-    the device."""
+    """[B] each sampled chain's final token, drawn from ``dist`` [B, V] where it landed."""
     u_all = uniforms(*_positions(reqs, widths), Stream.SAMPLE)  # [sum w_i]
     ws = torch.tensor(list(widths), device=dist.device)
     landed = torch.cumsum(ws, 0) - ws + accepted.clamp(max=ws - 1)  # [B] its position's row
@@ -233,8 +226,7 @@ def _positions(
 
 
 def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | None:
-    """[sum t_i, V] the tested drafts' distributions (one-hot rows where a draft has none), or
-    None when every draft is one-hot."""
+    """[sum t_i, V] the tested drafts' distributions, or None when every draft is one-hot."""
     if all(s.proposal.probs is None for s in group):
         return None
     rows = []
@@ -284,7 +276,6 @@ def _accept_chain(
 
 
 def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emission:
-    """Walk a greedy request's draft tree; its accepted path's KV is compacted at its next step."""
     r, prop = s.req, s.proposal
     assert prop.parents is not None
     best = out.argmax(slice(s.first_row, s.first_row + s.width))  # [1 + nodes]
@@ -303,6 +294,5 @@ def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emissi
 
 
 def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:
-    """features: [n, H] of the positions that stayed valid."""
     if drafter is not None and drafter.needs_features:
         drafter.observe(r, features)

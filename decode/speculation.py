@@ -1,5 +1,4 @@
-"""How many tokens each request speculates per step: pinned ``k``, or chosen for goodput from
-acceptance estimates and the replica's step-time model (``speculation.goodput.choose_ks``)."""
+"""How many tokens each request speculates per step: pinned, or chosen for goodput."""
 
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ class SpeculationPolicy:
         self.k_max = k_max
         self.tpot_slo_s = tpot_slo_s
         self.tpot_slo_max_loss = tpot_slo_max_loss
-        self.tree_width = tree_width  # tokens per draft level of a greedy request (its tree)
+        self.tree_width = tree_width
         self.step_dependent = step_dependent
         self.tracker = StepTimeTracker(step_time) if step_time is not None else None  # None: pinned
         self.prior = DEFAULT_ACCEPTANCE
@@ -60,7 +59,6 @@ class SpeculationPolicy:
         self.alarm = alarm if alarm is not None else AcceptanceAlarm(0.5, 1024)
 
     def start(self, r: Request) -> None:
-        """Start ``r`` from its calibration cell (once: a preempted request keeps its estimate)."""
         if r.calibration_key is not None:
             return
         temperature = 0.0 if r.sampling.greedy else r.sampling.temperature
@@ -69,7 +67,6 @@ class SpeculationPolicy:
         r.acceptance_estimate = self.alarm.backoff(r.calibration_key, r.start_estimate)
 
     def finished(self, r: Request) -> None:
-        """What ``r`` accepted calibrates its cell and is checked by the acceptance alarm."""
         if r.calibration_key is not None:
             drafted, accepted = r.stats.num_draft_tokens, r.stats.num_accepted_tokens
             self.calibration.record(r.calibration_key, drafted, accepted)
@@ -77,7 +74,6 @@ class SpeculationPolicy:
                 self.alarm.record(r.calibration_key, r.start_estimate, drafted, accepted)
 
     def seed(self, cells: Sequence[Cell]) -> float:
-        """Start from other replicas' calibration cells; returns the draft tokens seeded."""
         seeded = self.calibration.seed(cells)
         drafted = sum(c.drafted for c in cells)
         if drafted >= PRIOR_TOKENS:
@@ -93,8 +89,7 @@ class SpeculationPolicy:
         self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * rate
 
     def rest(self, r: Request) -> None:
-        """``r`` verified no draft: its estimate relaxes toward the prior, so a request no longer
-        granted drafts is tried again once the prior says they may pay."""
+        """No draft verified: relax toward the prior, so drafting is retried once it may pay."""
         est = self.estimate(r)
         r.acceptance_estimate = est + IDLE_EMA * (self.prior - est)
 
@@ -110,8 +105,6 @@ class SpeculationPolicy:
         return self.tracker.model if self.tracker is not None else None
 
     def observe(self, seqs: int, tokens: int, seconds: float, in_rounds_s: float = 0.0) -> None:
-        """A decode step: its draft rounds (``in_rounds_s``) are priced apart; the rest teaches
-        the step-time model and the cost of a draft token."""
         if self.tracker is not None:
             target_s = seconds - in_rounds_s
             self.tracker.observe(tokens, target_s)
@@ -125,7 +118,6 @@ class SpeculationPolicy:
     def choose(
         self, reqs: Sequence[Request], caps: Sequence[int], fixed_tokens: int, budget: int
     ) -> list[int]:
-        """Per request, the draft tokens to verify (each at most its cap)."""
         caps = [min(c, self.k_max) for c in caps]
         held = [self.held(r) for r in reqs]
         if not any(held):
@@ -180,7 +172,6 @@ class SpeculationPolicy:
 def build_speculation(
     cfg: DecodeEngineConfig, drafter: Drafter, target: ModelRunner, allocator: BlockAllocator
 ) -> SpeculationPolicy:
-    """Pinned k, or adaptive k over the replica's measured (or cached) step-time model."""
     d = cfg.draft
     held = drafter.step_dependent
     alarm = AcceptanceAlarm(cfg.acceptance_alarm_ratio, cfg.acceptance_alarm_window_tokens)

@@ -1,6 +1,5 @@
-"""A decode request's outputs coalesced for the hop to the ingress (each message is a Serve
-round trip): at most one per wake-up, held ``interval_s`` after the previous one (like vLLM's
-``stream_interval``); the first and last are never held."""
+"""Decode outputs coalesced for the hop to the ingress (each message is a Serve round trip): one
+message per wake-up, held ``interval_s`` after the previous; the first and last are never held."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from decode.outputs import StepOutput
 
 
 def coalesce(outs: Sequence[StepOutput]) -> StepOutput:
-    """Consecutive outputs of one request as one."""
     if len(outs) == 1:
         return outs[0]
     last = outs[-1]
@@ -37,8 +35,7 @@ def _per_sequence(outs: Sequence[StepOutput]) -> list[StepOutput]:
 async def coalesced(
     q: asyncio.Queue[StepOutput], interval_s: float, sequences: int = 1
 ) -> AsyncIterator[StepOutput]:
-    """Outputs of a request's ``sequences`` choices from ``q``, coalesced per choice, until all
-    finish or one fails."""
+    """``sequences`` choices' outputs, coalesced per choice, until all end or one fails."""
     loop = asyncio.get_running_loop()
     sent_at: float | None = None
     left = sequences

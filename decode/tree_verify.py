@@ -10,8 +10,7 @@ from models.tree import children
 def accept_greedy_path(
     target: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
 ) -> tuple[list[int], int]:
-    """The accepted nodes and the token after them. ``target[0]``: the target's token after the
-    root, ``target[1 + n]`` after node ``n``; ``parents[n]`` -1: the root."""
+    """The accepted nodes and the token after them; ``target[1 + n]`` follows node ``n``."""
     path: list[int] = []
     node = -1
     while True:

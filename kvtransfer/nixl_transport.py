@@ -1,24 +1,5 @@
-"""KV transport over NIXL (UCX backend): one-sided READs of registered pool memory.
-
-Each worker registers every group tensor of its pool with its NIXL agent once. What a pull
-reads, and through which descriptors (prepared lists, or one per run of consecutive blocks), is
-planned by ``kvtransfer.read_plan``; prepared lists are made once per peer and per read shape.
-Decode issues one READ per source rank it reads from, carrying the request id as a NIXL
-notification; when the read completes the source receives that notification and ends the lease.
-The source must call :meth:`completed` often: without NIXL's own progress thread (which
-busy-polls a core, ruinous on small CPU hosts, so it is off unless asked for) that call is what
-lets UCX serve the peer's reads. Agent metadata travels inside the handoff (a few hundred bytes)
-through Ray, so no extra port is opened; a peer whose ``(agent name, version)`` changed is
-re-added before any read, so a restarted prefill replica is never read through stale
-descriptors.
-
-**VRAM pools.** UCX turns a READ of another process's GPU memory into ``cuda_ipc`` zero-copy
-gets only where it detects NVLink between the GPUs (its ``CUDA_IPC_ENABLE_GET_ZCOPY=auto``);
-elsewhere, e.g. two processes on one GPU, or PCIe-only GPUs, it falls back to "software
-emulation" through the host over TCP, far slower than a copy (``BENCHMARKS.md``, GPU
-section). A worker with a VRAM pool therefore sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` before
-its agent starts, unless the operator set it, and logs it.
-"""
+"""KV transport over NIXL (UCX): one-sided READs of registered pool memory, each carrying a notice
+that ends the source's lease (docs/structure.md, "KV blocks and their handoff")."""
 
 from __future__ import annotations
 
@@ -73,7 +54,7 @@ class NixlTransport(KVTransport):
         self.version = time.time_ns()
         self.mem_type = pool.mem_type
         if pool.mem_type == "VRAM" and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ:
-            os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"  # read before the agent's UCX
+            os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"  # before the agent's UCX reads it
             log.info("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: VRAM reads may take cuda_ipc without NVLink")
         self.agent = nixl_agent(
             self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
@@ -105,7 +86,6 @@ class NixlTransport(KVTransport):
         return (self.source(),)
 
     def source(self) -> KVSource:
-        """This rank's pool."""
         return KVSource(
             transport=self.name,
             agent_name=self.agent_name,
@@ -121,10 +101,7 @@ class NixlTransport(KVTransport):
         return done
 
     def progress(self) -> None:
-        """Drive UCX (serve peers' reads, send and receive notices).
-
-        Each reader's notice is ``"<request id>|<readers>"``: a request's blocks are released
-        once as many destination ranks as it names have read them."""
+        """Drive UCX; a notice ``"<request id>|<readers>"`` ends a lease once that many read."""
         notes = self.agent.get_new_notifs()
         for msg in (m.decode() for msgs in notes.values() for m in msgs):
             rid, _, expected = msg.partition("|")
@@ -159,7 +136,6 @@ class NixlTransport(KVTransport):
     def _lists(
         self, src: KVSource, theirs: tuple[Slice, ...], ours: tuple[Slice, ...]
     ) -> tuple[Any, Any]:
-        """The prepared lists (remote, local) of a read shape, made on first use."""
         peer = self._peers[src.agent_name]
         remote = peer.lists.get(theirs)
         if remote is None:
@@ -174,8 +150,7 @@ class NixlTransport(KVTransport):
         return remote, local
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
-        """One READ per source rank that holds heads this rank owns (one in all when both
-        sides have the same TP size), each carrying its completion notice."""
+        """One READ per source rank holding heads this rank owns, each carrying its notice."""
         reads = plan_reads(handoff, local_blocks, self._by_group, self.rank, self.tp_size)
         for read in reads:
             self._reach(handoff, read.src_rank)
@@ -196,8 +171,6 @@ class NixlTransport(KVTransport):
         return PullHandle(handoff.request_id, nbytes, time.perf_counter(), handles)
 
     def _xfer(self, handoff: KVHandoff, read: SourceRead) -> Any:
-        """The READ of ``read``, carrying the notice that ends the source's lease once every
-        reader has read."""
         src = handoff.sources[read.src_rank]
         notice = f"{handoff.request_id}|{read.readers}".encode()
         if read.kind is Descriptors.RUNS:
@@ -216,8 +189,7 @@ class NixlTransport(KVTransport):
     def _post_failed(
         self, handoff: KVHandoff, why: str, handle: Any, posted: list[Any]
     ) -> PullHandle:
-        """A READ could not be posted: raise if none was, else hand the ``posted`` ones back as
-        a failed pull, whose blocks stay quarantined until those reads have ended."""
+        """Raise if no READ was posted, else hand the posted ones back as a failed pull."""
         if handle is not None:  # this read never ran
             self._release([handle])
         self.counters.fail("post")
@@ -251,13 +223,8 @@ class NixlTransport(KVTransport):
         return PullState.PENDING
 
     def release(self, pull: PullHandle) -> bool:
-        """Release each READ of ``pull`` that has ended (NIXL reports it done or failed); a READ
-        still in progress is left running and held in the pull's token for a later call.
-
-        Releasing a running READ is not a cancel: NIXL's UCX backend frees the handle and
-        reports success, yet the read goes on and lands once the source makes progress
-        (``BENCHMARKS.md``, "Overload and faults"). So the only proof that no byte can land
-        is the transfer's own end state."""
+        """Release each ended READ of ``pull``; a running one stays in its token for a later call
+        (releasing it would not cancel it: the read still lands)."""
         left: list[Any] = pull.token
         running = [h for h in left if self._xfer_state(h, pull.request_id) == "PROC"]
         self._release([h for h in left if all(h is not r for r in running)])
@@ -265,7 +232,6 @@ class NixlTransport(KVTransport):
         return not left
 
     def _release(self, handles: Sequence[Any]) -> None:
-        """Release ``handles`` (reads that ended, or never ran)."""
         for handle in handles:
             try:
                 self.agent.release_xfer_handle(handle)

@@ -1,12 +1,5 @@
-"""Which bytes a pull reads from each source rank, and the descriptors that name them.
-
-A rank reads, from every source rank holding KV heads it owns (``kvtransfer.resharding``), each
-shipped group's run of those heads in every block of the handoff. It names them by rows of
-**prepared** lists (``make_prepped_xfer``; one row per block when every head moves, the pool
-being block-major, else one per block, layer and K/V), or, where every head moves and blocks run
-consecutively on both sides, by one descriptor per **run** of blocks built for the read
-(``initialize_xfer``): fewer, larger descriptors, which UCX moves faster. Pure: no agent.
-"""
+"""Which bytes a pull reads from each source rank, named by rows of prepared descriptor lists or,
+where every head moves and blocks run consecutively on both sides, one descriptor per run."""
 
 from __future__ import annotations
 
@@ -23,9 +16,8 @@ from kvtransfer.transport import KVTransferError
 
 @dataclass(frozen=True)
 class Slice:
-    """What a read moves of every block of one group: heads ``first .. first + count`` of its K
-    and V parts, in one descriptor per block when ``whole`` (every layer of every head), else
-    two per layer (the K part and the V part of each)."""
+    """Heads ``first .. first + count`` of a group's K and V parts in every block: one descriptor
+    per block when ``whole`` (every head), else two per layer."""
 
     group: str
     first: int
@@ -33,7 +25,6 @@ class Slice:
     whole: bool
 
     def rows_per_block(self, r: KVRegion) -> int:
-        """Descriptors of one block over region ``r``."""
         return 1 if self.whole else 2 * r.num_layers
 
     def bytes_per_block(self, r: KVRegion) -> int:
@@ -41,13 +32,11 @@ class Slice:
 
 
 def slice_descs(r: KVRegion, sl: Slice) -> np.ndarray:
-    """The (address, length, device) rows of every block of ``sl`` over region ``r``: block
-    ``b``'s are rows ``b * rows_per_block ..``, one for the whole block, or one per (layer,
-    part), row ``(b * num_layers + layer) * 2 + part``."""
+    """[num_blocks * rows_per_block, 3] (address, length, device) rows of ``sl``, block-major."""
     if sl.whole:
         addrs = r.base_address + np.arange(r.num_blocks, dtype=np.int64) * r.block_bytes
         length = r.block_bytes
-    else:  # per (block, layer) slab: the K part, then the V part, of the heads of the run
+    else:  # per (block, layer) slab: the run's K part, then its V part
         n = r.num_blocks * r.num_layers
         slabs = r.base_address + np.arange(n, dtype=np.int64) * r.slab_bytes
         half = r.num_heads * r.chunk_bytes
@@ -57,12 +46,10 @@ def slice_descs(r: KVRegion, sl: Slice) -> np.ndarray:
 
 
 def prepared_descs(regions: Mapping[str, KVRegion], slices: Sequence[Slice]) -> np.ndarray:
-    """The rows of the prepared list of a read shape: every slice's, end to end."""
     return np.concatenate([slice_descs(regions[sl.group], sl) for sl in slices]).astype(np.int64)
 
 
 def list_offsets(regions: Mapping[str, KVRegion], slices: Sequence[Slice]) -> dict[str, int]:
-    """Each slice's first row in ``prepared_descs(regions, slices)``, by group."""
     offsets, start = {}, 0
     for sl in slices:
         offsets[sl.group] = start
@@ -72,8 +59,6 @@ def list_offsets(regions: Mapping[str, KVRegion], slices: Sequence[Slice]) -> di
 
 
 def slice_rows(r: KVRegion, sl: Slice, blocks: np.ndarray, offset: int) -> np.ndarray:
-    """Rows of the prepared list for ``blocks`` (the slice's rows from ``offset``): each
-    block's rows in turn."""
     n = sl.rows_per_block(r)
     each = np.arange(n, dtype=np.int64)
     rows: np.ndarray = (offset + blocks[:, None] * n + each[None, :]).reshape(-1)
@@ -81,8 +66,7 @@ def slice_rows(r: KVRegion, sl: Slice, blocks: np.ndarray, offset: int) -> np.nd
 
 
 def block_runs(theirs: np.ndarray, ours: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The runs of a read's blocks that are consecutive on both sides: each run's index into
-    the blocks and its length (a run of one where either side jumps)."""
+    """(start index, length) of each run of blocks consecutive on both sides."""
     n = len(theirs)
     jumps = (np.diff(theirs) != 1) | (np.diff(ours) != 1)
     starts = np.concatenate([[0], np.flatnonzero(jumps) + 1]).astype(np.int64)
@@ -92,30 +76,26 @@ def block_runs(theirs: np.ndarray, ours: np.ndarray) -> tuple[np.ndarray, np.nda
 def run_descs(
     r: KVRegion, blocks: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> np.ndarray:
-    """One (address, length, device) row per run of whole blocks over region ``r``: blocks
-    ``b .. b + n - 1``, every layer of them, are one contiguous range of ``n`` blocks."""
+    """One (address, length, device) row per run of whole blocks over region ``r``."""
     addrs = r.base_address + blocks[starts] * r.block_bytes
     sizes = lengths.astype(np.int64) * r.block_bytes
     return np.stack([addrs, sizes, np.full(addrs.size, r.device_id, np.int64)], 1)
 
 
 class Descriptors(enum.Enum):
-    PREPARED = "prepared"  # rows of the prepared lists of the read's shape
-    RUNS = "runs"  # a descriptor per run of consecutive blocks, built for this read
+    PREPARED = "prepared"
+    RUNS = "runs"
 
 
 @dataclass(frozen=True, eq=False)
 class SourceRead:
-    """One READ: what this rank reads from one source rank, described on both sides."""
-
     src_rank: int
     remote: tuple[Slice, ...]  # what is read of each group on the source rank
     local: tuple[Slice, ...]  # where each lands on this rank
     readers: int  # destination ranks reading from this source rank (its notice names them)
     nbytes: int
     kind: Descriptors
-    # RUNS: [R, 3] (address, length, device) rows; PREPARED: [R] rows of the prepared lists
-    # of ``remote`` and ``local`` (``prepared_descs``), in the same order on both sides
+    # RUNS: [R, 3] (address, length, device); PREPARED: [R] prepared-list rows; paired by row
     remote_descs: np.ndarray
     local_descs: np.ndarray
 
@@ -127,9 +107,8 @@ def plan_reads(
     rank: int,
     tp_size: int,
 ) -> list[SourceRead]:
-    """The READs that pull ``handoff`` into ``local_blocks`` of ``regions`` (this rank's pool,
-    by group; rank ``rank`` of ``tp_size``): one per source rank that holds heads this rank
-    owns, in the order first needed. Raises ``KVTransferError`` where the sides cannot match."""
+    """One READ per source rank holding heads this rank owns; ``KVTransferError`` where the
+    sides cannot match."""
     if len(local_blocks) != len(handoff.block_ids):
         raise KVTransferError("local and remote block counts differ")
     src_tp = len(handoff.sources)
@@ -140,8 +119,6 @@ def plan_reads(
     reads = []
     for src_rank, (rem, loc) in _shapes(handoff, regions, rank, tp_size).items():
         remote = {r.group: r for r in handoff.sources[src_rank].regions}
-        # blocks consecutive on both sides: a descriptor per run, where the prepared lists
-        # would give one per block
         chunked = all(sl.whole for sl in rem) and len(runs[0]) < len(ours_blocks)
         kind = Descriptors.RUNS if chunked else Descriptors.PREPARED
         reads.append(
@@ -162,7 +139,6 @@ def plan_reads(
 def _shapes(
     handoff: KVHandoff, regions: Mapping[str, KVRegion], rank: int, tp_size: int
 ) -> dict[int, tuple[list[Slice], list[Slice]]]:
-    """Per source rank: what to read of each group on its side, and where it lands on ours."""
     shapes: dict[int, tuple[list[Slice], list[Slice]]] = {}
     for g in handoff.groups:
         ours = regions.get(g)
@@ -184,7 +160,6 @@ def _describe(
     blocks: np.ndarray,
     runs: tuple[np.ndarray, np.ndarray],
 ) -> np.ndarray:
-    """One side's descriptors of a read of ``blocks``: run rows, or prepared-list rows."""
     if kind is Descriptors.RUNS:
         starts, lengths = runs
         return np.concatenate(
@@ -206,7 +181,6 @@ def _head_runs(group: str, ours: KVRegion, rank: int, tp_size: int, src_tp: int)
 
 
 def _source_region(handoff: KVHandoff, src_rank: int, ours: KVRegion) -> KVRegion:
-    """The source rank's region of ``ours``'s group, laid out alike (chunks and layers)."""
     g = ours.group
     theirs = next((r for r in handoff.sources[src_rank].regions if r.group == g), None)
     if theirs is None or (theirs.chunk_bytes, theirs.num_layers) != (

@@ -14,17 +14,16 @@ from speculation.draft_cost import DraftRounds
 
 @dataclass(frozen=True)
 class DraftProposal:
-    tokens: tuple[int, ...]  # up to `width` tokens, possibly none
+    tokens: tuple[int, ...]
     probs: torch.Tensor | None  # [len(tokens), V] draft distributions; None: one-hot on `tokens`
     # a tree (greedy only): each token's parent, parents first (-1: the newest known token)
     parents: tuple[int, ...] | None = None
 
 
 class Drafter(ABC):
-    """Proposes tokens for the positions after each request's known tokens. A position's proposal
-    depends only on the tokens before it (else ``step_dependent``) and is drawn with
-    ``(seed, position, Stream.DRAFT)`` from ``probs`` under the request's sampling transform, so
-    verification stays exact. A drafter with its own KV keeps ``num_draft_computed`` current."""
+    """Proposes tokens after each request's known tokens. A position's proposal depends only on the
+    tokens before it (else ``step_dependent``) and is drawn with ``(seed, position, Stream.DRAFT)``
+    from ``probs``; a drafter with its own KV keeps ``num_draft_computed`` current."""
 
     uses_kv: bool = False  # owns the pool's "draft" KV group
     needs_features: bool = False  # ``observe`` wants the target's final hidden states
@@ -32,7 +31,6 @@ class Drafter(ABC):
     rounds: DraftRounds | None = None  # a model drafter's sequential rounds; None: no model
 
     def pays_rounds(self, req: Request) -> bool:
-        """Whether drafting for ``req`` runs the model's sequential rounds (``rounds``)."""
         return self.rounds is not None
 
     @abstractmethod

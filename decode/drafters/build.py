@@ -12,7 +12,6 @@ from runtime.runner import EagleRunner, ModelRunner
 
 
 def build_drafter(spec: DraftSpec, runner: ModelRunner | EagleRunner | None) -> Drafter | None:
-    """``runner``: the draft model or EAGLE head the shard loaded (None for n-gram and none)."""
     drafter: Drafter | None = None
     if isinstance(runner, EagleRunner):
         drafter = EagleDrafter(runner, spec.tree_width)

@@ -14,8 +14,7 @@ from speculation.draft_cost import DraftRounds
 
 
 class DraftModelDrafter(Drafter):
-    """One draft forward per position over the batch; the first also catches the draft's KV up
-    on every unseen token, so decode needs no separate draft prefill."""
+    """One forward per position; the first catches the draft's KV up, so no draft prefill runs."""
 
     uses_kv = True
     rounds: DraftRounds
@@ -23,7 +22,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._fed = 0
-        self.rounds = DraftRounds()  # forwards after the first (which also catches up)
+        self.rounds = DraftRounds()
 
     @property
     def tokens_fed(self) -> int:
@@ -31,7 +30,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # sampled requests' q rows
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         kmax = max(widths, default=0)
         for j in range(kmax):
             if j > 0:

@@ -1,6 +1,5 @@
-"""The EAGLE drafter: a head (``models.eagle``) caught up on the target's true features, then fed
-its own predicted ones. Head KV from predicted features is provisional: ``num_draft_computed``
-counts true-feature positions only."""
+"""The EAGLE drafter: a head caught up on the target's features, then fed its own predicted ones,
+whose KV is provisional (``num_draft_computed`` counts true-feature positions only)."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ class EagleDrafter(Drafter):
         return out
 
     def _catch_up(self, reqs: Sequence[Request]) -> StepResult:
-        """Feed head positions ``num_draft_computed .. num_computed - 1`` (position t reads f_t
-        and token t + 1); the output at the last proposes the first draft."""
+        """Feed head positions ``num_draft_computed .. num_computed - 1`` (t reads f_t, x_{t+1})."""
         batch, feats = [], []
         for r in reqs:
             f = self._features.pop(r.request_id)
@@ -102,9 +100,8 @@ class EagleDrafter(Drafter):
         hidden: torch.Tensor,
         logits: torch.Tensor,
     ) -> list[DraftProposal]:
-        """Chains drawn token by token from the catch-up's hidden [B, H] and logits [B, V]."""
         tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]  # sampled requests' q rows
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         last = [hidden[b : b + 1] for b in range(len(reqs))]
         live = list(range(len(reqs)))
         for j in range(max(widths)):

@@ -1,5 +1,4 @@
-"""EAGLE draft trees for greedy requests: the ``width`` best nodes per depth by cumulative head
-log probability (as EAGLE-2), one head forward per depth; a node attends to its ancestors only."""
+"""EAGLE-2-style draft trees for greedy requests: the ``width`` best nodes per depth."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ class _Tree:
     depth: int
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # cumulative head log probability
+    scores: list[float] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # the newest level's nodes
     features: list[torch.Tensor] = field(default_factory=list)  # [1, H] input of each frontier node
 
@@ -48,8 +47,7 @@ def grow_trees(
     width: int,
     rounds: DraftRounds | None = None,
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], int]:
-    """Each request's (tokens, parents), and the tokens fed to the head. root_hidden [B, H] and
-    root_logits [B, V]: the head's catch-up output at each request's newest position."""
+    """Per request (tokens, parents), and the tokens fed; root_hidden [B, H], root_logits [B, V]."""
     trees = [_Tree(r, d) for r, d in zip(reqs, depths, strict=True)]
     for b, t in enumerate(trees):
         t.extend(torch.log_softmax(root_logits[b : b + 1], dim=-1), [-1], width)

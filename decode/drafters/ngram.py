@@ -10,8 +10,7 @@ from models.request import Request
 
 
 class NgramDrafter(Drafter):
-    """One-hot proposals from a per-request ``NgramIndex`` fed only new tokens, so a lookup costs
-    the same at any context length."""
+    """One-hot proposals; each request's ``NgramIndex`` is fed only new tokens."""
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n = max_n

@@ -21,6 +21,9 @@ from models.attention.metadata import (
 
 
 class AttentionBackend(ABC):
+    """Paged attention for one model over one pool (``spec``), chosen once per model; what it
+    cannot serve goes to the reference path and is counted in ``fallbacks``."""
+
     name: str
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -32,6 +35,7 @@ class AttentionBackend(ABC):
         return 0
 
     def plan(self, seqs: Sequence[SeqSlice]) -> StepMetadata:
+        """A ragged step's metadata, ``seqs`` in the order of their tokens."""
         layout = step_layout(seqs, self.spec.block_size)
         return step_metadata(self, layout, self.groups(layout))
 
