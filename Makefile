@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
 
-.PHONY: serve test test-fast test-gpu lint typecheck unit install clean proto
+.PHONY: serve test test-fast test-gpu test-chaos lint typecheck unit install clean proto
 
 $(STAMP): pyproject.toml tools/install_torch.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,13 +26,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)  # every tier but `gpu` (markers in pyproject.toml)
-	$(BIN)/pytest -m "not gpu"
+unit: $(STAMP)  # every tier but `gpu` and `chaos` (markers in pyproject.toml)
+	$(BIN)/pytest -m "not gpu and not chaos"
 
 test: lint typecheck unit
 
 test-fast: $(STAMP)  # quick local iteration: no Ray cluster, no GPU, nothing slow
-	$(BIN)/pytest -m "not gpu and not ray and not slow"
+	$(BIN)/pytest -m "not gpu and not ray and not slow and not chaos"
+
+test-chaos: $(STAMP)  # node loss on a multi-raylet cluster: minutes per test
+	$(BIN)/pytest -m chaos
 
 test-gpu: $(STAMP)  # on a machine with a CUDA GPU
 	$(BIN)/pytest -m gpu tests/gpu

@@ -111,6 +111,7 @@ def chaos_config(model: str, name: str, base: dict[str, Any] | None = None) -> T
         "decode": {"replicas": 2, "num_blocks": 512, "num_threads": 1, "max_batch_size": 4},
         "kv": {"pull_timeout_s": 3},
         "http": {"ingress_resource": HEAD_RESOURCE},
+        "auth": {"required": False},  # a cluster on loopback, for the run only
     }
     return TandemConfig.model_validate({**cfg, **(base or {})})
 

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from cluster.errors import APIError, generation_error, install_error_handlers
 from cluster.generation import Delta, Final, Generation, GenerationError
-from cluster.guard import Admission, AdmissionGuard
+from cluster.guard import TENANT, Admission, AdmissionGuard
 from cluster.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -240,10 +241,14 @@ async def _respond(
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _tenant(http: HTTPRequest) -> str:
+    return str(http.scope.get("state", {}).get(TENANT, ""))
+
+
 def build_api(
     service: OpenAIService,
     gen: Generation,
-    health: Callable[[], Awaitable[dict[str, Any]]],
+    health: Callable[[bool], Awaitable[dict[str, Any]]],
     admission: Admission,
 ) -> FastAPI:
     app = FastAPI(title="tandem", description="OpenAI-compatible API of a tandem cluster")
@@ -252,12 +257,18 @@ def build_api(
     app.add_middleware(AdmissionGuard, admission=admission)
 
     @app.get("/health")
-    async def get_health() -> JSONResponse:
+    async def get_health(http: HTTPRequest) -> JSONResponse:
+        """Open for probes; without a valid key (when keys are set) it says only the status."""
+        keys = admission.policy.keys
+        full = not keys.enabled or keys.identify(http.headers.get("authorization")) is not None
         try:
-            body = await health()
+            body = await health(full and keys.enabled)
         except Exception as e:
             log.warning("health check failed: %s", e)
-            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
+            detail = {"error": str(e)} if full else {}
+            return JSONResponse({"status": "unhealthy", **detail}, status_code=503)
+        if not full:
+            return JSONResponse({"status": body["status"]})
         return JSONResponse(body | {"admission": admission.state.snapshot()})
 
     card = {
@@ -282,10 +293,14 @@ def build_api(
         if body.model is not None:
             service.check_model(body.model)
         if body.messages is not None:
-            ids = service.chat_prompt(body.messages, body.add_generation_prompt)
+            ids = await service.off_loop(
+                service.chat_prompt, body.messages, body.add_generation_prompt
+            )
         else:
             assert body.prompt is not None
-            ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
+            ids = await service.off_loop(
+                service.tokenizer.encode, body.prompt, body.add_special_tokens
+            )
         strs = service.tokenizer.token_strs(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -299,21 +314,23 @@ def build_api(
         if body.model is not None:
             service.check_model(body.model)
         service.check_token_ids(body.tokens, "tokens")
-        return {"prompt": service.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        text = await service.off_loop(service.tokenizer.decode, body.tokens, False)
+        return {"prompt": text}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         service.check_model(body.model)
-        ids = service.completion_prompt(body)
-        req = service.build_request(body, ids, body.max_tokens, "prompt")
+        ids = await service.off_loop(service.completion_prompt, body)
+        req = service.build_request(body, ids, body.max_tokens, "prompt", _tenant(http))
         shape = _Shape(False, req.request_id, settings.model_name, service.tokenizer)
         return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
         service.check_model(body.model)
-        ids = service.chat_prompt(body.messages)
-        req = service.build_request(body, ids, body.requested_max_tokens, "messages")
+        ids = await service.off_loop(service.chat_prompt, body.messages)
+        tenant = _tenant(http)
+        req = service.build_request(body, ids, body.requested_max_tokens, "messages", tenant)
         shape = _Shape(True, req.request_id, settings.model_name, service.tokenizer)
         return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
 

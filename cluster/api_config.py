@@ -135,6 +135,19 @@ class LimitsConfig(Frozen):
     max_body_bytes: int = Field(
         1_048_576, ge=1024, description="Largest request body; larger ones get 413."
     )
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Most seconds one request may take end to end (queueing, prefill, every "
+        "token); past it the request is cancelled everywhere, its KV freed, and the client "
+        "gets 504 (or an error event on a stream). Ray Serve's proxies get it plus 5 s.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Most seconds a client may take to send its request body; a slower one "
+        "gets 408 and its admission slot back.",
+    )
     max_inflight: int = Field(
         256,
         ge=1,
@@ -165,5 +178,16 @@ class AuthConfig(Frozen):
     api_keys_env: str = Field(
         "TANDEM_API_KEYS",
         description="An environment variable holding comma-separated API keys, read by the "
-        "process that builds the app. With no key from either source, the API is open.",
+        "process that builds the app (on KubeRay, from a Secret: deploy/kuberay).",
+    )
+    required: bool = Field(
+        True,
+        description="Refuse to start without at least one API key, rather than serve an open "
+        "API. false only for a server on loopback (deploy/local.yaml, `make serve`).",
+    )
+    shared_cache: bool = Field(
+        False,
+        description="Let requests of different API keys share cached prompt KV and prefix "
+        "affinity. Off, each key's prefixes are cached apart (like vLLM's cache_salt), so the "
+        "time to a first token cannot tell one tenant whether another sent a prompt.",
     )

@@ -54,3 +54,15 @@ def load_keys(cfg: AuthConfig, environ: dict[str, str] | None = None) -> KeyRing
     if short:
         raise ValueError(f"API keys must be at least 16 characters; {len(short)} are shorter")
     return KeyRing(frozenset(digest(k) for k in keys))
+
+
+def required_keys(cfg: AuthConfig, environ: dict[str, str] | None = None) -> KeyRing:
+    """The keys, or ValueError when ``auth.required`` and there are none (closed by default)."""
+    ring = load_keys(cfg, environ)
+    if cfg.required and not ring.enabled:
+        raise ValueError(
+            "auth.required is true but no API key is configured: put keys in "
+            f"auth.api_keys_file or ${cfg.api_keys_env} (on KubeRay, from the Secret the "
+            "manifests mount), or set auth.required: false for a server on loopback only"
+        )
+    return ring

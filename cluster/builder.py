@@ -10,7 +10,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.auth import load_keys
+from cluster.auth import required_keys
 from cluster.config import PoolConfig, TandemConfig
 from cluster.guard import GuardPolicy
 from cluster.ingress import OpenAIIngress
@@ -191,6 +191,9 @@ def engine_configs(
         max_model_len=m.max_model_len,
         transport=cfg.kv.transport,
         pull_timeout_s=cfg.kv.pull_timeout_s,
+        quarantine_timeout_s=cfg.kv.quarantine_timeout_s,
+        max_queue_wait_s=cfg.decode.max_queue_wait_s,
+        watchdog_s=cfg.decode.watchdog_s,
         kv_failure_policy=cfg.kv.failure_policy,
         kv_health_window=cfg.kv.degraded_window,
         num_threads=cfg.decode.num_threads,
@@ -215,6 +218,7 @@ def engine_configs(
         block_size=bs,
         probe_window=cfg.prefill.probe_window,
         lease_seconds=cfg.prefill.lease_seconds,
+        lease_grace_s=cfg.kv.pull_timeout_s + 1.0,
         num_threads=cfg.prefill.num_threads,
         switch_interval_s=cfg.prefill.switch_interval_s,
         max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
@@ -226,6 +230,7 @@ def engine_configs(
 
 def build_app(cfg: TandemConfig) -> Application:
     """The Serve application: ingress → (prefill) → decode, each pinned to its pool."""
+    keys = required_keys(cfg.auth)  # first: a closed app with no key never starts
     m = resolve_models(cfg)
     bs = cfg.kv.block_size
     decode_tokens = cfg.decode.num_blocks * bs
@@ -256,8 +261,9 @@ def build_app(cfg: TandemConfig) -> Application:
         draft_kind=cfg.draft.kind,
         created=checkpoint_time(Path(m.target.folder)),
         guard=GuardPolicy(
-            keys=load_keys(cfg.auth),
+            keys=keys,
             max_body_bytes=cfg.limits.max_body_bytes,
+            body_timeout_s=cfg.limits.body_timeout_s,
             max_inflight=cfg.limits.max_inflight,
             max_concurrent_per_key=cfg.limits.max_concurrent_per_key,
         ),
@@ -265,6 +271,8 @@ def build_app(cfg: TandemConfig) -> Application:
         degraded_fraction=cfg.kv.degraded_fraction,
         retries=cfg.limits.retries,
         log_requests=cfg.logging.requests,
+        request_timeout_s=cfg.limits.request_timeout_s,
+        shared_cache=cfg.auth.shared_cache,
     )
     where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(

@@ -51,10 +51,10 @@ def serve_cmd(args: argparse.Namespace) -> int:
     from cluster.local_cluster import shutdown, start_ray, start_serve
 
     cfg = _load_config(args)
-    if cfg.http.host not in ("127.0.0.1", "localhost", "::1") and not load_keys(cfg.auth).enabled:
+    if not load_keys(cfg.auth).enabled:  # only with auth.required: false (else no start)
         log.warning(
-            "binding to %s with no API key set (auth.api_keys_file, $%s): anyone who can reach "
-            "this machine can use the API",
+            "serving on %s with no API key set (auth.api_keys_file, $%s): anyone who can reach "
+            "it can use the API",
             cfg.http.host,
             cfg.auth.api_keys_env,
         )

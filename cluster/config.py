@@ -243,6 +243,20 @@ class DecodeConfig(PoolConfig):
         description="Draft tokens per cell the acceptance alarm compares over (older ones fade); "
         "a cell needs half of it before it can be reported.",
     )
+    max_queue_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="Most seconds a request waits on a replica for KV blocks (the pool full of "
+        "running requests, or blocks held by unfinished reads); then it ends with a 503 naming "
+        "this setting.",
+    )
+    watchdog_s: float = Field(
+        120.0,
+        gt=0,
+        description="A replica whose engine has had work but finished no step for this long "
+        "fails its health check, and Ray Serve replaces it (a hung collective, a wedged "
+        "device).",
+    )
     max_stalled_preemptions: int = Field(
         4,
         ge=1,
@@ -337,7 +351,20 @@ class KVConfig(_Frozen):
         description="When a KV pull fails (prefill replica gone, lease expired, timeout): "
         "compute the prompt on decode instead, or end the request with a 503 error.",
     )
-    pull_timeout_s: float = Field(10.0, gt=0, description="A KV pull running longer has failed.")
+    pull_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A KV pull running longer has failed. Prefill keeps an expired lease's "
+        "blocks this long plus a second before reusing them, so a read decode started just "
+        "before the lease ended still lands on the prompt's KV.",
+    )
+    quarantine_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Decode holds the blocks of a failed or cancelled pull whose read NIXL has "
+        "not reported ended (it may still land) at most this long; then they are retired, "
+        "never reused, and counted (retired_blocks in /health).",
+    )
     degraded_fraction: float = Field(
         0.2,
         ge=0,
@@ -349,6 +376,9 @@ class KVConfig(_Frozen):
     degraded_window: int = Field(
         64, ge=1, le=100_000, description="Recent handoffs per decode replica that share counts."
     )
+
+
+PROXY_TIMEOUT_MARGIN_S = 5.0
 
 
 class TandemConfig(_Frozen):
@@ -478,6 +508,19 @@ class TandemConfig(_Frozen):
         """``serve.deployment`` sizing of the ingress (fixed count or autoscaling)."""
         return serve_scaling(self.ingress_replicas(), self.ingress.autoscaling)
 
+    def proxy_timeout_s(self) -> float:
+        """Serve's proxies' own request timeout: ours plus a margin, a backstop that never
+        preempts the ingress's (which cancels the request everywhere and says why)."""
+        return self.limits.request_timeout_s + PROXY_TIMEOUT_MARGIN_S
+
+    def http_options(self) -> dict[str, Any]:
+        """Ray Serve's ``http_options`` for this app."""
+        return {
+            "host": self.http.host,
+            "port": self.http.port,
+            "request_timeout_s": self.proxy_timeout_s(),
+        }
+
     def grpc_options(self) -> dict[str, Any] | None:
         """Ray Serve's ``grpc_options`` for this app (None with gRPC off)."""
         if not self.grpc.enabled:
@@ -485,4 +528,5 @@ class TandemConfig(_Frozen):
         return {
             "port": self.grpc.port,
             "grpc_servicer_functions": list(GRPC_SERVICER_FUNCTIONS),
+            "request_timeout_s": self.proxy_timeout_s(),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.generation import GenerationError
-from cluster.protocol import UNSUPPORTED
+from cluster.protocol import INVALID_TEXT, UNSUPPORTED
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 
@@ -47,7 +48,15 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error may echo text that is not valid Unicode (a lone
+    surrogate in ``model``), which UTF-8 cannot encode but a ``\\ud800`` escape can carry."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def generation_error(e: GenerationError) -> APIError:
@@ -60,6 +69,8 @@ def generation_error(e: GenerationError) -> APIError:
             type_="rate_limit_error",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+    if e.status == 504:
+        return APIError(504, str(e), code="request_timeout")
     return APIError(e.status, str(e), code="service_unavailable")
 
 
@@ -95,6 +106,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         ctx: dict[str, Any] = first.get("ctx") or {}
         detail = ctx.get("error", first.get("msg"))
         return APIError(400, f"request body is not valid JSON: {detail}", code="invalid_json")
+    if kind == INVALID_TEXT:
+        path = str((first.get("ctx") or {}).get("path") or "") or None
+        return APIError(400, str(first.get("msg")), param=path, code="invalid_value")
     param = _param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind == "missing":

@@ -4,8 +4,11 @@ cancels the decode stream, which aborts the request on its replica and frees its
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,7 +16,7 @@ from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
 
 from decode.outputs import SpecUsage
-from kvtransfer.handoff import KVHandoff
+from kvtransfer.handoff import KVHandoff, LeaseRelease
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -90,14 +93,17 @@ class Generation:
         retries: int = 1,
         metrics: RequestMetrics | None = None,
         log_requests: bool = False,
+        timeout_s: float = 600.0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
         self.log_requests = log_requests
         self.metrics = metrics
         self.prefill = prefill  # None in colocated mode
         self.decode = decode
         self.retries = retries
         self.retried = Retried()
+        self.dropped_handoffs = 0  # leases given back unused (shown in /health)
 
     async def _prefill(self, req: Request) -> KVHandoff:
         assert self.prefill is not None
@@ -120,10 +126,38 @@ class Generation:
         handoff = None
         if self.prefill is not None:
             handoff = await self._prefill(req)
+        # a handoff decode does not finish with goes back to its prefill replica at once
+        held = handoff if handoff is not None and handoff.has_blocks else None
+        try:
+            async with aclosing(self._decode(req, handoff)) as stream:
+                async for tokens in stream:
+                    if tokens is None:  # resent without the handoff: decode computes the prompt
+                        self._release(held)
+                        held = None
+                        continue
+                    yield tokens
+            held = None  # decode finished the request: its read ended the lease
+        finally:
+            self._release(held)
+
+    def _release(self, handoff: KVHandoff | None) -> None:
+        if handoff is not None and self.prefill is not None:
+            self.dropped_handoffs += 1
+            self.prefill.release.remote(LeaseRelease.of(handoff))  # no reply to wait for
+
+    async def _decode(
+        self, req: Request, handoff: KVHandoff | None
+    ) -> AsyncGenerator[_Tokens | None, None]:
+        """The request's tokens from prefill's first on; None where it was resent to another
+        decode replica without the handoff."""
+        if handoff is not None:
+            received = time.monotonic()
             first = () if handoff.first_logprob is None else (handoff.first_logprob,)
             yield _Tokens((handoff.first_token,), handoff.finish_reason, NO_SPEC, None, first)
             if handoff.finish_reason and req.sampling.n == 1:
                 return  # (with more choices, decode still runs the others on its KV)
+            # the lease ran while the client took the first token: decode learns what is left
+            handoff = handoff.held(time.monotonic() - received, time.time())
         sent = req
         for attempt in range(self.retries + 1):
             stream = self.decode.options(stream=True).generate.remote(sent, handoff)
@@ -150,6 +184,7 @@ class Generation:
                     if handoff is not None:  # computed on decode, after prefill's first token
                         sent = replace(req, output_token_ids=[handoff.first_token])
                         handoff = None
+                        yield None
                     continue
                 log.warning("decode of %s failed: %s", req.request_id, e)
                 raise GenerationError(f"decode failed: {_cause(e)}") from e
@@ -187,8 +222,19 @@ class Generation:
             )
         left = n
         tokens = self._tokens(req)
+        deadline = time.monotonic() + self.timeout_s
         try:
-            async for chunk in tokens:
+            while True:
+                try:  # a timeout cancels the decode stream: its replica frees the request's KV
+                    chunk = await asyncio.wait_for(anext(tokens), deadline - time.monotonic())
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as e:
+                    raise GenerationError(
+                        f"the request did not finish within {self.timeout_s:g} s "
+                        "(limits.request_timeout_s)",
+                        status=504,
+                    ) from e
                 c = choices[chunk.choice]
                 if c.ended:  # ended on a stop string (or on prefill): the rest is not wanted
                     continue

@@ -31,6 +31,8 @@ _CODES = {
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -113,17 +115,17 @@ class GrpcAPI:
     async def generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             key = self.admission.identify(_metadata(context, "authorization"))
-            refusal = self.admission.refusal(key)
+            refusal = self.admission.refusal(key) or self.admission.too_large(request.ByteSize())
             if refusal is not None:
                 raise refusal
         except APIError as e:
             self.admission.state.rejected[e.status] += 1
             self._fail(context, e)
         with self.admission.held(key):
-            async for response in self._generate(request, context):
+            async for response in self._generate(request, context, key):
                 yield response
 
-    async def _generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def _generate(self, request: Any, context: Any, tenant: str) -> AsyncIterator[Any]:
         s = self.service
         try:
             try:
@@ -132,12 +134,12 @@ class GrpcAPI:
                 raise validation_error(RequestValidationError(e.errors())) from e
             s.check_model(body.model)
             if isinstance(body, ChatCompletionRequest):
-                ids = s.chat_prompt(body.messages)
-                req = s.build_request(body, ids, body.requested_max_tokens, param)
+                ids = await s.off_loop(s.chat_prompt, body.messages)
+                req = s.build_request(body, ids, body.requested_max_tokens, param, tenant)
             else:
                 assert isinstance(body, CompletionRequest)
-                ids = s.completion_prompt(body)
-                req = s.build_request(body, ids, body.max_tokens, param)
+                ids = await s.off_loop(s.completion_prompt, body)
+                req = s.build_request(body, ids, body.max_tokens, param, tenant)
         except APIError as e:
             self._fail(context, e)
         rid = "cmpl-" + req.request_id

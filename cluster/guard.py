@@ -3,6 +3,7 @@ caps, refused before any work with an OpenAI error body naming the limit (401, 4
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from cluster.auth import KeyRing
 from cluster.errors import RETRY_AFTER_S, APIError
 
 OPEN_PATHS = frozenset({"/health"})
+TENANT = "tandem_tenant"  # the request's key name in the ASGI scope's state
 # work per request (tokenizing at least): bodies bounded, counted against the in-flight caps
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
@@ -26,6 +28,7 @@ GENERATION_PATHS = frozenset(
 class GuardPolicy:
     keys: KeyRing
     max_body_bytes: int
+    body_timeout_s: float
     max_inflight: int
     max_concurrent_per_key: int  # 0: no per-key cap
 
@@ -90,6 +93,14 @@ class Admission:
             )
         return None
 
+    def too_large(self, size: int) -> APIError | None:
+        return self.oversized() if size > self.policy.max_body_bytes else None
+
+    def oversized(self) -> APIError:
+        limit = self.policy.max_body_bytes
+        msg = f"request body exceeds {limit} bytes (limits.max_body_bytes)"
+        return APIError(413, msg, code="request_too_large")
+
     @contextmanager
     def held(self, key: str) -> Iterator[None]:
         """Count a request against the caps while it runs."""
@@ -136,19 +147,24 @@ class AdmissionGuard:
         if refusal is not None:
             await self._refuse(send, refusal)
             return
-        body = await self._read_body(scope, receive)
-        if body is None:
-            await self._refuse(send, self._too_large())
+        try:
+            body = await asyncio.wait_for(
+                self._read_body(scope, receive), self.policy.body_timeout_s
+            )
+        except TimeoutError:
+            await self._refuse(send, self._slow())
             return
+        if body is None:
+            await self._refuse(send, self.admission.oversized())
+            return
+        scope.setdefault("state", {})[TENANT] = key  # the handlers salt caches with it
         with self.admission.held(key):
             await self.app(scope, _replay(body, receive), send)
 
-    def _too_large(self) -> APIError:
-        return APIError(
-            413,
-            f"request body exceeds {self.policy.max_body_bytes} bytes (limits.max_body_bytes)",
-            code="request_too_large",
-        )
+    def _slow(self) -> APIError:
+        t = self.policy.body_timeout_s
+        msg = f"the request body did not arrive within {t:g} s (limits.body_timeout_s)"
+        return APIError(408, msg, code="request_timeout")
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or None as soon as it exceeds the limit."""

@@ -4,6 +4,7 @@ and decode."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from serving.replica_logs import route_to_serve
 from serving.serving_metrics import RequestMetrics
 
 HEALTH_TIMEOUT_S = 5.0
+HEALTH_CACHE_S = 1.0
 
 
 @serve.ingress()
@@ -44,8 +46,10 @@ class OpenAIIngress:
             settings.retries,
             RequestMetrics("ingress"),
             log_requests=settings.log_requests,
+            timeout_s=settings.request_timeout_s,
         )
         self._boards: dict[str, Any] = {}
+        self._health_task: tuple[float, asyncio.Future[dict[str, Any]]] | None = None
         self.admission = Admission(settings.guard, AdmissionState())
         self.grpc = GrpcAPI(self.service, self.generation, self.admission, self.health)
 
@@ -60,7 +64,17 @@ class OpenAIIngress:
     async def Check(self, request: Any, grpc_context: Any) -> Any:  # noqa: N802
         return await self.grpc.check(request, grpc_context)
 
-    async def health(self) -> dict[str, Any]:
+    async def health(self, fresh: bool = False) -> dict[str, Any]:
+        """``_health``, shared by every caller within ``HEALTH_CACHE_S`` unless ``fresh`` (a
+        caller with an API key): anonymous probes by the thousand cost the pools one round of
+        stats calls a second."""
+        now = time.monotonic()
+        cached = self._health_task
+        if fresh or cached is None or now - cached[0] > HEALTH_CACHE_S:
+            cached = self._health_task = (now, asyncio.ensure_future(self._health()))
+        return dict(await asyncio.shield(cached[1]))
+
+    async def _health(self) -> dict[str, Any]:
         """The answering replica's stats per pool and every replica's summary; a pool that
         cannot answer raises (503), one past ``kv.degraded_fraction`` makes it ``degraded``."""
         decode = await asyncio.wait_for(self.decode.stats.remote(), HEALTH_TIMEOUT_S)
@@ -90,6 +104,7 @@ class OpenAIIngress:
             if ph.degraded:
                 degraded.append(ph.degraded)
         body["retries"] = self.generation.retried.snapshot()
+        body["dropped_handoffs"] = self.generation.dropped_handoffs
         if degraded:
             body["status"] = "degraded"
             body["degraded"] = degraded

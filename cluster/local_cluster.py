@@ -13,6 +13,9 @@ from cluster.auth import load_keys
 from cluster.config import TandemConfig
 
 log = logging.getLogger(__name__)
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
+LOOPBACK = "127.0.0.1"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def start_ray(
@@ -26,18 +29,24 @@ def start_ray(
     if address:
         ray.init(address=address)
         return
+    # read by Serve's gRPC proxy, a process this Ray starts: its default is 2 GiB
+    os.environ[GRPC_MAX_MESSAGE_ENV] = str(cfg.limits.max_body_bytes)
+    # serving on loopback, Ray's control plane, dashboard and metrics stay there too
+    node_ip = LOOPBACK if cfg.http.host in LOOPBACK_HOSTS else None
     ray.init(
         num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
         resources=cfg.local_resources(),
         include_dashboard=dashboard,
+        dashboard_host=LOOPBACK,
         log_to_driver=True,
         _metrics_export_port=metrics_port,
+        _node_ip_address=node_ip,
     )
 
 
 def start_serve(cfg: TandemConfig) -> None:
     """Serve's proxies: HTTP on ``http.host:http.port``, and gRPC on ``grpc.port`` unless off."""
-    http = {"host": cfg.http.host, "port": cfg.http.port}
+    http = cfg.http_options()
     grpc = cfg.grpc_options()
     if grpc is not None and not load_keys(cfg.auth).enabled:
         log.warning(

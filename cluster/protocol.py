@@ -19,10 +19,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from cluster.body_checks import MAX_DEPTH, BodyError, check_body, json_depth
 from models.logprobs import MAX_TOP_LOGPROBS
 
 MAX_SEED = 2**63 - 1
+MAX_COUNT = 2**31 - 1  # the bound of every count a client sends (n, max_tokens, top_k, ...)
 UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field (see cluster.errors)
+INVALID_TEXT = "invalid_body"  # a lone surrogate or too deep a nesting, with its path
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,21 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(_Body):
+    """A whole request body: checked for text no tokenizer takes and for deep nesting first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checked(cls, data: Any) -> Any:
+        try:
+            check_body(data)
+        except BodyError as e:
+            raise PydanticCustomError(
+                INVALID_TEXT, "{reason}", {"reason": str(e), "path": e.path}
+            ) from None
+        return data
+
+
 class StreamOptions(_Body):
     include_usage: bool = Field(False, description="Send a final chunk carrying usage.")
     include_obfuscation: Any = Field(None, description="Refused when true.")
@@ -121,13 +139,18 @@ _COMMON_REFUSED = (
 )
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str = Field(..., description="Model id, as listed by GET /v1/models.")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(-1, ge=-1, description="Keep the k most likely tokens; -1 or 0 disables.")
+    top_k: int = Field(
+        -1,
+        ge=-1,
+        le=MAX_COUNT,
+        description="Keep the k most likely tokens; -1 or 0 disables; at most the vocabulary.",
+    )
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes sampling reproducible.")
     stop: str | list[str] | None = Field(None, description="Strings that end the output.")
     stream: bool = Field(False, description="Stream server-sent events.")
@@ -138,6 +161,7 @@ class SamplingFields(_Body):
     n: StrictInt | None = Field(
         None,
         ge=1,
+        le=MAX_COUNT,
         description="Independent choices to generate for the prompt (default 1; one prefill, "
         "the choices share the prompt's KV on decode). Capped by limits.max_choices.",
     )
@@ -195,7 +219,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] = Field(
         ..., description="The prompt: a string, or a list of token ids."
     )
-    max_tokens: int | None = Field(16, ge=1, description="Most tokens to generate.")
+    max_tokens: int | None = Field(16, ge=1, le=MAX_COUNT, description="Most tokens to generate.")
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -245,11 +269,18 @@ class FunctionCall(_Body):
     name: str = Field(..., min_length=1)
     arguments: str = Field(..., description="The arguments as JSON text, as the model wrote it.")
 
+    @field_validator("arguments")
+    @classmethod
+    def _shallow(cls, v: str) -> str:
+        if json_depth(v, MAX_DEPTH) > MAX_DEPTH:
+            raise ValueError(f"the arguments' JSON nests deeper than {MAX_DEPTH} levels")
+        return v
+
     def arguments_value(self) -> Any:
         """The arguments as data where they are JSON (what chat templates render), else text."""
         try:
             return json.loads(self.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return self.arguments
 
 
@@ -347,8 +378,10 @@ _CHAT_REFUSED = (
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
-    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT, description="Most tokens to generate.")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="Alias of max_tokens."
+    )
     logprobs: bool = Field(False, description="Report each output token's log-probability.")
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives reported per token."
@@ -411,7 +444,7 @@ CHAT_FIELDS = _fields(ChatCompletionRequest, _COMMON_REFUSED + _CHAT_REFUSED)
 COMPLETION_FIELDS = _fields(CompletionRequest, _COMMON_REFUSED + _COMPLETION_REFUSED)
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """``POST /tokenize``, in vLLM's shape: a ``prompt`` or chat ``messages``.
 
     ``add_special_tokens`` defaults to what ``/v1/completions`` does with a text prompt (none
@@ -431,7 +464,7 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     """``POST /detokenize``, in vLLM's shape."""
 
     model: str | None = None

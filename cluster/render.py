@@ -52,7 +52,7 @@ def serve_config(cfg: TandemConfig) -> dict[str, Any]:
     """The ``ServeDeploySchema`` document (plain data) that deploys ``cfg`` as one application."""
     doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": cfg.http.host, "port": cfg.http.port},
+        "http_options": cfg.http_options(),
     }
     grpc = cfg.grpc_options()
     if grpc is not None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from cluster.errors import APIError
 from cluster.guard import GuardPolicy
@@ -15,6 +17,10 @@ from cluster.protocol import ChatMessage, CompletionRequest, SamplingFields
 from models.request import Request
 from models.sampling import SamplingParams
 from models.tokenizer import Tokenizer
+
+TOKENIZER_THREADS = 2
+T = TypeVar("T")
+TEMPERATURE_FLOOR = 1e-5  # temperatures below it are served as greedy (0), as vLLM does
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
@@ -47,7 +53,7 @@ def chat_prompt(
         return tokenizer.apply_chat_template(
             [_template_message(m) for m in messages], add_generation_prompt
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
         raise APIError(400, str(e), param="messages") from e
 
 
@@ -99,12 +105,20 @@ class ServiceSettings:
     retries: int = 1  # limits.retries: resends of a request that has streamed no token
     log_requests: bool = False
     max_choices: int = 16
+    request_timeout_s: float = 600.0  # limits.request_timeout_s
+    shared_cache: bool = False  # auth.shared_cache: one prefix cache across API keys
 
 
 class OpenAIService:
     def __init__(self, settings: ServiceSettings, tokenizer: Tokenizer) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        # tokenizing and template rendering: a huge prompt must not stall the replica's streams
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tandem-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the tokenizer threads, the event loop free meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:
@@ -147,7 +161,10 @@ class OpenAIService:
         prompt_ids: list[int],
         requested_max_tokens: int | None,
         prompt_param: str,
+        tenant: str = "",
     ) -> Request:
+        """``tenant``: the API key's name; its requests share cached prompt KV only with each
+        other unless ``auth.shared_cache`` is set."""
         s = self.settings
         n = len(prompt_ids)
         if n == 0:
@@ -208,8 +225,17 @@ class OpenAIService:
                 "(limits.max_choices)",
                 param="n",
             )
+        vocab = self.tokenizer.vocab_size
+        if body.top_k > vocab:
+            raise APIError(
+                400,
+                f"top_k is {body.top_k}; it may be at most the vocabulary size, {vocab}",
+                param="top_k",
+            )
+        # below the floor, logits / temperature overflow float32: the limit of sampling is greedy
+        greedy = body.temperature < TEMPERATURE_FLOOR
         sampling = SamplingParams(
-            temperature=body.temperature,
+            temperature=0.0 if greedy else body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
             max_tokens=max_tokens,
@@ -224,4 +250,5 @@ class OpenAIService:
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             arrival_time=time.time(),
+            cache_salt="" if s.shared_cache else tenant,
         )

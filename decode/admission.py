@@ -55,7 +55,8 @@ class Admission:
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
         req.status = RequestStatus.WAITING
-        lease_end = time.monotonic() + (handoff.lease_seconds if handoff else 0.0)
+        left = handoff.lease_left(time.time()) if handoff else 0.0
+        lease_end = time.monotonic() + left
         self.waiting.append(Queued(req, handoff, lease_end))
         self._queued_at[req.request_id] = time.monotonic()
 
@@ -75,16 +76,25 @@ class Admission:
                 return True
         return False
 
-    def next(self, others_running: bool) -> Queued | None:
-        """The head of the queue with its blocks allocated, or None if the pool lacks room."""
-        if not self.waiting:
-            return None
-        q = self.waiting[0]
+    def _need(self, q: Queued, others_running: bool) -> int:
         tokens = q.handoff.num_tokens if q.handoff else q.req.num_tokens
         need = self.blocks_for(tokens + 1)
         if q.req.stalled_preemptions > 1 and others_running:
             # stalled: recomputing it into the others' leftover room would only repeat that
             need = max(need, self.blocks_for(self.most_tokens(q.req)))
+        return need
+
+    def head_fits(self, others_running: bool) -> bool:
+        return bool(self.waiting) and self.allocator.can_allocate(
+            self._need(self.waiting[0], others_running)
+        )
+
+    def next(self, others_running: bool) -> Queued | None:
+        """The head of the queue with its blocks allocated, or None if the pool lacks room."""
+        if not self.waiting:
+            return None
+        q = self.waiting[0]
+        need = self._need(q, others_running)
         if not self.allocator.can_allocate(need):
             return None
         self.waiting.popleft()
@@ -109,6 +119,18 @@ class Admission:
             f"of {self.block_size} tokens, decode.num_blocks) cannot hold its "
             f"{r.num_tokens} tokens beside the running requests"
         )
+
+    def overdue(self, now: float, max_wait_s: float) -> list[Request]:
+        """Take the requests that have waited longer than ``max_wait_s`` since they arrived
+        (a preempted one at the head is bounded by ``max_stalled_preemptions`` instead)."""
+        late = [
+            q.req
+            for q in self.waiting
+            if now - self._queued_at.get(q.req.request_id, now) > max_wait_s
+        ]
+        for r in late:
+            self.remove(r.request_id)
+        return late
 
     def take_queue_times(self) -> list[float]:
         """Queue waits of requests admitted since the last call (safe from another thread)."""

@@ -25,6 +25,9 @@ class DecodeEngineConfig:
     switch_interval_s: float | None = None
     pull_margin_s: float = 1.0
     pull_timeout_s: float = 10.0
+    quarantine_timeout_s: float = 60.0
+    max_queue_wait_s: float = 60.0
+    watchdog_s: float = 120.0
     kv_failure_policy: str = "recompute"
     kv_health_window: int = 64
     max_stalled_preemptions: int = 4

@@ -31,6 +31,8 @@ from runtime.shard import BucketSpec, ShardSpec
 from speculation.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
+PULL_WAIT_S = 0.0005
+BLOCKED_WAIT_S = 0.02
 
 
 class DecodeEngine:
@@ -87,7 +89,13 @@ class DecodeEngine:
             cfg.max_model_len,
             cfg.max_stalled_preemptions,
         )
-        self.intake = KVIntake(self.transport, cfg.pull_margin_s, cfg.pull_timeout_s, observer)
+        self.intake = KVIntake(
+            self.transport,
+            cfg.pull_margin_s,
+            cfg.pull_timeout_s,
+            observer,
+            quarantine_s=cfg.quarantine_timeout_s,
+        )
         drafter_kv = self.drafter is not None and self.drafter.uses_kv
         self.choices = Choices(self.allocator, cfg.block_size, drafter_kv)
         self.running: dict[str, Request] = {}
@@ -99,6 +107,9 @@ class DecodeEngine:
         self.stalled = 0
         self.handoffs = 0
         self.handoffs_ok = 0
+        self.step_failures = 0
+        self.queue_timeouts = 0
+        self.suspects: set[str] = set()  # requests of a failed batch, to run alone once each
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
@@ -147,8 +158,14 @@ class DecodeEngine:
         )
 
     @property
-    def only_waiting_on_pulls(self) -> bool:
-        return not (self.running or self._outbox or self.waiting)
+    def idle_wait_s(self) -> float:
+        """How long the loop may wait for a command before stepping: 0 while a step has work,
+        a little while reads land, longer when only blocks held elsewhere can free."""
+        if self.running or self._outbox or self.admission.head_fits(others_running=False):
+            return 0.0
+        if self.intake.pending or self.intake.cancelled:
+            return PULL_WAIT_S
+        return BLOCKED_WAIT_S  # queued for blocks or quarantined reads: nothing computes
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -167,6 +184,9 @@ class DecodeEngine:
             kv_recent_handoffs=len(self._recent_failed),
             kv_recent_failed=sum(self._recent_failed),
             quarantined_blocks=self.intake.quarantined_blocks,
+            retired_blocks=self.intake.retired_blocks,
+            queue_timeouts=self.queue_timeouts,
+            step_failures=self.step_failures,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -181,8 +201,8 @@ class DecodeEngine:
         self._settle_transfers()
         self._admit()
         self._land_pulls()
-        plan = self.scheduler.plan(list(self.running.values()), self._preempt)
-        for p, em in zip(plan, self._run_step(plan), strict=True):
+        plan = self.scheduler.plan(self._schedulable(), self._preempt)
+        for p, em in zip(plan, self._isolated_step(plan), strict=True):
             if em.tokens:
                 self._apply(p.req, em)
         for r in self.choices.ready(self.running):
@@ -197,6 +217,16 @@ class DecodeEngine:
             self._release(r)
         if unquarantined:
             self.allocator.free(unquarantined)
+        self.admission.num_blocks = self.cfg.num_blocks - self.intake.retired_blocks
+        limit = self.cfg.max_queue_wait_s
+        for r in self.admission.overdue(time.monotonic(), limit):
+            self.queue_timeouts += 1
+            self._finish(
+                r,
+                FinishReason.ERROR,
+                f"waited more than {limit:g} s for KV blocks on its decode replica "
+                "(decode.max_queue_wait_s); retry shortly",
+            )
 
     def _admit(self) -> None:
         while (q := self.admission.next(others_running=bool(self.running))) is not None:
@@ -228,6 +258,37 @@ class DecodeEngine:
             self._run(req)
             if self.choices.is_source(req.request_id):
                 self._end_source(req)
+
+    def _schedulable(self) -> list[Request]:
+        """Every running request, or one suspect alone while a failed batch is bisected."""
+        suspect = next((r for r in self.running.values() if r.request_id in self.suspects), None)
+        return list(self.running.values()) if suspect is None else [suspect]
+
+    def _isolated_step(self, plan: Sequence[Planned]) -> list[Emission]:
+        """The step's emissions; a step that raises fails its request if it ran alone, else
+        recomputes each of its requests alone (per-position seeds keep their tokens), so one
+        request's fault ends that request only. Returns no emission for a failed step."""
+        try:
+            emissions = self._run_step(plan)
+        except Exception as e:
+            self.step_failures += 1
+            if len(plan) == 1:
+                r = plan[0].req
+                log.exception("the decode step of request %s failed", r.request_id)
+                self.running.pop(r.request_id, None)
+                self._finish(r, FinishReason.ERROR, f"decode step failed for this request: {e}")
+            else:
+                log.warning("a step of %d requests failed (%s): each runs alone", len(plan), e)
+                for p in plan:
+                    self.running.pop(p.req.request_id)
+                    self.suspects.add(p.req.request_id)
+                    self._requeue(p.req)
+            return [Emission((), 0, 0, 0) for _ in plan]
+        # cleared once it emits: a fault may lie in sampling, after its prompt's recompute
+        self.suspects.difference_update(
+            p.req.request_id for p, em in zip(plan, emissions, strict=True) if em.tokens
+        )
+        return emissions
 
     def _run_step(self, plan: Sequence[Planned]) -> list[Emission]:
         if not plan:
@@ -363,6 +424,7 @@ class DecodeEngine:
         self.admission.requeue(r)
 
     def _release(self, r: Request) -> None:
+        self.suspects.discard(r.request_id)
         if self.drafter is not None:
             self.drafter.forget(r.request_id)
         if r.block_table:

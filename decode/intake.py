@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -10,17 +11,21 @@ from kvtransfer.metrics import TransferObserver
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 from models.request import Request, RequestStatus
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Quarantined:
     request_id: str
     blocks: tuple[int, ...]
     pull: PullHandle
+    since: float  # time.monotonic()
 
 
 class KVIntake:
     """A pull past its lease fails (the source may reuse the blocks). One ending unlanded while a
-    read still runs (reads cannot be cancelled) quarantines its blocks until it is released."""
+    read still runs (reads cannot be cancelled) quarantines its blocks until it is released, or
+    for ``quarantine_s`` at most: then its blocks are retired, never reused (counted)."""
 
     def __init__(
         self,
@@ -28,10 +33,13 @@ class KVIntake:
         margin_s: float,
         timeout_s: float = 10.0,
         observer: TransferObserver | None = None,
+        quarantine_s: float = 60.0,
     ) -> None:
         self.transport = transport
         self.margin_s = margin_s
         self.timeout_s = timeout_s
+        self.quarantine_s = quarantine_s
+        self.retired_blocks = 0
         self.observer = observer or TransferObserver()
         # request id -> (request, handoff, pull, the time.monotonic() its lease ends)
         self.pending: dict[str, tuple[Request, KVHandoff, PullHandle, float]] = {}
@@ -84,7 +92,8 @@ class KVIntake:
 
     def _release(self, req: Request, pull: PullHandle) -> None:
         if not self.transport.release(pull):
-            self.quarantine.append(Quarantined(req.request_id, tuple(req.block_table), pull))
+            held = Quarantined(req.request_id, tuple(req.block_table), pull, time.monotonic())
+            self.quarantine.append(held)
             req.block_table = []
 
     def _fail(self, cause: str) -> None:
@@ -106,9 +115,19 @@ class KVIntake:
         blocks: list[int] = []
         if self.quarantine:
             held = []
+            now = time.monotonic()
             for q in self.quarantine:
                 if self.transport.release(q.pull):
                     blocks.extend(q.blocks)
+                elif now - q.since > self.quarantine_s:
+                    log.error(
+                        "a read into %d blocks for %s has not ended in %.0f s: the blocks are "
+                        "retired (never reused)",
+                        len(q.blocks),
+                        q.request_id,
+                        self.quarantine_s,
+                    )
+                    self.retired_blocks += len(q.blocks)
                 else:
                     held.append(q)
             self.quarantine = held

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from decode.engine import DecodeEngine
 from decode.outputs import SpecUsage, StepOutput
 from kvtransfer.handoff import KVHandoff
+from kvtransfer.tp_transport import RankTimeoutError
 from models.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class EngineLoop:
         self._built = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tandem-decode", daemon=True)
         self.error: BaseException | None = None
+        self.wedged: str | None = None  # why the replica cannot serve (a TP rank went silent)
+        # time.monotonic() of the last step, or of the last look at an engine with no work
+        self.progress_at = time.monotonic()
         self._engine: DecodeEngine | None = None
 
     @property
@@ -69,9 +74,15 @@ class EngineLoop:
         self._inbox.put(None)
         self._thread.join(timeout_s)
 
-    def _drain(self, block: bool) -> None:
+    def stalled_s(self) -> float:
+        """Seconds the engine has had work without finishing a step (0 while idle)."""
+        if self._engine is None or not self._engine.has_work:
+            return 0.0
+        return time.monotonic() - self.progress_at
+
+    def _drain(self, wait_s: float) -> None:
         try:
-            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -95,16 +106,21 @@ class EngineLoop:
             self._built.set()
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_work)
+                # nothing to compute: wait for a command, or for reads to land or blocks to free
+                self._drain(self.engine.idle_wait_s if self.engine.has_work else IDLE_WAIT_S)
                 if not self.engine.has_work:
+                    self.progress_at = time.monotonic()
                     continue
-                if self.engine.only_waiting_on_pulls:
-                    time.sleep(0.0005)  # nothing to compute while reads land
                 try:
                     outputs = self.engine.step()
+                except RankTimeoutError as e:
+                    self.wedged = str(e)
+                    log.error("decode replica wedged: %s", e)
+                    outputs = self._fail_running(f"decode step failed: {e}")
                 except Exception as e:  # a bug must not strand clients: fail what was running
                     log.exception("decode step failed")
                     outputs = self._fail_running(f"decode step failed: {e}")
+                self.progress_at = time.monotonic()
                 for out in outputs:
                     self.on_output(out)
         except BaseException as e:  # pragma: no cover - surfaced through health checks

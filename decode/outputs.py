@@ -51,3 +51,6 @@ class EngineStats:
     kv_recent_handoffs: int = 0  # within the latest kv_health_window
     kv_recent_failed: int = 0
     quarantined_blocks: int = 0  # blocks a read may still land in
+    retired_blocks: int = 0  # of reads that never ended within kv.quarantine_timeout_s
+    queue_timeouts: int = 0  # requests ended after decode.max_queue_wait_s without blocks
+    step_failures: int = 0  # steps that raised (each then isolated to the request at fault)

@@ -153,8 +153,18 @@ class DecodeServer:
         return out
 
     async def check_health(self) -> None:
+        """Fails (Serve restarts the replica) when the engine thread died, a TP rank went
+        silent, or the engine has had work without finishing a step for ``watchdog_s``."""
         if not self.loop.alive:
             raise RuntimeError(f"decode engine thread is not running: {self.loop.error!r}")
+        if self.loop.wedged is not None:
+            raise RuntimeError(f"decode replica is wedged: {self.loop.wedged}")
+        stalled = self.loop.stalled_s()
+        if stalled > self.cfg.watchdog_s:
+            raise RuntimeError(
+                f"the decode engine has had work but finished no step for {stalled:.0f} s "
+                f"(decode.watchdog_s = {self.cfg.watchdog_s:g})"
+            )
 
     def __del__(self) -> None:
         publisher = getattr(self, "_publisher", None)

@@ -10,7 +10,7 @@ import torch
 from models.logprobs import TokenLogprob
 from models.spec import ModelSpec
 
-HANDOFF_VERSION = 2
+HANDOFF_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ def check_compat(local: KVCompat, remote: KVCompat) -> None:
 
 @dataclass(frozen=True)
 class KVHandoff:
-    """A prompt's KV ready on a prefill replica; its lease is a duration, never an instant."""
+    """A prompt's KV ready on a prefill replica; its lease is a duration left at a stamp, and
+    every hop (prefill, ingress) takes off what it held before passing it on."""
 
     request_id: str
     sources: tuple[KVSource, ...]
@@ -105,8 +106,36 @@ class KVHandoff:
     finish_reason: str | None = None
     first_logprob: TokenLogprob | None = None
     payload: Any = None
+    # the time.time() at which ``lease_seconds`` was left; 0: at receipt (nothing to subtract)
+    lease_stamped_at: float = 0.0
+    source_replica: str = ""  # the prefill Serve replica holding the lease ("" outside Serve)
     version: int = HANDOFF_VERSION
 
     @property
     def has_blocks(self) -> bool:
         return bool(self.block_ids)
+
+    def lease_left(self, now: float) -> float:
+        """Seconds of lease left at wall-clock ``now``: what passed since the stamp is taken off
+        (hosts' clocks are assumed NTP-synchronised; a clock behind never adds time)."""
+        since = max(0.0, now - self.lease_stamped_at) if self.lease_stamped_at else 0.0
+        return max(0.0, self.lease_seconds - since)
+
+    def held(self, seconds: float, now: float) -> KVHandoff:
+        """This handoff after a hop held it ``seconds`` (measured on that hop's own monotonic
+        clock), restamped at wall-clock ``now`` for the next hop."""
+        left = max(0.0, self.lease_left(now) - max(0.0, seconds))
+        return replace(self, lease_seconds=left, lease_stamped_at=now)
+
+
+@dataclass(frozen=True)
+class LeaseRelease:
+    """The ingress gives a handoff back unused (decode refused it, the client left): the
+    replica holding it frees its blocks at once instead of at the lease's end."""
+
+    request_id: str
+    replica: str
+
+    @staticmethod
+    def of(handoff: KVHandoff) -> LeaseRelease:
+        return LeaseRelease(handoff.request_id, handoff.source_replica)

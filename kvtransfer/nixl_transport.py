@@ -3,6 +3,7 @@ that ends the source's lease (docs/structure.md, "KV blocks and their handoff").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -23,6 +24,11 @@ from kvtransfer.read_plan import (
 from kvtransfer.transport import KVTransferError, KVTransport, PullHandle, PullState
 
 log = logging.getLogger(__name__)
+UNKNOWN = "UNKNOWN"
+# longer than any read can run (pull timeout, then quarantine): a peer idle this long has none
+PEER_IDLE_S = 600.0
+PARTIAL_TTL_S = 600.0
+ENDED = ("DONE", "ERR")  # the states that prove a READ no longer writes into its blocks
 LOCAL = "NIXL_INIT_AGENT"
 
 
@@ -31,6 +37,13 @@ class _Peer:
     version: int
     regions: dict[str, KVRegion]
     lists: dict[tuple[Slice, ...], Any]  # prepared descriptor lists, per read shape
+    used_at: float = 0.0  # time.monotonic() of the last read posted from it
+
+
+@dataclass
+class _Partial:
+    seen: int
+    since: float  # time.monotonic() of the first notice
 
 
 class NixlTransport(KVTransport):
@@ -49,7 +62,8 @@ class NixlTransport(KVTransport):
 
         self.rank = rank
         self.tp_size = tp_size
-        self._notice_counts: dict[str, int] = {}  # source side: reads reported per request
+        self._partial: dict[str, _Partial] = {}  # source side: reads reported per request
+        self.malformed_notices = 0
         self.agent_name = f"tandem-{role}{rank}-{uuid.uuid4().hex[:12]}"
         self.version = time.time_ns()
         self.mem_type = pool.mem_type
@@ -78,6 +92,7 @@ class NixlTransport(KVTransport):
         self._by_group = {r.group: r for r in self.regions}
         self._local_lists: dict[tuple[Slice, ...], Any] = {}
         self._peers: dict[str, _Peer] = {}
+        self.peers_evicted = 0
         self._notices: list[str] = []
         self._metadata: bytes = self.agent.get_agent_metadata()
         log.info("NIXL agent %s registered %d bytes of KV", self.agent_name, pool.nbytes)
@@ -101,28 +116,54 @@ class NixlTransport(KVTransport):
         return done
 
     def progress(self) -> None:
-        """Drive UCX; a notice ``"<request id>|<readers>"`` ends a lease once that many read."""
-        notes = self.agent.get_new_notifs()
-        for msg in (m.decode() for msgs in notes.values() for m in msgs):
-            rid, _, expected = msg.partition("|")
-            seen = self._notice_counts.get(rid, 0) + 1
-            if seen >= int(expected or 1):
-                self._notice_counts.pop(rid, None)
-                self._notices.append(rid)
-            else:
-                self._notice_counts[rid] = seen
+        """Drive UCX; a notice ``"<request id>|<readers>"`` ends a lease once that many read.
+        A malformed notice is logged and counted, the rest of its batch still read; a request
+        some of whose readers never reported is forgotten after ``PARTIAL_TTL_S`` (its lease
+        ended by expiry long before)."""
+        now = time.monotonic()
+        for msgs in self.agent.get_new_notifs().values():
+            for raw in msgs:
+                try:
+                    rid, _, expected = raw.decode().partition("|")
+                    readers = int(expected or 1)
+                except ValueError:  # UnicodeDecodeError included
+                    self.malformed_notices += 1
+                    log.warning("malformed NIXL notice %r ignored", raw[:80])
+                    continue
+                part = self._partial.setdefault(rid, _Partial(0, now))
+                part.seen += 1
+                if part.seen >= readers:
+                    del self._partial[rid]
+                    self._notices.append(rid)
+        stale = [rid for rid, part in self._partial.items() if now - part.since > PARTIAL_TTL_S]
+        for rid in stale:
+            del self._partial[rid]
 
     def _peer(self, src: KVSource) -> _Peer:
+        now = time.monotonic()
         peer = self._peers.get(src.agent_name)
         if peer is not None and peer.version == src.version:
+            peer.used_at = now
             return peer
         if peer is not None:  # same name, new incarnation: forget the old descriptors first
-            self.agent.remove_remote_agent(src.agent_name)
-            del self._peers[src.agent_name]
+            self._evict(src.agent_name)
+        for name in [n for n, p in self._peers.items() if now - p.used_at > PEER_IDLE_S]:
+            self._evict(name)  # a source gone (restarted under a new name, scaled down)
         self.agent.add_remote_agent(src.metadata)
-        peer = _Peer(src.version, {r.group: r for r in src.regions}, {})
+        peer = _Peer(src.version, {r.group: r for r in src.regions}, {}, now)
         self._peers[src.agent_name] = peer
         return peer
+
+    def _evict(self, name: str) -> None:
+        peer = self._peers.pop(name)
+        for dlist in peer.lists.values():
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(dlist)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:  # already gone on NIXL's side
+            log.warning("forgetting NIXL peer %s: %s", name, e)
+        self.peers_evicted += 1
 
     def _reach(self, handoff: KVHandoff, src_rank: int) -> None:
         try:
@@ -199,11 +240,17 @@ class NixlTransport(KVTransport):
         return PullHandle(handoff.request_id, 0, time.perf_counter(), posted, failed=True)
 
     def _xfer_state(self, handle: Any, request_id: str) -> str:
+        """NIXL's state of one READ; ``UNKNOWN`` when asking raised (a dead source, or a
+        transient error): that does not prove the read ended, so its blocks stay held."""
         try:
             state: str = self.agent.check_xfer_state(handle)
-        except Exception as e:  # NIXL raises (e.g. NIXL_ERR_REMOTE_DISCONNECT) when the source died
-            log.warning("NIXL read for %s failed: %s", request_id, e)
-            return "ERR"
+        except Exception as e:
+            if type(e).__name__ == "nixlRemoteDisconnectError":  # the source died: nothing lands
+                log.warning("NIXL read for %s failed: %s", request_id, e)
+                return "ERR"
+            log.warning("NIXL read for %s: its state is unknown: %s", request_id, e)
+            self.counters.state_unknown += 1
+            return UNKNOWN
         return state
 
     def poll(self, pull: PullHandle) -> PullState:
@@ -211,7 +258,8 @@ class NixlTransport(KVTransport):
         if pull.failed:
             return PullState.FAILED
         states = [self._xfer_state(h, pull.request_id) for h in pull.token]
-        state = "ERR" if "ERR" in states else ("DONE" if all(x == "DONE" for x in states) else "")
+        failed = "ERR" in states or UNKNOWN in states
+        state = "ERR" if failed else ("DONE" if all(x == "DONE" for x in states) else "")
         if state == "DONE":
             self.counters.pulls_done += 1
             self.counters.bytes_pulled += pull.nbytes
@@ -226,7 +274,7 @@ class NixlTransport(KVTransport):
         """Release each ended READ of ``pull``; a running one stays in its token for a later call
         (releasing it would not cancel it: the read still lands)."""
         left: list[Any] = pull.token
-        running = [h for h in left if self._xfer_state(h, pull.request_id) == "PROC"]
+        running = [h for h in left if self._xfer_state(h, pull.request_id) not in ENDED]
         self._release([h for h in left if all(h is not r for r in running)])
         left[:] = running
         return not left

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from kvtransfer.handoff import KVHandoff, KVSource
 from kvtransfer.nixl_transport import NixlTransport
@@ -96,6 +97,23 @@ class _Token:
     held: set[int]
 
 
+RANK_CALL_TIMEOUT_S = 30.0
+
+
+class RankTimeoutError(RuntimeError):
+    """A TP rank did not answer in time: the replica is wedged, not one request."""
+
+
+def _ranks(refs: list[Any], call: str) -> list[Any]:
+    try:
+        out: list[Any] = ray.get(refs, timeout=RANK_CALL_TIMEOUT_S)
+    except GetTimeoutError as e:
+        raise RankTimeoutError(
+            f"a TP rank did not answer {call} within {RANK_CALL_TIMEOUT_S:g} s"
+        ) from e
+    return out
+
+
 class GroupTransport(KVTransport):
     name = "nixl"
 
@@ -103,7 +121,10 @@ class GroupTransport(KVTransport):
         super().__init__()
         self.local = local
         self.actors = list(ranks)
-        self._sources = (local.source(), *ray.get([a.source.remote() for a in self.actors]))
+        self._sources = (
+            local.source(),
+            *_ranks([a.source.remote() for a in self.actors], "source"),
+        )
         self._reported: dict[str, set[int]] = {}
         self._last_remote = 0.0
         self._pending: dict[str, dict[int, str]] = {}
@@ -117,7 +138,9 @@ class GroupTransport(KVTransport):
         now = time.monotonic()
         if now - self._last_remote >= REMOTE_COMPLETIONS_PERIOD_S:
             self._last_remote = now
-            for rank, got in enumerate(ray.get([a.completed.remote() for a in self.actors]), 1):
+            for rank, got in enumerate(
+                _ranks([a.completed.remote() for a in self.actors], "completed"), 1
+            ):
                 for rid in got:
                     self._reported.setdefault(rid, set()).add(rank)
         done = [rid for rid, ranks in self._reported.items() if len(ranks) == len(self.actors) + 1]
@@ -128,7 +151,9 @@ class GroupTransport(KVTransport):
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
         """If rank 0 cannot post after the others did, the pull comes back failed, not raised."""
-        remote = ray.get([a.start_pull.remote(handoff, list(local_blocks)) for a in self.actors])
+        remote = _ranks(
+            [a.start_pull.remote(handoff, list(local_blocks)) for a in self.actors], "start_pull"
+        )
         ranks = set(range(len(self.actors) + 1))
         try:
             local: PullHandle | None = self.local.start_pull(handoff, local_blocks)
@@ -151,7 +176,7 @@ class GroupTransport(KVTransport):
         if not pulls:
             return []
         ids = [p.request_id for p in pulls]
-        answers = ray.get([a.poll.remote(ids) for a in self.actors])
+        answers = _ranks([a.poll.remote(ids) for a in self.actors], "poll")
         out = []
         for p in pulls:
             states = self._pending.setdefault(p.request_id, {})
@@ -180,7 +205,8 @@ class GroupTransport(KVTransport):
         token: _Token = pull.token
         remote = [r for r in token.held if r > 0]
         if remote:
-            held = ray.get([self.actors[r - 1].release.remote([pull.request_id]) for r in remote])
+            refs = [self.actors[r - 1].release.remote([pull.request_id]) for r in remote]
+            held = _ranks(refs, "release")
             for r, ids in zip(remote, held, strict=True):
                 if not ids:
                     token.held.discard(r)
@@ -192,7 +218,7 @@ class GroupTransport(KVTransport):
         return True
 
     def outstanding(self) -> int:
-        return sum(ray.get([a.outstanding.remote() for a in self.actors]))
+        return sum(_ranks([a.outstanding.remote() for a in self.actors], "outstanding"))
 
     def progress(self) -> None:
         self.local.progress()

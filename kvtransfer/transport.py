@@ -37,6 +37,7 @@ class TransferCounters:
     bytes_pulled: int = 0
     seconds_pulling: float = 0.0
     exports_completed: int = 0
+    state_unknown: int = 0  # asks for a read's state that raised: its blocks stay held
     failures_by_cause: dict[str, int] = field(default_factory=dict)
 
     def fail(self, cause: str) -> None:

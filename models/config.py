@@ -86,7 +86,35 @@ _MUST_BE: dict[str, tuple[object, ...]] = {
 }
 
 
+# fields of other families that scale or cap activations; any value here changes the math
+_ABSENT = (
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "logits_scaling",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "query_pre_attn_scalar",
+)
+
+
+def _check_quantization(cfg: dict[str, Any]) -> None:
+    q = cfg.get("quantization_config")
+    if q is None:
+        return
+    method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
+    raise ValueError(
+        f"unsupported quantization_config.quant_method {method!r}: pre-quantized checkpoints "
+        "are not loaded yet (their weights would be read without their scales); serve the "
+        "unquantized checkpoint, optionally with quantization: int8 or fp8"
+    )
+
+
 def _check_fields(cfg: dict[str, Any]) -> None:
+    _check_quantization(cfg)
+    for field in _ABSENT:
+        if cfg.get(field) is not None:
+            raise ValueError(f"unsupported {field} {cfg[field]!r}: not implemented")
     model_type = cfg.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         why = {

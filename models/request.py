@@ -68,6 +68,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     choice: int = 0
+    # partitions prefix caches and affinity routing: requests see cached KV only of their salt
+    cache_salt: str = ""
 
     def choices(self) -> list[Request]:
         sp = self.sampling

@@ -63,14 +63,38 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# safetensors' names of the dtypes a plain checkpoint stores its weights in
+PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
+_TORCH_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}
+
+
+def check_plain(name: str, dtype: str) -> None:
+    """Raises ValueError for a quantized tensor (fp8, packed ints) in a checkpoint that declares
+    no ``quantization_config``: copied into a float weight it would lose its scales silently."""
+    if dtype not in PLAIN_DTYPES:
+        raise ValueError(
+            f"checkpoint tensor {name!r} is stored as {dtype}, but the checkpoint declares no "
+            "quantization_config: quantized weights without their scheme are refused"
+        )
+
+
 def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
     files = safetensors_files(folder)
     if not files:
-        return dict(load_state_dict(folder))
+        tensors = load_state_dict(folder)
+        for name, t in tensors.items():
+            check_plain(name, _TORCH_NAMES.get(t.dtype, str(t.dtype)))
+        return dict(tensors)
     out: dict[str, LazyTensor | torch.Tensor] = {}
     for f in files:
         handle = safe_open(str(f), framework="pt")
         for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            check_plain(name, handle.get_slice(name).get_dtype())
             out[name] = LazyTensor(handle, name)
     return out
 

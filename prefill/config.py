@@ -23,5 +23,7 @@ class PrefillWorkerConfig:
     enable_prefix_caching: bool = True
     probe_window: int = 16  # prompt positions the acceptance probe averages over
     lease_seconds: float = 30.0
+    # an expired lease's blocks are reused only this much later: decode's longest pull
+    lease_grace_s: float = 11.0
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     switch_interval_s: float | None = None

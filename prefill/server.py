@@ -7,10 +7,13 @@ import contextlib
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from kvtransfer.handoff import KVHandoff
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from kvtransfer.handoff import KVHandoff, LeaseRelease
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
 from models.host_memory import onednn_cache_capacity
@@ -38,6 +41,7 @@ class PrefillServer:
         self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._publisher = BoardPublisher.start(self.snapshot)
+        self.replica = _replica_id()
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -76,11 +80,18 @@ class PrefillServer:
         self.worker.submit(req, done)
         self._kick()
         try:
-            return await fut
+            handoff = await fut
         except asyncio.CancelledError:
             self.worker.cancel(req.request_id)
             self._kick()
             raise
+        return replace(handoff, source_replica=self.replica)
+
+    async def release(self, release: LeaseRelease) -> None:
+        """Free a handoff's blocks at once: the ingress dropped it before any decode read it
+        (or the reader is gone); the prefill router sends this to ``release.replica``."""
+        self.worker.cancel(release.request_id)
+        self._kick()
 
     async def stats(self) -> dict[str, Any]:
         self._kick()
@@ -111,6 +122,13 @@ class PrefillServer:
                 task.cancel()
         with contextlib.suppress(Exception):
             self._exec.shutdown(wait=False)
+
+
+def _replica_id() -> str:
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except RayServeException:  # built outside a Serve replica (tests, benchmarks)
+        return ""
 
 
 def _settle(fut: asyncio.Future[KVHandoff], result: KVHandoff | BaseException) -> None:

@@ -17,5 +17,6 @@ class PrefillStats:
     prompt_tokens_computed: int = 0
     prompt_tokens_cached: int = 0
     leases_expired: int = 0
+    cooling_blocks: int = 0  # of expired leases, kept past the lease while a read may land
     heap_releases: int = 0
     heap_released_bytes: int = 0

@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
 
 import torch
 
@@ -63,6 +64,7 @@ class PrefillWorker:
         self.transport = self.shard.transport
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.leases = LeaseTable()
+        self._cooling: deque[tuple[float, tuple[int, ...]]] = deque()  # (monotonic end, blocks)
         self.compat = kv_compat(
             cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
         )
@@ -85,7 +87,8 @@ class PrefillWorker:
     def submit(self, req: Request, on_done: Done) -> None:
         """Queue a prompt; ``on_done`` later receives its handoff or the error."""
         caching = self.cfg.enable_prefix_caching
-        hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size) if caching else []
+        bs, salt = self.cfg.block_size, req.cache_salt.encode()
+        hashes = block_hashes(req.prompt_token_ids, bs, salt) if caching else []
         self._inbox.put(PromptState(req, on_done, hashes))
 
     def cancel(self, request_id: str) -> None:
@@ -193,6 +196,18 @@ class PrefillWorker:
             self._stats.prompt_tokens_cached += p.num_computed
 
     def _finish(self, p: PromptState) -> None:
+        """Hand the prompt's KV over; whatever fails on the way fails this prompt alone, and
+        its caller always hears (an unsettled future would hang the client)."""
+        try:
+            self._hand_over(p)
+        except Exception as e:
+            log.exception("handing over the prompt of %s failed", p.req.request_id)
+            lease = self.leases.pop(p.req.request_id)
+            if lease is not None and lease.blocks != tuple(p.blocks):
+                self.leases.add(lease)  # another prompt's under the same id: not this one's
+            self._fail(p, e)
+
+    def _hand_over(self, p: PromptState) -> None:
         self._queue.remove(p)
         req, sp = p.req, p.req.sampling
         try:
@@ -218,12 +233,13 @@ class PrefillWorker:
         finish = FinishReason.STOP if first in sp.stop_token_ids else None
         if finish is None and sp.max_tokens <= 1:
             finish = FinishReason.LENGTH
+        issued = time.time()
         expiry = time.monotonic() + self.cfg.lease_seconds
         blocks = tuple(p.blocks)
         payload = None
         if finish is not None and sp.n == 1:  # nothing left for decode: don't hold the blocks
             self.allocator.free(p.blocks)
-            blocks = ()
+            p.blocks, blocks = [], ()
         else:
             self.leases.add(Lease(req.request_id, blocks, expiry))
             payload = self.transport.export(req.request_id, blocks, tuple(self.pool.tensors))
@@ -243,6 +259,7 @@ class PrefillWorker:
                 finish_reason=finish.value if finish else None,
                 first_logprob=first_logprob,
                 payload=payload,
+                lease_stamped_at=issued,
             )
         )
 
@@ -261,7 +278,10 @@ class PrefillWorker:
         if p.blocks:
             self.allocator.free(p.blocks)
             p.blocks = []
-        p.on_done(error)
+        try:
+            p.on_done(error)
+        except Exception:  # the caller's loop is gone: nobody is left to tell
+            log.exception("reporting the failure of %s failed", p.req.request_id)
 
     def _poll_transport(self) -> float:
         try:
@@ -280,11 +300,16 @@ class PrefillWorker:
             if lease is not None:
                 self.allocator.free(lease.blocks)
                 freed += len(lease.blocks)
-        for lease in self.leases.pop_expired(time.monotonic() if now is None else now):
+        now = time.monotonic() if now is None else now
+        for lease in self.leases.pop_expired(now):
             log.warning("lease of %s expired before decode pulled it", lease.request_id)
             self._stats.leases_expired += 1
-            self.allocator.free(lease.blocks)
-            freed += len(lease.blocks)
+            # a read decode started just in time may still land: its blocks wait out the grace
+            self._cooling.append((lease.expires_at + self.cfg.lease_grace_s, lease.blocks))
+        while self._cooling and self._cooling[0][0] <= now:
+            blocks = self._cooling.popleft()[1]
+            self.allocator.free(blocks)
+            freed += len(blocks)
         return freed
 
     def release_memory(self) -> int | None:
@@ -305,6 +330,7 @@ class PrefillWorker:
         s.free_blocks = self.allocator.num_free
         s.cached_blocks = self.allocator.num_cached
         s.leased_blocks = self.leases.num_blocks
+        s.cooling_blocks = sum(len(blocks) for _, blocks in self._cooling)
         s.active_leases = len(self.leases)
         s.queued = len(self._queue)
         return PrefillStats(**s.__dict__)

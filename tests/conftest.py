@@ -7,14 +7,16 @@ import torch
 
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import cpu_has_bf16_dot, make_tiny_checkpoint
 
 GPU_TESTS = Path(__file__).parent / "gpu"
+_BF16_DESELECTED = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: every collected test is checked
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `gpu` tier is the tests/gpu/ folder: a test in one and not the other fails collection."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `gpu` tier is the tests/gpu/ folder: a test in one and not the other fails collection.
+    The `cpu_bf16` tier runs where the CPU has the instruction, as `gpu` runs where a GPU is."""
     wrong = [
         item.nodeid
         for item in items
@@ -23,6 +25,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if wrong:
         raise pytest.UsageError(
             "tests under tests/gpu/ must be marked gpu, and only they: " + ", ".join(wrong)
+        )
+    tiered = [item for item in items if item.get_closest_marker("cpu_bf16") is not None]
+    if not tiered or cpu_has_bf16_dot():
+        return
+    config.hook.pytest_deselected(items=tiered)
+    items[:] = [item for item in items if item.get_closest_marker("cpu_bf16") is None]
+    config.stash[_BF16_DESELECTED] = len(tiered)
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    n = config.stash.get(_BF16_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(
+            f"cpu_bf16: {n} tests deselected: this CPU has no AVX-512 BF16 dot product"
         )
 
 

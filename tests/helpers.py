@@ -20,6 +20,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether the panel kernel runs bf16 here (the CPU's AVX-512 BF16): bf16 models take
+    its kernels and fp32 LM heads get a bf16 greedy screen only then."""
+    from models.cpu.linear import CpuLinear
+
+    return CpuLinear().kind_for(torch.bfloat16) is not None
+
+
 def wait_until(
     check: Callable[[], T],
     timeout_s: float,

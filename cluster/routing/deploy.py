@@ -38,11 +38,15 @@ def decode_router_options(d: DecodeConfig) -> dict[str, Any]:
 
 
 def prefill_router_options(p: PrefillConfig, block_size: int) -> dict[str, Any]:
-    """``request_router_config`` for the prefill deployment (none: Ray Serve's default)."""
-    if p.routing != "prefix_affinity":
-        return {}
+    """``request_router_config`` for the prefill deployment: prefix affinity, or power of two
+    choices alone; either sends a lease's release to the replica holding it."""
+    kwargs = {
+        "block_size": block_size,
+        "imbalance": p.routing_imbalance,
+        "affinity": p.routing == "prefix_affinity",
+    }
     fields: dict[str, Any] = {
         "request_router_class": PrefixAffinityRouter,
-        "request_router_kwargs": {"block_size": block_size, "imbalance": p.routing_imbalance},
+        "request_router_kwargs": kwargs,
     }
     return {"request_router_config": RequestRouterConfig(**fields)}

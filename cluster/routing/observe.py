@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 
 DECISION_BOUNDARIES_S = [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2]
 ESTIMATE_BOUNDARIES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-BASES = ("stats", "partial", "fallback", "stats_free", "other_call", "affinity", "two_choices")
+BASES = (
+    "stats",
+    "partial",
+    "fallback",
+    "stats_free",
+    "other_call",
+    "affinity",
+    "two_choices",
+    "release",
+)
 
 
 @dataclass

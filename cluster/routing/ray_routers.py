@@ -14,7 +14,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from cluster.routing.observe import RouterMetrics, basis_of
 from cluster.routing.policies import RouteRequest, RoutingPolicy, make_policy, two_choices
 from cluster.routing.prefix import PrefixAffinity
-from cluster.routing.request_info import request_of, route_request
+from cluster.routing.request_info import release_of, request_of, route_request
 from cluster.routing.table import ReplicaTable
 from kvtransfer.allocator import block_hashes
 from speculation.calibration import CalibrationPool
@@ -190,8 +190,15 @@ class PrefixAffinityRouter(RequestRouter):
         ``seed``."""
         self._setup(**kwargs)
 
-    def _setup(self, block_size: int = 16, imbalance: float = 4.0, seed: int | None = None) -> None:
+    def _setup(
+        self,
+        block_size: int = 16,
+        imbalance: float = 4.0,
+        seed: int | None = None,
+        affinity: bool = True,
+    ) -> None:
         self._block_size = block_size
+        self._use_affinity = affinity  # off: power of two choices alone
         self._affinity = PrefixAffinity(imbalance, seed)
         self._rows = _Rows()
         self._inflight: dict[int, int] = {}
@@ -217,8 +224,18 @@ class PrefixAffinityRouter(RequestRouter):
         start, cpu = time.perf_counter(), time.thread_time()
         if len(candidate_replicas) != len(self._rows.row_of):
             self._sync(candidate_replicas)
-        req = request_of(pending_request.args, pending_request.kwargs) if pending_request else None
-        hashes = block_hashes(req.prompt_token_ids, self._block_size) if req else []
+        args = (pending_request.args, pending_request.kwargs) if pending_request else ((), {})
+        release = release_of(*args)
+        if release is not None:  # to the replica holding the lease; gone: any (a no-op there)
+            held = [r for r in candidate_replicas if r.replica_id.unique_id == release.replica]
+            self.metrics.decided("release", *_since(start, cpu))
+            return [held] if held else [candidate_replicas]
+        req = request_of(*args)
+        hashes = (
+            block_hashes(req.prompt_token_ids, self._block_size, req.cache_salt.encode())
+            if req and self._use_affinity
+            else []
+        )
         ranks = self._affinity.rank(hashes, lambda row: float(self._inflight.get(row, 0)))
         chosen = self._rows.replicas(ranks)
         basis = "other_call" if req is None else ("affinity" if len(ranks) > 1 else "two_choices")

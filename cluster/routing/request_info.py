@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cluster.routing.policies import RouteRequest
-from kvtransfer.handoff import KVHandoff
+from kvtransfer.handoff import KVHandoff, LeaseRelease
 from models.request import Request
 from speculation.calibration import DEFAULT_ACCEPTANCE, CalibrationPool, calibration_key
 
@@ -26,6 +26,11 @@ def request_of(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> Request | None
     values = [*args, *kwargs.values()]
     req: Request | None = _first(values, Request)
     return req
+
+
+def release_of(args: Iterable[Any], kwargs: Mapping[Any, Any]) -> LeaseRelease | None:
+    found: LeaseRelease | None = _first([*args, *kwargs.values()], LeaseRelease)
+    return found
 
 
 def route_request(

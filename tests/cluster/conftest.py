@@ -23,11 +23,14 @@ def running_app(cfg: TandemConfig) -> Iterator[str]:
 @contextmanager
 def running_app_ports(cfg: TandemConfig) -> Iterator[tuple[str, int]]:
     """``running_app``, also giving the gRPC port (free ports for both; gRPC as configured)."""
-    cfg = cfg.with_overrides(**{"http.port": free_port(), "grpc.port": free_port()})
+    overrides: dict[str, object] = {"http.port": free_port(), "grpc.port": free_port()}
+    if cfg.auth.api_keys_file is None:  # a test's app on loopback, open unless it sets keys
+        overrides["auth.required"] = False
+    cfg = cfg.with_overrides(**overrides)
     start_ray(cfg, num_cpus=2)
     try:
         serve.start(
-            http_options={"host": "127.0.0.1", "port": cfg.http.port},
+            http_options=cfg.http_options() | {"host": "127.0.0.1"},
             grpc_options=cfg.grpc_options(),
         )
         serve.run(build_app(cfg), name="tandem", route_prefix="/")

@@ -36,3 +36,22 @@ def test_no_keys_means_open_and_bad_sources_fail_loudly(tmp_path: Path) -> None:
         load_keys(AuthConfig(api_keys_env="K"), {"K": "short"})
     with pytest.raises(ValueError, match="does not exist"):
         load_keys(AuthConfig(api_keys_file=str(tmp_path / "missing")), {})
+
+
+def test_closed_by_default_an_app_without_keys_refuses_to_start() -> None:
+    """Before, no key meant an open API (on KubeRay, a build task on a node without the
+    variable served open); now the app refuses to start unless a config says otherwise."""
+    from cluster.auth import required_keys
+    from cluster.builder import build_app
+    from cluster.config import TandemConfig
+
+    cfg = TandemConfig.model_validate({"auth": {"api_keys_env": "TANDEM_TEST_NO_SUCH_VAR"}})
+    assert cfg.auth.required
+    with pytest.raises(ValueError, match=r"auth\.required is true but no API key"):
+        build_app(cfg)
+    ring = required_keys(cfg.auth, {"TANDEM_TEST_NO_SUCH_VAR": "sk-a-key-long-enough-01"})
+    assert ring.enabled
+    opened = AuthConfig(api_keys_env="TANDEM_TEST_NO_SUCH_VAR", required=False)
+    assert not required_keys(opened, {}).enabled  # deploy/local.yaml's loopback choice
+    local = TandemConfig.from_yaml(Path(__file__).parents[2] / "deploy" / "local.yaml")
+    assert not local.auth.required and local.http.host == "127.0.0.1"

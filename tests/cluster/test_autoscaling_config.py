@@ -104,6 +104,7 @@ def test_app_builder_takes_the_config_inline_or_as_a_file(
 ) -> None:
     inline = {
         "mode": "colocated",
+        "auth": {"required": False},
         "decode": {
             "num_blocks": 32,
             "autoscaling": {"max_replicas": 3, "target_ongoing_requests": 4},
@@ -114,7 +115,9 @@ def test_app_builder_takes_the_config_inline_or_as_a_file(
     assert decode._deployment_config.autoscaling_config is not None
     assert decode._deployment_config.autoscaling_config.max_replicas == 3
     path = tmp_path / "app.yaml"
-    path.write_text("mode: colocated\ndecode:\n  replicas: 2\n  num_blocks: 32\n")
+    path.write_text(
+        "mode: colocated\nauth:\n  required: false\ndecode:\n  replicas: 2\n  num_blocks: 32\n"
+    )
     built = serve_build_app(app_builder({"config": str(path)}), name="tandem")
     assert next(d for d in built.deployments if d.name == "decode").num_replicas == 2
     with pytest.raises(ValueError, match=r"unknown application args \['confg'\]"):

@@ -31,6 +31,7 @@ def _config(tiny_folder: Path) -> dict[str, Any]:
         "mode": "colocated",
         "model": {"source": str(tiny_folder), "name": "tiny"},
         "decode": {"num_blocks": 128, "num_threads": 1, "drain_timeout_s": 60},
+        "auth": {"required": False},  # on loopback, open: the tests send no key
     }
 
 
@@ -46,6 +47,7 @@ def test_ingress_drains_as_long_as_the_slowest_pool_behind_it(tiny_folder: Path)
     # that the decode replica is still allowed to finish.
     data = {
         "model": {"source": str(tiny_folder)},
+        "auth": {"required": False},
         "prefill": {"drain_timeout_s": 90},
         "decode": {"drain_timeout_s": 45},
     }

@@ -168,12 +168,13 @@ def test_a_cancelled_stream_frees_its_blocks(stub: Any, app: tuple[str, int]) ->
     call = stub.Generate(request, metadata=AUTH, timeout=120)
     got = [next(call), next(call)]
     assert all(not r.finish_reason for r in got)
-    during = httpx.get(f"{app[0]}/health", timeout=30).json()["decode"]
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    during = httpx.get(f"{app[0]}/health", headers=keyed, timeout=30).json()["decode"]
     assert during["running"] == 1 and during["free_blocks"] < BLOCKS
     call.cancel()
 
     def freed() -> bool:
-        h = httpx.get(f"{app[0]}/health", timeout=30).json()["decode"]
+        h = httpx.get(f"{app[0]}/health", headers=keyed, timeout=30).json()["decode"]
         assert h["free_blocks"] == BLOCKS and h["running"] == 0, h
         return True
 

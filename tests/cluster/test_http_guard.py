@@ -75,7 +75,9 @@ def test_keys_are_required_except_for_health(app: str) -> None:
     r = httpx.get(f"{app}/v1/models", headers={"Authorization": f"Basic {KEYS[0]}"}, timeout=30)
     assert r.status_code == 401
     assert KEYS[0] not in r.text
-    health = httpx.get(f"{app}/health", timeout=30)
+    anonymous = httpx.get(f"{app}/health", timeout=30)
+    assert anonymous.status_code == 200 and anonymous.json() == {"status": "ok"}
+    health = httpx.get(f"{app}/health", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=30)
     assert health.status_code == 200 and health.json()["admission"]["rejected"]["401"] >= 3
     for key in KEYS:
         out = _client(app, key).completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -164,14 +166,28 @@ def test_a_full_decode_queue_answers_429(app: str) -> None:
     assert ok.usage is not None
 
 
+# text with lone surrogates (legal as JSON escapes, not as Unicode) besides ordinary letters
+_TEXT = st.text(max_size=20) | st.text(
+    alphabet=st.characters(codec=None, categories=["Cs", "Ll", "Nd"]), max_size=20
+)
+_HUGE = st.sampled_from([2**31, 2**63, 10**30, -(10**30), 10**400])
+
+
+def _nested(depth: int) -> Any:
+    out: Any = 0
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats() | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | _HUGE | st.floats() | _TEXT,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
     max_leaves=8,
-)
+) | st.integers(30, 800).map(_nested)
 _TYPED = {
-    "string": st.text(max_size=30),
-    "integer": st.sampled_from([-1, 0, 1, 2, 3, 2**31, 2**63, 10**30]),
+    "string": _TEXT | st.sampled_from(["[" * 100_000, '{"a":' * 5000]),
+    "integer": st.sampled_from([-1, 0, 1, 2, 3, 2**31, 2**63, 10**30, 10**400]),
     "number": st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.5, float("inf")]),
     "boolean": st.booleans(),
     "array": st.lists(st.integers(-5, 60_000) | st.text(max_size=10), max_size=5),
@@ -210,7 +226,7 @@ def _bodies(draw: st.DrawFn, props: dict[str, Any]) -> bytes:
     if draw(st.booleans()):
         body["model"] = "tiny"
     if "messages" in props and draw(st.booleans()):
-        body["messages"] = [{"role": "user", "content": draw(st.text(max_size=20))}]
+        body["messages"] = [{"role": "user", "content": draw(_TEXT)}]
     body.pop("stream", None)  # streams are fuzzed by the non-streaming path's validation
     return json.dumps(body, allow_nan=True).encode()
 

@@ -16,7 +16,8 @@ from bench.node_chaos import PoolCluster, chaos_config, run_fault
 from cluster.builder import build_app
 from runtime.ports import free_port
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]  # each test kills a node and waits it back
+# each test kills a node and waits it back: five minutes on a 2-core machine, outside `make test`
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.chaos]
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ def config(model: Path) -> TandemConfig:
         {
             "mode": "colocated",
             "model": {"source": str(model)},
+            "auth": {"required": False},
             "draft": {"kind": "ngram", "num_speculative_tokens": 3},
             "decode": {
                 "replicas": 2,
@@ -68,7 +69,12 @@ def test_builder_installs_the_configured_routers(tiny_folder: Path) -> None:
     )
     prc = prefill_router_options(cfg.prefill, 16)["request_router_config"]
     assert prc.request_router_class.endswith(PrefixAffinityRouter.__qualname__)
-    assert prc.request_router_kwargs == {"block_size": 16, "imbalance": 4.0}
+    assert prc.request_router_kwargs == {"block_size": 16, "imbalance": 4.0, "affinity": True}
+    pow2_prefill = prefill_router_options(
+        cfg.prefill.model_copy(update={"routing": "power_of_two"}), 16
+    )
+    # still ours: a dropped handoff's release must reach the replica that holds its lease
+    assert pow2_prefill["request_router_config"].request_router_kwargs["affinity"] is False
 
 
 def test_the_decode_engine_gets_the_speculation_slo(tiny_folder: Path) -> None:

@@ -19,6 +19,7 @@ from models.tokenizer import Tokenizer
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
+from tests.helpers import cpu_has_bf16_dot
 
 PROMPTS = [
     "What is the capital of France?",
@@ -69,10 +70,12 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     accepted = sum(r.stats.num_accepted_tokens for r in spec_reqs)
     assert drafted > 0 and accepted > 0  # speculation really ran, and really accepted
     for engine in (spec_engine, plain_engine):  # the greedy rows' argmax came by the screen
-        screened = re.search(
-            r"bf16 screen \((\d+) rows, 0 fell back\)", str(engine.target.describe()["matmul"])
-        )
-        assert screened is not None and int(screened.group(1)) > 0
+        matmul = str(engine.target.describe()["matmul"])
+        screened = re.search(r"bf16 screen \((\d+) rows, 0 fell back\)", matmul)
+        if cpu_has_bf16_dot():
+            assert screened is not None and int(screened.group(1)) > 0
+        else:  # no bf16 dot product here: the head stays whole, and says so
+            assert screened is None and matmul.startswith("cpu_panel"), matmul
 
     # Decode never recomputed a prompt: every token the target was fed became an output, or was
     # a draft it rejected. (Recomputing even one prompt would add its ~45 tokens.)
@@ -109,12 +112,9 @@ def test_draft_model_greedy_equals_plain(
     """Greedy speculation is token-identical to plain decoding of the served target, also
     when target and draft serve int8 weights."""
     target, draft = (replace(s, quantization=quantization) for s in tiny_specs)
-    # k pinned for int8: at these tiny sizes the int8 draft costs as much as the target, and
-    # adaptive speculation rightly drafts nothing
-    adaptive = quantization == "none"
-    spec = DraftSpec(
-        DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=adaptive
-    )
+    # k pinned: at these tiny sizes a draft can cost as much as the target (int8; any dtype on
+    # a CPU without the fast kernels), and adaptive speculation then rightly drafts nothing
+    spec = DraftSpec(DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=False)
     engine = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
     plain = DecodeEngine(DecodeEngineConfig("t", target, DraftSpec(), num_blocks=128))
     prefill = (
@@ -197,7 +197,10 @@ def test_abort_and_expired_lease_free_every_block(tiny_specs: tuple[ModelSpec, M
     assert engine.allocator.num_free == 64
     # A handoff whose lease has run out is refused cleanly, and prefill reclaims the blocks.
     h2 = prefill.prefill(r2)
-    prefill.reap(now=time.monotonic() + h2.lease_seconds + 1)
+    expired = time.monotonic() + h2.lease_seconds + 1
+    prefill.reap(now=expired)
+    assert prefill.stats().cooling_blocks > 0  # a read started just in time may still land
+    prefill.reap(now=expired + prefill.cfg.lease_grace_s)
     assert prefill.stats().free_blocks == 32
     engine.add(r2, h2.__class__(**{**h2.__dict__, "lease_seconds": 0.0}))
     outs = engine.step()

@@ -192,7 +192,8 @@ def test_no_block_leaks_after_completed_cancelled_and_expired_handoffs(
     prefill.cancel(cancelled.request_id)
     h2 = prefill.prefill(expired)
     prefill.step()
-    prefill.reap(now=time.monotonic() + h2.lease_seconds + 1)  # nobody pulled it in time
+    # nobody pulled it in time, and the grace for a read started just in time passed
+    prefill.reap(now=time.monotonic() + h2.lease_seconds + prefill.cfg.lease_grace_s + 1)
     for _ in range(50):
         engine.step()
         prefill.step()

@@ -1,5 +1,6 @@
 """The KubeRay manifests: valid against the ray.io/v1 CRDs, one worker group per pool with its
-resources and GPUs, and a serveConfigV2 that is the rendered Serve config of its app."""
+resources and GPUs, a serveConfigV2 that is the rendered Serve config of its app, and closed by
+default: keys from a Secret in every pod, no root, a NetworkPolicy fencing all but the API."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ from cluster.config import TandemConfig
 from tests.deploy import crds
 from tests.deploy.paths import DEPLOY, load_yaml
 
-# every KubeRay manifest here; kustomization.yaml makes the folder a kustomize base
-MANIFESTS = sorted(p for p in (DEPLOY / "kuberay").glob("*.yaml") if p.name != "kustomization.yaml")
+# every KubeRay manifest here (the NetworkPolicy is plain Kubernetes); kustomization.yaml makes
+# the folder a kustomize base
+POLICY = DEPLOY / "kuberay" / "networkpolicy.yaml"
+MANIFESTS = sorted(
+    p
+    for p in (DEPLOY / "kuberay").glob("*.yaml")
+    if p.name not in ("kustomization.yaml", POLICY.name)
+)
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -155,8 +162,9 @@ def test_the_kustomize_base_lists_only_manifests_of_its_own_folder() -> None:
     files that are here, and the RayService (not the hand-run RayCluster beside it)."""
     base = load_yaml(DEPLOY / "kuberay" / "kustomization.yaml")
     assert base["kind"] == "Kustomization"
-    names = [m.name for m in MANIFESTS]
-    assert base["resources"] == ["rayservice.yaml"] and set(base["resources"]) <= set(names)
+    names = [m.name for m in (*MANIFESTS, POLICY)]
+    assert base["resources"] == ["rayservice.yaml", POLICY.name]
+    assert set(base["resources"]) <= set(names)
 
 
 def _pod_templates(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -188,3 +196,45 @@ def test_the_pod_monitor_scrapes_every_pod_and_the_dashboard_is_provisioned() ->
     for file in dashboard["files"]:
         doc = json.loads((folder / file).read_text())
         assert doc["uid"] and any(p.get("targets") for p in doc["panels"])
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_every_pod_takes_its_keys_from_the_secret_and_runs_unprivileged(path: Path) -> None:
+    """The app may be built on any node (KubeRay runs the build task wherever), so every
+    container gets the keys; none runs as root or may escalate, each drops every capability
+    (the workers add back only IPC_LOCK, which UCX needs to register KV memory)."""
+    for template in _pod_templates(load_yaml(path)):
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in template["spec"]["containers"]:
+            env = {e["name"]: e for e in c["env"]}
+            ref = env["TANDEM_API_KEYS"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "tandem-api-keys", "key": "keys"}
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}
+    cfg = _app_config(_service())
+    assert cfg.auth.required and cfg.auth.api_keys_env == "TANDEM_API_KEYS"
+
+
+def test_the_network_policy_opens_only_the_api_to_everyone() -> None:
+    policy = load_yaml(POLICY)
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    labels = policy["spec"]["podSelector"]["matchLabels"]
+    for path in MANIFESTS:  # it selects every pod of both manifests
+        for template in _pod_templates(load_yaml(path)):
+            assert labels.items() <= template["metadata"]["labels"].items()
+    open_ports: set[int] = set()
+    for rule in policy["spec"]["ingress"]:
+        if "from" not in rule:  # from anywhere: only these ports
+            open_ports |= {p["port"] for p in rule["ports"]}
+        else:
+            assert all(peer for peer in rule["from"])  # no empty peer (that would be anyone)
+    assert open_ports == {8000, 9000}
+    dashboard = int(
+        _service()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][
+            0
+        ]["ports"][1]["containerPort"]
+    )
+    assert dashboard == 8265 and dashboard not in open_ports

@@ -95,8 +95,12 @@ def test_gpu_autoscaling_targets_suit_each_phase() -> None:
 
 
 @pytest.mark.parametrize("name", ["local-colocated", "gpu-disaggregated"])
-def test_builder_sizes_pools_as_the_serve_config_does(embedded_folder: Path, name: str) -> None:
-    """`tandem serve` and `serve run ...:app_builder config=FILE` size pools like the file."""
+def test_builder_sizes_pools_as_the_serve_config_does(
+    embedded_folder: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tandem serve` and `serve run ...:app_builder config=FILE` size pools like the file
+    (given a key: the files are closed by default)."""
+    monkeypatch.setenv("TANDEM_API_KEYS", "sk-tandem-config-test-key-1")
     overrides = _app(load_yaml(DEPLOY / "serve" / f"{name}.yaml"))["deployments"]
     # The GPU models are not on this machine: same pools and sizing, the embedded model.
     cfg = TandemConfig.from_yaml(DEPLOY / "apps" / f"{name}.yaml").with_overrides(

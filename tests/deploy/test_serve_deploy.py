@@ -1,9 +1,10 @@
 """The committed local Serve config, deployed the way operators deploy it (`serve deploy` to the
-dashboard of a running Ray cluster whose node offers the pool resources), answers over HTTP
-and gRPC."""
+dashboard of a running Ray cluster whose node offers the pool resources, with the API keys in
+the nodes' environment: the config is closed by default), answers over HTTP and gRPC."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from tests.helpers import wait_until
 pytestmark = pytest.mark.ray
 
 SERVE_FILE = DEPLOY / "serve" / "local-colocated.yaml"
+KEY = "sk-tandem-serve-deploy-key-01"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Deployed:
 
 
 def _healthy(base: str) -> dict[str, Any]:
-    r = httpx.get(f"{base}/health", timeout=5)
+    r = httpx.get(f"{base}/health", headers=AUTH, timeout=5)
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     return body
@@ -57,6 +60,9 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
     doc["grpc_options"]["port"] = grpc_port
     path = tmp_path_factory.mktemp("serve") / SERVE_FILE.name
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    # as the ray-up files do: the keys in the environment Ray starts with (every node's)
+    saved = os.environ.get("TANDEM_API_KEYS")
+    os.environ["TANDEM_API_KEYS"] = KEY
     ray.init(
         num_cpus=2,
         resources=cfg.local_resources(),
@@ -76,6 +82,10 @@ def deployed(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         serve.shutdown()
         ray.shutdown()
+        if saved is None:
+            del os.environ["TANDEM_API_KEYS"]
+        else:
+            os.environ["TANDEM_API_KEYS"] = saved
 
 
 def test_deployed_serve_config_answers_a_chat_request(deployed: Deployed) -> None:
@@ -87,6 +97,7 @@ def test_deployed_serve_config_answers_a_chat_request(deployed: Deployed) -> Non
             "max_tokens": 8,
             "temperature": 0,
         },
+        headers=AUTH,
         timeout=60,
     )
     assert r.status_code == 200, r.text
@@ -110,7 +121,10 @@ def test_deployed_serve_config_serves_grpc(deployed: Deployed) -> None:
             # before the fourth token
             sampling=pb.SamplingOptions(max_tokens=4, ignore_eos=True),
         )
-        (reply,) = list(tandem_pb2_grpc.TandemStub(ch).Generate(request, timeout=60))
+        stub = tandem_pb2_grpc.TandemStub(ch)
+        (reply,) = list(
+            stub.Generate(request, metadata=(("authorization", AUTH["Authorization"]),), timeout=60)
+        )
         assert reply.usage.completion_tokens == 4 and reply.text
 
 

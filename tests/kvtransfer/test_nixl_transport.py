@@ -156,3 +156,71 @@ def test_blocks_consecutive_on_both_sides_move_as_one_descriptor_per_run() -> No
         untouched = [i for i in range(SPEC.num_blocks) if i not in set(ours.tolist())]
         assert b.tensor(g)[:, untouched].abs().sum() == 0
     assert notices == ["runs"]
+
+
+class _Flaky:
+    """The real agent, whose next ``check_xfer_state`` raises as a transient NIXL error would."""
+
+    def __init__(self, agent: object, failures: int) -> None:
+        self._agent = agent
+        self.failures = failures
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._agent, name)
+
+    def check_xfer_state(self, handle: object) -> str:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("NIXL_ERR_BACKEND: transient")
+        state: str = self._agent.check_xfer_state(handle)  # type: ignore[attr-defined]
+        return state
+
+
+def test_an_error_that_does_not_prove_the_read_ended_keeps_its_blocks() -> None:
+    """Before, any exception from NIXL counted as "ended" and the blocks were released while
+    the read could still land in them."""
+    a, b = KVPool(SPEC), KVPool(SPEC)
+    a.tensor("target").normal_()
+    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
+    pull = dst.start_pull(_handoff(src, "req-1", (1, 2)), [5, 6])
+    dst.agent = _Flaky(dst.agent, failures=2)
+    assert dst.poll(pull) is PullState.FAILED  # decode gives up on it
+    assert not dst.release(pull) and len(pull.token) == 1  # but holds the blocks
+    assert dst.counters.state_unknown == 2
+    deadline = time.time() + 10
+    while not dst.release(pull) and time.time() < deadline:
+        src.completed()
+    assert not pull.token  # released once NIXL says it ended
+
+
+def test_a_malformed_notice_is_counted_and_the_rest_of_its_batch_read() -> None:
+    a, b = KVPool(SPEC), KVPool(SPEC)
+    src, dst = NixlTransport(a, "prefill"), NixlTransport(b, "decode")
+    dst._peer(src.source())
+    for msg in (b"\xff\xfe|2", b"req-x|two", b"req-ok|1"):
+        dst.agent.send_notif(src.agent_name, msg)
+    got: list[str] = []
+    deadline = time.time() + 10
+    while "req-ok" not in got and time.time() < deadline:
+        dst.progress()
+        got += src.completed()
+    assert got == ["req-ok"] and src.malformed_notices == 2
+
+
+def test_an_idle_source_is_forgotten_and_reached_again_when_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvtransfer import nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "PEER_IDLE_S", 0.0)
+    a1, a2, b = KVPool(SPEC), KVPool(SPEC), KVPool(SPEC)
+    a1.tensor("target").fill_(1.0)
+    a2.tensor("target").fill_(2.0)
+    s1, s2 = NixlTransport(a1, "prefill"), NixlTransport(a2, "prefill")
+    dst = NixlTransport(b, "decode")
+    _pull(s1, dst, _handoff(s1, "r1", (0,)), [0])
+    _pull(s2, dst, _handoff(s2, "r2", (0,)), [1])  # s1 idle past the bound: evicted
+    assert dst.peers_evicted == 1 and set(dst._peers) == {s2.agent_name}
+    _pull(s1, dst, _handoff(s1, "r3", (0,)), [2])
+    for block, want in ((0, 1.0), (1, 2.0), (2, 1.0)):
+        assert (b.tensor("target")[:, block] == want).all()

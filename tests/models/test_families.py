@@ -83,6 +83,15 @@ BASE: dict[str, Any] = {
             "sliding_window 4096",
         ),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+        (
+            {"quantization_config": {"quant_method": "compressed-tensors"}},
+            "quant_method 'compressed-tensors'",
+        ),
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+        ({"embedding_multiplier": 12.0}, "embedding_multiplier 12.0"),
     ],
 )
 def test_fields_that_change_the_math_are_refused_by_name(
@@ -107,3 +116,46 @@ def test_what_does_not_change_the_math_is_accepted() -> None:
         assert cfg.num_layers == 2 and cfg.sliding_window is None
     windowed = LlamaConfig.from_hf_dict({**BASE, "model_type": "mistral", "sliding_window": 4096})
     assert windowed.sliding_window == 4096  # honoured in attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.int8])
+def test_quantized_tensors_without_a_scheme_are_refused_by_name(
+    tiny_folder: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """A weight stored as fp8 or packed ints with no ``quantization_config`` is refused at load
+    (a plain ``copy_`` into a float weight would convert it silently, without its scales)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_folder, folder)
+    [file] = sorted(folder.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        ModelSpec(str(folder)).load("cpu")
+    assert name in str(e.value) and "quantization_config" in str(e.value)
+
+
+def test_a_prequantized_checkpoint_is_refused_when_the_app_is_built(
+    tiny_folder: Path, tmp_path: Path
+) -> None:
+    """Start-up, not the first request, names the method: the app builder reads the config."""
+    import json
+    import shutil
+
+    from cluster.builder import resolve_models
+    from cluster.config import TandemConfig
+
+    folder = tmp_path / "awq"
+    shutil.copytree(tiny_folder, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    cfg_app = TandemConfig.model_validate({"model": {"source": str(folder)}, "mode": "colocated"})
+    with pytest.raises(ValueError) as e:
+        resolve_models(cfg_app)
+    assert "quantization_config.quant_method 'awq'" in str(e.value)

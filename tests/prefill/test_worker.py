@@ -91,7 +91,7 @@ def test_prefix_cache_skips_shared_blocks_and_gives_the_same_kv(
     kv_b, kv_f = _kv(w, hb, len(b)), _kv(fresh, hf, len(b))
     for g in kv_b:
         assert (kv_b[g] - kv_f[g]).abs().max() <= 1e-5
-    w.reap(now=time.monotonic() + hb.lease_seconds + 1)
+    w.reap(now=time.monotonic() + hb.lease_seconds + w.cfg.lease_grace_s + 1)
     w.allocator.check()
     assert w.stats().free_blocks == w.cfg.num_blocks and w.stats().cached_blocks >= 2
 
@@ -188,3 +188,39 @@ def test_an_idle_worker_gives_freed_heap_back_once_per_forwards_run(
     assert w.release_memory() is None  # no forward since: nothing to give back
     s = w.stats()
     assert s.heap_releases == 1 and s.heap_released_bytes == released
+
+
+def test_a_failure_while_handing_over_settles_the_caller(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """A second prompt under a request id that still holds a lease fails at ``leases.add``,
+    after the prompt's forward: before, its caller's future never settled (a hung client)."""
+    w = _worker(specs, num_blocks=32, enable_prefix_caching=False)
+    first = make_request(list(range(3, 40)), SP)
+    held = w.prefill(first)
+    twin = Request(first.request_id, list(range(50, 90)), SP)
+    got: list[KVHandoff | BaseException] = []
+    w.submit(twin, got.append)
+    for _ in range(20):
+        w.step()
+        if got:
+            break
+    [error] = got
+    assert isinstance(error, ValueError) and "already holds a lease" in str(error)
+    assert w.stats().free_blocks == 32 - len(held.block_ids)  # the twin's blocks came back
+    assert w.stats().active_leases == 1  # the first lease is untouched
+
+
+def test_prefix_caches_are_per_tenant(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    """Requests of one API key reuse its cached prompt blocks; another key's requests never
+    do (the time to a first token would tell it the prompt was sent)."""
+    w = _worker(specs, num_blocks=32)
+    prompt = list(range(3, 60))  # three full blocks of 16 and a tail
+    for salt, cached in (("key-a", 0), ("key-a", 48), ("key-b", 0), ("", 0), ("", 48)):
+        before = w.stats().prompt_tokens_cached
+        r = make_request(prompt, SP)
+        r.cache_salt = salt
+        w.prefill(r)
+        w.cancel(r.request_id)  # the lease ends; the blocks stay cached
+        w.step()
+        assert w.stats().prompt_tokens_cached - before == cached, salt

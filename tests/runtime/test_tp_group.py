@@ -139,7 +139,9 @@ def test_a_rank_that_cannot_post_leaves_no_read_running_and_no_pull_held(
     assert engine.stats().kv_recomputed == before + 1
     assert engine.allocator.num_free == 64 and not engine.intake.quarantine
     assert engine.transport.outstanding() == 0  # rank 1 holds no pull
-    prefill.reap(now=time.monotonic() + h.lease_seconds + 1)  # the ghost rank never read it
+    prefill.reap(
+        now=time.monotonic() + h.lease_seconds + prefill.cfg.lease_grace_s + 1
+    )  # the ghost rank never read it
     assert prefill.stats().active_leases == 0 and prefill.stats().free_blocks == 64
 
 

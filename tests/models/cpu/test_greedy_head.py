@@ -12,15 +12,12 @@ import pytest
 import torch
 
 from models.cpu.greedy_head import GreedyHead, dense_table
-from models.cpu.linear import CpuLinear, CpuPacker, PanelKind, PanelWeight
+from models.cpu.linear import CpuPacker, PanelWeight
 from models.spec import ModelSpec
 from tests.helpers import make_tiny_checkpoint, serve_on_cpu
 
-
-def test_this_cpu_screens() -> None:
-    """CI's machine has the bf16 dot-product instruction: fp32 heads get a screen here (else
-    every other test here would fail on ``build`` returning None)."""
-    assert CpuLinear().kind_for(torch.bfloat16) is PanelKind.BF16
+# the screen multiplies in bf16 on the panel kernel: CPUs with AVX-512 BF16 (the tier's marker)
+pytestmark = pytest.mark.cpu_bf16
 
 
 SCREENS = ("panel", "dense")  # the panel kernel's bf16 screen; oneDNN's bf16 matmul

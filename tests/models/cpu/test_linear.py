@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.cpu.greedy_head import GreedyHead
 from models.cpu.linear import CpuLinear, CpuPacker, PanelKind, PanelWeight, pack_panels
 from models.cpu.onednn import PackedWeight
 from models.cpu.row_ops import CpuRowOps
@@ -48,10 +49,21 @@ def _assert_rows_alike(packed: PanelWeight, x: torch.Tensor) -> None:
 
 def test_the_kernel_builds_here() -> None:
     """CI's machine has a C compiler: the kernel must load (else every other test here would
-    test the fallback)."""
+    test the fallback), and it runs bf16 exactly where the CPU has the dot product (which
+    decides the `cpu_bf16` tier)."""
     kernel = CpuLinear()
     assert kernel.ready(), kernel.failed
     assert kernel.kind_for(torch.float32) is PanelKind.F32
+    flags = next(
+        (
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        ),
+        "",
+    ).split()
+    want = PanelKind.BF16 if "avx512_bf16" in flags else None
+    assert kernel.kind_for(torch.bfloat16) is want
 
 
 @pytest.mark.parametrize("dtype", _kinds())
@@ -71,6 +83,16 @@ def test_every_row_is_computed_as_a_one_row_call(
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_an_fp32_head_is_screened_exactly_where_the_kernel_has_bf16() -> None:
+    """Where the kernel has no bf16 kind, an fp32 head gets no screen (its argmax is the full
+    logits'): ``build`` says so rather than screening at the wrong precision."""
+    w = torch.randn(64, 32)
+    exact = CpuPacker().pack(w)
+    assert isinstance(exact, PanelWeight)
+    has = CpuLinear().kind_for(torch.bfloat16) is PanelKind.BF16
+    assert (GreedyHead.build(w, exact) is not None) == has
 
 
 def test_strided_rows_and_no_rows() -> None:
@@ -181,7 +203,7 @@ def test_without_a_compiler_weights_take_onednn_named_and_counted(
     torch.testing.assert_close(packed.matmul(x), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.cpu_bf16)])
 @pytest.mark.parametrize("quant", [Quant.NONE, Quant.INT8])
 def test_verification_rows_equal_one_token_decodes(
     embedded_folder: Path, tmp_path: Path, dtype: str, quant: Quant

@@ -101,7 +101,7 @@ def folder(embedded_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.cpu_bf16)])
 def test_a_block_major_pool_gives_the_bits_of_a_layer_major_one(folder: Path, dtype: str) -> None:
     """Workers' pools are block-major (``kvtransfer.pool``): the program and the modules read
     and write one through its strides, with the bits a contiguous layer-major pool gives."""
@@ -140,9 +140,9 @@ def test_fetching_the_next_layers_kv_changes_no_bit(folder: Path) -> None:
     ("dtype", "quant"),
     [
         ("float32", Quant.NONE),
-        ("bfloat16", Quant.NONE),
+        pytest.param("bfloat16", Quant.NONE, marks=pytest.mark.cpu_bf16),
         ("float32", Quant.INT8),
-        ("bfloat16", Quant.INT8),
+        pytest.param("bfloat16", Quant.INT8, marks=pytest.mark.cpu_bf16),
     ],
 )
 @pytest.mark.parametrize("max_new_tokens", [None, 256])  # 256: the 300-token chunk gathers
@@ -164,6 +164,7 @@ def test_the_program_gives_the_modules_bits(
     assert program.declined == gathers
 
 
+@pytest.mark.cpu_bf16  # a bf16 model: its matmuls take the panel kernel's bf16 kind
 def test_a_verified_row_keeps_its_decode_bits_through_the_program(
     embedded_folder: Path, tmp_path: Path
 ) -> None:
