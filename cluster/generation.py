@@ -5,6 +5,7 @@ cancels the decode stream, which aborts the request on its replica and frees its
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -104,6 +105,7 @@ class Generation:
         self.retries = retries
         self.retried = Retried()
         self.dropped_handoffs = 0  # leases given back unused (shown in /health)
+        self._releasing: set[asyncio.Future[None]] = set()
 
     async def _prefill(self, req: Request) -> KVHandoff:
         assert self.prefill is not None
@@ -126,8 +128,10 @@ class Generation:
         handoff = None
         if self.prefill is not None:
             handoff = await self._prefill(req)
-        # a handoff decode does not finish with goes back to its prefill replica at once
+        # a handoff no decode replica took goes back to its prefill replica at once; once decode
+        # streams a token of its own, its read of the blocks has ended (and ended the lease)
         held = handoff if handoff is not None and handoff.has_blocks else None
+        chunks = 0
         try:
             async with aclosing(self._decode(req, handoff)) as stream:
                 async for tokens in stream:
@@ -135,15 +139,32 @@ class Generation:
                         self._release(held)
                         held = None
                         continue
+                    chunks += 1
+                    if chunks > 1:  # past prefill's first token
+                        held = None
                     yield tokens
-            held = None  # decode finished the request: its read ended the lease
+            held = None
         finally:
             self._release(held)
 
     def _release(self, handoff: KVHandoff | None) -> None:
-        if handoff is not None and self.prefill is not None:
-            self.dropped_handoffs += 1
-            self.prefill.release.remote(LeaseRelease.of(handoff))  # no reply to wait for
+        if handoff is None or self.prefill is None:
+            return
+        self.dropped_handoffs += 1
+        # from a task of its own, in a fresh context: Serve cancels the calls a cancelled request
+        # made in its context, and the caller is often being cancelled (its client left)
+        task = asyncio.get_running_loop().create_task(
+            self._send_release(LeaseRelease.of(handoff)), context=contextvars.Context()
+        )
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _send_release(self, release: LeaseRelease) -> None:
+        assert self.prefill is not None
+        try:
+            await self.prefill.release.remote(release)
+        except Exception as e:  # the replica is gone, and its leases with it
+            log.warning("releasing the lease of %s failed: %s", release.request_id, e)
 
     async def _decode(
         self, req: Request, handoff: KVHandoff | None

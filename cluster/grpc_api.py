@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, NoReturn
 
 import grpc
@@ -146,23 +147,24 @@ class GrpcAPI:
         text: list[str] = []
         lps: list[TokenLogprob] = []
         try:
-            async for item in self.gen.run(req, body.stop_strings):
-                if isinstance(item, Final):
-                    last = pb.GenerateResponse(
-                        id=rid, finish_reason=item.finish_reason, usage=_usage(item)
-                    )
-                    if not request.stream:
-                        last.text = "".join(text)
-                        last.logprobs.extend(self._logprobs(lps))
-                    yield last
-                    return
-                if request.stream:
-                    yield pb.GenerateResponse(
-                        id=rid, text=item.text, logprobs=self._logprobs(item.logprobs)
-                    )
-                else:
-                    text.append(item.text)
-                    lps += item.logprobs
+            async with aclosing(self.gen.run(req, body.stop_strings)) as items:
+                async for item in items:
+                    if isinstance(item, Final):
+                        last = pb.GenerateResponse(
+                            id=rid, finish_reason=item.finish_reason, usage=_usage(item)
+                        )
+                        if not request.stream:
+                            last.text = "".join(text)
+                            last.logprobs.extend(self._logprobs(lps))
+                        yield last
+                        return
+                    if request.stream:
+                        yield pb.GenerateResponse(
+                            id=rid, text=item.text, logprobs=self._logprobs(item.logprobs)
+                        )
+                    else:
+                        text.append(item.text)
+                        lps += item.logprobs
         except GenerationError as e:
             self._fail(context, generation_error(e))
 

@@ -15,7 +15,6 @@ from cluster.config import TandemConfig
 log = logging.getLogger(__name__)
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 LOOPBACK = "127.0.0.1"
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def start_ray(
@@ -31,16 +30,13 @@ def start_ray(
         return
     # read by Serve's gRPC proxy, a process this Ray starts: its default is 2 GiB
     os.environ[GRPC_MAX_MESSAGE_ENV] = str(cfg.limits.max_body_bytes)
-    # serving on loopback, Ray's control plane, dashboard and metrics stay there too
-    node_ip = LOOPBACK if cfg.http.host in LOOPBACK_HOSTS else None
     ray.init(
         num_cpus=num_cpus if num_cpus is not None else os.cpu_count(),
         resources=cfg.local_resources(),
         include_dashboard=dashboard,
-        dashboard_host=LOOPBACK,
+        dashboard_host=LOOPBACK,  # its Jobs API runs arbitrary code
         log_to_driver=True,
         _metrics_export_port=metrics_port,
-        _node_ip_address=node_ip,
     )
 
 
