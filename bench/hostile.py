@@ -142,6 +142,9 @@ def _cases(model: str, vocab: int) -> list[Case]:
         Case(
             "many stops", "/v1/completions", {**greedy, "stop": list("abcdefghij")}, (400,), "stop"
         ),
+        Case(
+            "a 5,000-char stop", "/v1/completions", {**greedy, "stop": "z" * 5000}, (400,), "stop"
+        ),
     ]
 
 
@@ -260,6 +263,13 @@ def grpc_cases(port: int, key: str, model: str, vocab: int, body_limit: int) -> 
             "max_tokens",
         ),
         ("grpc token id", [vocab + 5], {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+        (
+            "grpc long stop",
+            [5, 6],
+            {"stop": ["z" * 5000]},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop",
+        ),
         ("grpc temperature 1e-30", [5, 6], {"temperature": 1e-30}, None, None),
     ]
     out = []

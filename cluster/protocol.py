@@ -23,7 +23,8 @@ from cluster.body_checks import MAX_DEPTH, BodyError, check_body, json_depth
 from models.logprobs import MAX_TOP_LOGPROBS
 
 MAX_SEED = 2**63 - 1
-MAX_COUNT = 2**31 - 1  # the bound of every count a client sends (n, max_tokens, top_k, ...)
+MAX_COUNT = 2**31 - 1
+MAX_STOP_CHARS = 1024  # the bound of every count a client sends (n, max_tokens, top_k, ...)
 UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field (see cluster.errors)
 INVALID_TEXT = "invalid_body"  # a lone surrogate or too deep a nesting, with its path
 
@@ -190,6 +191,9 @@ class SamplingFields(_Request):
         stops = [v] if isinstance(v, str) else (v or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            # a stop string's length is text held back from a stream until it cannot match
+            raise ValueError(f"a stop string may be at most {MAX_STOP_CHARS} characters")
         return v
 
     @property

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from typing import NamedTuple
 
+from decode.lease_clock import LeaseClock
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVHandoff
 from models.request import Request, RequestStatus
@@ -33,6 +34,7 @@ class Admission:
         self.max_model_len = max_model_len
         self.max_stalled_preemptions = max_stalled_preemptions
         self.waiting: deque[Queued] = deque()
+        self.lease_clock = LeaseClock()
         self.queue_times: deque[float] = deque()
         self._queued_at: dict[str, float] = {}
 
@@ -55,7 +57,10 @@ class Admission:
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
         req.status = RequestStatus.WAITING
-        left = handoff.lease_left(time.time()) if handoff else 0.0
+        left = 0.0
+        if handoff is not None:
+            waited = self.lease_clock.transit(handoff.lease_stamped_at, time.time())
+            left = max(0.0, handoff.lease_seconds - waited)
         lease_end = time.monotonic() + left
         self.waiting.append(Queued(req, handoff, lease_end))
         self._queued_at[req.request_id] = time.monotonic()

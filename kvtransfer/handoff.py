@@ -106,7 +106,7 @@ class KVHandoff:
     finish_reason: str | None = None
     first_logprob: TokenLogprob | None = None
     payload: Any = None
-    # the time.time() at which ``lease_seconds`` was left; 0: at receipt (nothing to subtract)
+    # the stamping host's time.time() when ``lease_seconds`` was left (0: unstamped)
     lease_stamped_at: float = 0.0
     source_replica: str = ""  # the prefill Serve replica holding the lease ("" outside Serve)
     version: int = HANDOFF_VERSION
@@ -115,16 +115,10 @@ class KVHandoff:
     def has_blocks(self) -> bool:
         return bool(self.block_ids)
 
-    def lease_left(self, now: float) -> float:
-        """Seconds of lease left at wall-clock ``now``: what passed since the stamp is taken off
-        (hosts' clocks are assumed NTP-synchronised; a clock behind never adds time)."""
-        since = max(0.0, now - self.lease_stamped_at) if self.lease_stamped_at else 0.0
-        return max(0.0, self.lease_seconds - since)
-
     def held(self, seconds: float, now: float) -> KVHandoff:
-        """This handoff after a hop held it ``seconds`` (measured on that hop's own monotonic
-        clock), restamped at wall-clock ``now`` for the next hop."""
-        left = max(0.0, self.lease_left(now) - max(0.0, seconds))
+        """This handoff after a hop held it ``seconds`` (on that hop's own monotonic clock),
+        restamped at that hop's wall-clock ``now`` for the next to measure its transit from."""
+        left = max(0.0, self.lease_seconds - max(0.0, seconds))
         return replace(self, lease_seconds=left, lease_stamped_at=now)
 
 

@@ -97,13 +97,18 @@ def test_a_handoff_held_past_its_lease_never_reads_a_canarys_kv(tiny_folder: Pat
     prefill.close()
 
 
-def test_held_subtracts_the_hold_and_the_time_since_the_stamp() -> None:
+def test_the_ingress_takes_off_its_hold_and_decode_the_transit_beyond_the_clock_offset() -> None:
+    from decode.lease_clock import LeaseClock
     from kvtransfer.handoff import KVCompat
 
     compat = KVCompat("m", "float32", 16, "l", 1, "none", "object_store")
     h = KVHandoff("r", (), (1,), ("target",), 16, 5, compat, 30.0, lease_stamped_at=1000.0)
-    assert h.lease_left(1004.0) == 26.0
-    assert h.lease_left(990.0) == 30.0  # a clock behind the stamp never adds time
-    fwd = h.held(3.0, now=1004.0)
-    assert (fwd.lease_seconds, fwd.lease_stamped_at) == (23.0, 1004.0)
+    fwd = h.held(3.0, now=1004.0)  # the ingress held it 3 s, on its own monotonic clock
+    assert (fwd.lease_seconds, fwd.lease_stamped_at) == (27.0, 1004.0)
     assert h.held(40.0, now=1004.0).lease_seconds == 0.0
+    # a decode host an hour ahead: the offset is learnt from the handoffs themselves
+    clock = LeaseClock()
+    assert clock.transit(1004.0, 4604.0) == 0.0
+    assert clock.transit(1010.0, 4610.5) == 0.5
+    assert clock.transit(1020.0, 4645.0) == 25.0  # one that waited in a router's queue
+    assert clock.transit(0.0, 4700.0) == 0.0  # unstamped (a colocated request)
