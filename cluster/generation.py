@@ -140,7 +140,7 @@ class Generation:
                         held = None
                         continue
                     chunks += 1
-                    if chunks > 1:  # past prefill's first token
+                    if chunks > 1 and tokens.ids:  # a token of decode's own: it read the KV
                         held = None
                     yield tokens
             held = None

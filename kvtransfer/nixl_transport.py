@@ -240,8 +240,9 @@ class NixlTransport(KVTransport):
         return PullHandle(handoff.request_id, 0, time.perf_counter(), posted, failed=True)
 
     def _xfer_state(self, handle: Any, request_id: str) -> str:
-        """NIXL's state of one READ; ``UNKNOWN`` when asking raised (a dead source, or a
-        transient error): that does not prove the read ended, so its blocks stay held."""
+        """NIXL's state of one READ: ``ERR`` when its source disconnected (nothing more can
+        land), ``UNKNOWN`` when asking raised anything else, which does not prove the read
+        ended, so its blocks stay held."""
         try:
             state: str = self.agent.check_xfer_state(handle)
         except Exception as e:
