@@ -66,8 +66,8 @@ class OpenAIIngress:
 
     async def health(self, fresh: bool = False) -> dict[str, Any]:
         """``_health``, shared by every caller within ``HEALTH_CACHE_S`` unless ``fresh`` (a
-        caller with an API key): anonymous probes by the thousand cost the pools one round of
-        stats calls a second."""
+        caller shown the counters: one with an API key, or anyone where no keys are set):
+        anonymous probes by the thousand cost the pools one round of stats calls a second."""
         now = time.monotonic()
         cached = self._health_task
         if fresh or cached is None or now - cached[0] > HEALTH_CACHE_S:

@@ -73,6 +73,13 @@ class Admission:
         r.status = RequestStatus.WAITING
         self.waiting.appendleft(Queued(r, None, 0.0))
 
+    def put_back(self, q: Queued) -> None:
+        """``next``'s head back where it was, its blocks freed (its handoff kept)."""
+        self.allocator.free(q.req.block_table)
+        q.req.block_table = []
+        self.waiting.appendleft(q)
+        self._queued_at.setdefault(q.req.request_id, time.monotonic())
+
     def remove(self, request_id: str) -> bool:
         self._queued_at.pop(request_id, None)
         for i, q in enumerate(self.waiting):

@@ -24,6 +24,7 @@ from decode.speculation import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
 from kvtransfer.metrics import TransferObserver
+from kvtransfer.tp_transport import RankTimeoutError
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
@@ -238,6 +239,9 @@ class DecodeEngine:
                 continue
             try:
                 error = self.intake.start(req, handoff, q.lease_end)
+            except RankTimeoutError:  # the replica's fault, not the request's: it is wedged
+                self.admission.put_back(q)
+                raise
             except Exception as e:  # never strand it: it is in no queue right now
                 log.exception("starting the KV pull of %s failed", req.request_id)
                 error = f"KV transfer failed: {e}"

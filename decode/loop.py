@@ -86,7 +86,13 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, _Add) and self.wedged is not None:
+                # nothing new on a wedged replica: a silent rank's late reads may land in any
+                # block it frees, until Serve replaces it
+                self.on_output(
+                    _failed(cmd.req.request_id, f"decode replica is wedged: {self.wedged}")
+                )
+            elif isinstance(cmd, _Add):
                 self.engine.add(cmd.req, cmd.handoff)
             elif isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
@@ -134,5 +140,9 @@ class EngineLoop:
         held = [*e.running, *e.intake.pending, *(req.request_id for req, _, _ in e.waiting)]
         for rid in held:
             e.abort(rid)
-            outs.append(StepOutput(rid, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0, 0), error))
+            outs.append(_failed(rid, error))
         return outs
+
+
+def _failed(request_id: str, error: str) -> StepOutput:
+    return StepOutput(request_id, (), FinishReason.ERROR.value, SpecUsage(0, 0, 0, 0), error)

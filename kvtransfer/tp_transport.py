@@ -104,23 +104,27 @@ class RankTimeoutError(RuntimeError):
     """A TP rank did not answer in time: the replica is wedged, not one request."""
 
 
-def _ranks(refs: list[Any], call: str) -> list[Any]:
+def _ranks(refs: list[Any], call: str, timeout_s: float = RANK_CALL_TIMEOUT_S) -> list[Any]:
     try:
-        out: list[Any] = ray.get(refs, timeout=RANK_CALL_TIMEOUT_S)
+        out: list[Any] = ray.get(refs, timeout=timeout_s)
     except GetTimeoutError as e:
-        raise RankTimeoutError(
-            f"a TP rank did not answer {call} within {RANK_CALL_TIMEOUT_S:g} s"
-        ) from e
+        raise RankTimeoutError(f"a TP rank did not answer {call} within {timeout_s:g} s") from e
     return out
 
 
 class GroupTransport(KVTransport):
     name = "nixl"
 
-    def __init__(self, local: NixlTransport, ranks: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        local: NixlTransport,
+        ranks: Sequence[Any],
+        call_timeout_s: float = RANK_CALL_TIMEOUT_S,
+    ) -> None:
         super().__init__()
         self.local = local
         self.actors = list(ranks)
+        self.call_timeout_s = call_timeout_s  # a rank silent this long wedges the replica
         self._sources = (
             local.source(),
             *_ranks([a.source.remote() for a in self.actors], "source"),
@@ -128,6 +132,9 @@ class GroupTransport(KVTransport):
         self._reported: dict[str, set[int]] = {}
         self._last_remote = 0.0
         self._pending: dict[str, dict[int, str]] = {}
+
+    def _call(self, refs: list[Any], call: str) -> list[Any]:
+        return _ranks(refs, call, self.call_timeout_s)
 
     def sources(self) -> tuple[KVSource, ...]:
         return self._sources
@@ -139,7 +146,7 @@ class GroupTransport(KVTransport):
         if now - self._last_remote >= REMOTE_COMPLETIONS_PERIOD_S:
             self._last_remote = now
             for rank, got in enumerate(
-                _ranks([a.completed.remote() for a in self.actors], "completed"), 1
+                self._call([a.completed.remote() for a in self.actors], "completed"), 1
             ):
                 for rid in got:
                     self._reported.setdefault(rid, set()).add(rank)
@@ -151,7 +158,7 @@ class GroupTransport(KVTransport):
 
     def start_pull(self, handoff: KVHandoff, local_blocks: Sequence[int]) -> PullHandle:
         """If rank 0 cannot post after the others did, the pull comes back failed, not raised."""
-        remote = _ranks(
+        remote = self._call(
             [a.start_pull.remote(handoff, list(local_blocks)) for a in self.actors], "start_pull"
         )
         ranks = set(range(len(self.actors) + 1))
@@ -176,7 +183,7 @@ class GroupTransport(KVTransport):
         if not pulls:
             return []
         ids = [p.request_id for p in pulls]
-        answers = _ranks([a.poll.remote(ids) for a in self.actors], "poll")
+        answers = self._call([a.poll.remote(ids) for a in self.actors], "poll")
         out = []
         for p in pulls:
             states = self._pending.setdefault(p.request_id, {})
@@ -206,7 +213,7 @@ class GroupTransport(KVTransport):
         remote = [r for r in token.held if r > 0]
         if remote:
             refs = [self.actors[r - 1].release.remote([pull.request_id]) for r in remote]
-            held = _ranks(refs, "release")
+            held = self._call(refs, "release")
             for r, ids in zip(remote, held, strict=True):
                 if not ids:
                     token.held.discard(r)
@@ -218,7 +225,7 @@ class GroupTransport(KVTransport):
         return True
 
     def outstanding(self) -> int:
-        return sum(_ranks([a.outstanding.remote() for a in self.actors], "outstanding"))
+        return sum(self._call([a.outstanding.remote() for a in self.actors], "outstanding"))
 
     def progress(self) -> None:
         self.local.progress()

@@ -11,6 +11,7 @@ from models.attention.reference import ReferenceBackend
 from models.backend import ModelBackend, TorchBackend
 from models.cpu.attention import CpuAttentionBackend
 from models.cpu.backend import CpuBackend
+from models.cpu.linear import PanelUse
 from models.cpu.paged import DTYPES as CPU_DTYPES
 from models.cpu.row_ops import CpuRowOps
 from models.eagle import EagleHead
@@ -82,11 +83,16 @@ def exact_attention(model: LlamaModel) -> bool:
 
 
 def model_backend(
-    model: LlamaModel, kv_pool: torch.Tensor, block_size: int, serve_cpu: bool = True
+    model: LlamaModel,
+    kv_pool: torch.Tensor,
+    block_size: int,
+    serve_cpu: bool = True,
+    panel: PanelUse | None = None,
 ) -> ModelBackend:
-    """On a CPU with ``serve_cpu``, ``CpuBackend.apply``; else the modules in PyTorch ops."""
+    """On a CPU with ``serve_cpu``, ``CpuBackend.apply`` (``panel``: see ``PanelUse``); else the
+    modules in PyTorch ops."""
     spec = model_attention_spec(model, kv_pool, block_size)
     attention = attention_for(spec, model.dtype, exact_attention(model))
     if serve_cpu and model.device.type == "cpu":
-        return CpuBackend.apply(model, attention)
+        return CpuBackend.apply(model, attention, panel)
     return TorchBackend(model, attention)

@@ -28,6 +28,14 @@ def cpu_has_bf16_dot() -> bool:
     return CpuLinear().kind_for(torch.bfloat16) is not None
 
 
+def cpu_panel_serves() -> bool:
+    """Whether a replica's matmuls take the panel kernel here (it needs AVX-512F; elsewhere
+    oneDNN serves them, and the layer program, which needs the kernel, stands down)."""
+    from models.cpu.linear import CpuPacker, PanelUse
+
+    return CpuPacker(use=PanelUse.AUTO).panel()
+
+
 def wait_until(
     check: Callable[[], T],
     timeout_s: float,
@@ -128,15 +136,18 @@ def make_tiny_checkpoint(
 
 
 def serve_on_cpu(model: LlamaModel, blocks: int = 8, block_size: int = 16) -> CpuBackend:
-    """``model`` readied as a CPU replica serves it (``CpuBackend.apply``), for pools of
-    ``blocks``; load it with ``ops=CpuRowOps()`` for the row ops and the layer program."""
+    """``model`` readied as a CPU replica with AVX-512 serves it (``CpuBackend.apply``, the panel
+    kernel even on a CPU where a replica would take oneDNN), for pools of ``blocks``; load it
+    with ``ops=CpuRowOps()`` for the row ops and the layer program."""
     from models.cpu.backend import CpuBackend
+    from models.cpu.linear import PanelUse
     from models.kv_layout import kv_pool_shape
     from runtime.backends import model_backend
 
     c = model.cfg
     shape = kv_pool_shape(blocks, model.num_kv_heads_local, c.num_layers, block_size, c.head_dim)
-    served = model_backend(model, torch.zeros(shape, dtype=model.dtype), block_size)
+    pool = torch.zeros(shape, dtype=model.dtype)
+    served = model_backend(model, pool, block_size, panel=PanelUse.ALWAYS)
     assert isinstance(served, CpuBackend)
     return served
 

@@ -14,7 +14,7 @@ from models.attention.metadata import StepMetadata
 from models.backend import ModelBackend
 from models.cpu.attention import CpuAttentionBackend
 from models.cpu.greedy_head import GreedyHead
-from models.cpu.linear import CpuPacker, PanelWeight
+from models.cpu.linear import CpuPacker, PanelUse, PanelWeight
 from models.cpu.program import LayerProgram
 from models.cpu.row_ops import CpuRowOps
 from models.eagle import EagleHead
@@ -95,8 +95,11 @@ class CpuBackend(ModelBackend):
         self.program = program
 
     @classmethod
-    def apply(cls, model: LlamaModel, attention: AttentionBackend) -> CpuBackend:
-        packer = CpuPacker()
+    def apply(
+        cls, model: LlamaModel, attention: AttentionBackend, use: PanelUse | None = None
+    ) -> CpuBackend:
+        """``use``: when matmuls take the panel kernel (default ``$TANDEM_CPU_PANEL``)."""
+        packer = CpuPacker() if use is None else CpuPacker(use=use)
         layers = pack_module(packer, model)
         head = pack_logits(packer, model.lm_head)
         screen = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +41,19 @@ class PanelKind(enum.IntEnum):
     INT8_DIGITS = 3  # the same int8 weights multiplied in integers; bf16 x (as 16-bit digits), y
 
 
+class PanelUse(enum.Enum):
+    """When matmuls take the panel kernel: ``auto`` where it has its vector tiles (else oneDNN),
+    ``always`` (its tests, and measuring it), ``never``. ``$TANDEM_CPU_PANEL`` sets the default."""
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
+
+    @classmethod
+    def from_env(cls) -> PanelUse:
+        return cls(os.environ.get("TANDEM_CPU_PANEL", "auto"))
+
+
 class CpuLinear:
     def __init__(self) -> None:
         self._fn: Callable[..., int] | None = None
@@ -48,6 +62,7 @@ class CpuLinear:
         self._at_least: Callable[..., int] | None = None
         self._bf16 = False
         self._digits = False
+        self._vector = False
         self.failed: str | None = None
 
     def ready(self) -> bool:
@@ -62,6 +77,10 @@ class CpuLinear:
                 self._bf16 = bool(lib.tandem_panel_bf16())
                 lib.tandem_panel_digits.restype = ctypes.c_int
                 self._digits = bool(lib.tandem_panel_digits())
+                lib.tandem_panel_vector.restype = ctypes.c_int
+                self._vector = bool(lib.tandem_panel_vector())
+                if not self._vector:
+                    log.warning("no AVX-512F: fp32 and int8 matmuls run in oneDNN, not cpu_panel")
                 side = lib.tandem_panel_linear_side
                 side.restype = ctypes.c_int
                 side.argtypes = [*fn.argtypes, p, i64, i64]
@@ -79,6 +98,11 @@ class CpuLinear:
                 self.failed = f"{type(e).__name__}: {e}"[:500]
                 log.error("the CPU panel matmul kernel is unavailable, using oneDNN: %s", e)
         return self._fn is not None
+
+    def vector(self) -> bool:
+        """Whether the kernel was built with its vector tiles (AVX-512F); without them it is
+        correct but slower than oneDNN, so the packer serves through oneDNN instead."""
+        return self.ready() and self._vector
 
     def function(self) -> Callable[..., int]:
         assert self._fn is not None, "ready() first"
@@ -226,12 +250,18 @@ CpuWeight = PanelWeight | PackedWeight
 class CpuPacker:
     kernel: CpuLinear = field(default_factory=CpuLinear)
     invariance: RowInvariance = field(default_factory=RowInvariance)
+    use: PanelUse = field(default_factory=PanelUse.from_env)
     fallbacks: int = 0
+
+    def panel(self) -> bool:
+        if self.use is PanelUse.AUTO:
+            return self.kernel.vector()
+        return self.use is PanelUse.ALWAYS and self.kernel.ready()
 
     def pack(self, w: torch.Tensor) -> CpuWeight | None:
         if w.device.type != "cpu":
             return None
-        kind = self.kernel.kind_for(w.dtype)
+        kind = self.kernel.kind_for(w.dtype) if self.panel() else None
         if kind is not None and (kind is not PanelKind.BF16 or w.shape[1] % 2 == 0):
             return PanelWeight(
                 self.kernel, kind, pack_panels(w.detach(), kind), None, w.shape[0], w.dtype
@@ -240,7 +270,7 @@ class CpuPacker:
         return onednn_pack(w, self.invariance)
 
     def pack_quantized(self, q: QuantizedWeight) -> PanelWeight | None:
-        if q.kind is not Quant.INT8 or q.data.device.type != "cpu" or not self.kernel.ready():
+        if q.kind is not Quant.INT8 or q.data.device.type != "cpu" or not self.panel():
             return None
         n = q.data.shape[0]
         scale = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
@@ -252,6 +282,10 @@ class CpuPacker:
     def describe(self) -> str:
         if self.kernel.failed is not None:
             return f"onednn (cpu_panel unavailable: {self.kernel.failed})"
+        if self.use is PanelUse.NEVER:
+            return "onednn (TANDEM_CPU_PANEL=never)"
+        if not self.panel():
+            return "onednn (cpu_panel has no vector tiles on this CPU: it needs AVX-512F)"
         if self.fallbacks:
             return f"cpu_panel, onednn for {self.fallbacks} weights"
         return "cpu_panel"

@@ -14,12 +14,16 @@ import torch
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from decode.loop import EngineLoop
+from decode.outputs import StepOutput
+from kvtransfer.tp_transport import RANK_CALL_TIMEOUT_S, GroupTransport
 from models.eagle import save_random_eagle
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from tests.decode.engine_utils import make_request, run_all
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -54,6 +58,7 @@ def _run(engine: DecodeEngine, prefill: PrefillWorker | None) -> list[list[int]]
 
 
 KW = {"num_blocks": 64, "num_threads": 1}
+WEDGE_S = 8.0  # how long a rank stays silent
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +188,39 @@ def test_tp2_draft_trees_match_tp1(
     engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **KW))  # type: ignore[arg-type]
     assert _run(engine, None)[:2] == want[0][:2]  # the greedy ones; the sampled one by chain
     engine.close()
+
+
+def test_a_silent_rank_wedges_the_replica_and_ends_its_requests(
+    tp2: tuple[DecodeEngine, PrefillWorker],
+) -> None:
+    """Decode rank 1 stops answering (its actor busy, as in a stuck NIXL call): the engine
+    thread's next call to it times out, the loop marks the replica wedged (its health check
+    then fails and Serve replaces it), the request it held ends with an error naming the call,
+    and a request arriving afterwards is refused at once instead of reusing blocks a late read
+    may land in. (Last in the module: the engine stays wedged.)"""
+    engine, prefill = tp2
+    assert isinstance(engine.transport, GroupTransport)
+    engine.transport.call_timeout_s = 1.0
+    outputs: list[StepOutput] = []
+    loop = EngineLoop(lambda: engine, outputs.append)
+    busy = engine.transport.actors[0].__ray_call__.remote(lambda _: time.sleep(WEDGE_S))
+    sp = SamplingParams(temperature=0.0, max_tokens=8)
+    held, later = make_request(_prompts()[0], sp), make_request(_prompts()[1], sp)
+    assert loop.start() is engine
+    t0 = time.monotonic()
+    try:
+        loop.submit(held, prefill.prefill(held))
+        wait_until(lambda: loop.wedged is not None, WEDGE_S / 2, "the replica marked wedged")
+        assert "start_pull within 1 s" in str(loop.wedged)
+        assert time.monotonic() - t0 < WEDGE_S / 2  # by the call's timeout, not the rank's sleep
+        loop.submit(later, None)
+        wait_until(lambda: len(outputs) == 2, 10, "both requests answered")
+    finally:
+        loop.stop()
+        engine.transport.call_timeout_s = RANK_CALL_TIMEOUT_S
+    assert [o.request_id for o in outputs] == [held.request_id, later.request_id]
+    assert all(o.finish_reason == "error" and o.new_token_ids == () for o in outputs)
+    assert "did not answer start_pull" in str(outputs[0].error)
+    assert "decode replica is wedged" in str(outputs[1].error)
+    assert not engine.has_work
+    ray.get(busy)  # the rank answers again; its late read found no pull to serve it

@@ -509,6 +509,16 @@ int64_t tandem_bf16_panels_at_least(const uint16_t* s, int64_t ss, int64_t m, in
 /* Whether bf16 (kind 1) is compiled in: the CPU has the bf16 dot-product instruction. */
 int tandem_panel_bf16(void) { return HAVE_BF16; }
 
+/* Whether the tiles run in 16-float registers. Elsewhere (AVX2: 16 registers of 8 floats) a
+ * tile's 24 accumulators spill, and oneDNN's matmul is 2-17x faster (bench.panel_fallback). */
+int tandem_panel_vector(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether int8 by digits (kind 3) is compiled in: the CPU has the int8 and the bf16
  * dot-product instructions. */
 int tandem_panel_digits(void) { return HAVE_DIGITS; }

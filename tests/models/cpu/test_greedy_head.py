@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models.cpu.greedy_head import GreedyHead, dense_table
-from models.cpu.linear import CpuPacker, PanelWeight
+from models.cpu.linear import CpuPacker, PanelUse, PanelWeight
 from models.spec import ModelSpec
 from tests.helpers import make_tiny_checkpoint, serve_on_cpu
 
@@ -27,7 +27,7 @@ def _head(w: torch.Tensor, which: str = "panel") -> tuple[PanelWeight, GreedyHea
     """The fp32 head of ``w`` and a screen that screens every call with ``which`` (the dense
     table is set whether or not this CPU has AMX: oneDNN multiplies bf16 on any CPU, and the
     bound must hold for its arithmetic wherever it runs)."""
-    exact = CpuPacker().pack(w)
+    exact = CpuPacker(use=PanelUse.ALWAYS).pack(w)
     assert isinstance(exact, PanelWeight)
     screen = GreedyHead.build(w, exact)
     assert screen is not None
@@ -106,7 +106,7 @@ def test_rows_that_are_not_finite_take_the_full_head(which: str) -> None:
 
 def test_no_screen_for_a_head_that_is_not_fp32() -> None:
     w = torch.randn(64, 32).to(torch.bfloat16)
-    packed = CpuPacker().pack(w)
+    packed = CpuPacker(use=PanelUse.ALWAYS).pack(w)
     assert isinstance(packed, PanelWeight)
     assert GreedyHead.build(w, packed) is None
 

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from models.cpu.greedy_head import GreedyHead
-from models.cpu.linear import CpuLinear, CpuPacker, PanelKind, PanelWeight, pack_panels
+from models.cpu.linear import (
+    CpuLinear,
+    CpuPacker,
+    PanelKind,
+    PanelUse,
+    PanelWeight,
+    pack_panels,
+)
 from models.cpu.onednn import PackedWeight
 from models.cpu.row_ops import CpuRowOps
 from models.quant import Quant, quantize, row_absmax
@@ -66,6 +73,43 @@ def test_the_kernel_builds_here() -> None:
     assert kernel.kind_for(torch.bfloat16) is want
 
 
+def test_replicas_take_the_panel_kernel_only_with_its_vector_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built without AVX-512F, the kernel's 16-float tiles spill (2-17x slower than oneDNN,
+    bench.panel_fallback): a replica's packer then takes oneDNN and says why; ``never`` and
+    ``always`` ($TANDEM_CPU_PANEL) override, and every path computes the same product."""
+    flags = next(
+        (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")),
+        "",
+    ).split()
+    assert CpuLinear().vector() == ("avx512f" in flags)
+    w, x = _data((576, 1536), torch.float32)
+    want = torch.nn.functional.linear(x, w)
+    auto = CpuPacker(use=PanelUse.AUTO)
+    packed = auto.pack(w)
+    assert isinstance(packed, PanelWeight) == ("avx512f" in flags)
+    if "avx512f" not in flags:
+        assert auto.describe() == (
+            "onednn (cpu_panel has no vector tiles on this CPU: it needs AVX-512F)"
+        )
+        assert auto.fallbacks == 1
+    monkeypatch.setenv("TANDEM_CPU_PANEL", "never")
+    never = CpuPacker()
+    assert isinstance(never.pack(w), PackedWeight)
+    assert never.describe() == "onednn (TANDEM_CPU_PANEL=never)"
+    monkeypatch.setenv("TANDEM_CPU_PANEL", "always")
+    always = CpuPacker()
+    forced = always.pack(w)
+    assert isinstance(forced, PanelWeight) and always.describe() == "cpu_panel"
+    for p in (packed, forced):
+        assert p is not None
+        torch.testing.assert_close(p.matmul(x), want, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("TANDEM_CPU_PANEL", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        CpuPacker()
+
+
 @pytest.mark.parametrize("dtype", _kinds())
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_row_is_computed_as_a_one_row_call(
@@ -74,7 +118,7 @@ def test_every_row_is_computed_as_a_one_row_call(
     if dtype == torch.bfloat16 and shape[1] % 2:
         shape = (shape[0], shape[1] + 1)  # bf16 reduces in pairs
     w, x = _data(shape, dtype)
-    packed = CpuPacker().pack(w)
+    packed = CpuPacker(use=PanelUse.ALWAYS).pack(w)
     assert isinstance(packed, PanelWeight)
     _assert_rows_alike(packed, x)
     bias = torch.randn(shape[0]).to(dtype)
@@ -89,7 +133,7 @@ def test_an_fp32_head_is_screened_exactly_where_the_kernel_has_bf16() -> None:
     """Where the kernel has no bf16 kind, an fp32 head gets no screen (its argmax is the full
     logits'): ``build`` says so rather than screening at the wrong precision."""
     w = torch.randn(64, 32)
-    exact = CpuPacker().pack(w)
+    exact = CpuPacker(use=PanelUse.ALWAYS).pack(w)
     assert isinstance(exact, PanelWeight)
     has = CpuLinear().kind_for(torch.bfloat16) is PanelKind.BF16
     assert (GreedyHead.build(w, exact) is not None) == has
@@ -97,7 +141,7 @@ def test_an_fp32_head_is_screened_exactly_where_the_kernel_has_bf16() -> None:
 
 def test_strided_rows_and_no_rows() -> None:
     w, x = _data((960, 576), torch.float32)
-    packed = CpuPacker().pack(w)
+    packed = CpuPacker(use=PanelUse.ALWAYS).pack(w)
     assert packed is not None
     wide = torch.cat([x, x], dim=1)[:, :576]  # rows 1,152 floats apart
     assert torch.equal(packed.matmul(wide[:9]), packed.matmul(x[:9]))
@@ -108,7 +152,7 @@ def test_strided_rows_and_no_rows() -> None:
 def test_int8_rows_alike_and_near_the_dequantized_weight(dtype: torch.dtype) -> None:
     w, x = _data((576, 1536), dtype)
     q = quantize(w, Quant.INT8, row_absmax(w))
-    packed = CpuPacker().pack_quantized(q)
+    packed = CpuPacker(use=PanelUse.ALWAYS).pack_quantized(q)
     # a bf16 model multiplies by digits where the CPU has the int8 dot-product instruction
     digits = dtype == torch.bfloat16 and CpuLinear().int8_kind(dtype) is PanelKind.INT8_DIGITS
     assert packed is not None and packed.kind is (

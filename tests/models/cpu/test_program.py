@@ -10,6 +10,7 @@ import torch
 
 from models.cpu.attention import CpuAttentionBackend
 from models.cpu.backend import CpuBackend
+from models.cpu.linear import PanelUse
 from models.cpu.paged import CpuPagedAttention
 from models.cpu.program import LayerProgram, c_layout, py_layout
 from models.cpu.row_ops import CpuRowOps
@@ -34,7 +35,8 @@ def _served(
     pool = torch.zeros(kv_pool_shape(BLOCKS, c.num_kv_heads, c.num_layers, BS, c.head_dim))
     spec = model_attention_spec(model, pool, BS)
     kernel = CpuPagedAttention(spec.group_size, spec.head_dim, max_new_tokens)
-    served = CpuBackend.apply(model, CpuAttentionBackend(spec, exact_attention(model), kernel))
+    attention = CpuAttentionBackend(spec, exact_attention(model), kernel)
+    served = CpuBackend.apply(model, attention, PanelUse.ALWAYS)
     assert served.packed
     return served
 
