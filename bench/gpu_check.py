@@ -20,6 +20,13 @@ sections past ``--budget`` seconds are skipped):
    goes to ``--log-dir``.
 6. ``step_costs_1b_bf16``: the ragged step's cost of verifying k + 1 tokens relative to one (the
    curve adaptive speculation uses), up to draft-tree sizes.
+7. ``steps_8b_bf16``: a Llama-3.1-8B-shaped bf16 model (32 layers, hidden 4,096, 32 / 8 heads of
+   128, vocabulary 128,256, llama3 rope) with random weights built on the device (nothing
+   written to disk), over a pool of 4,096 blocks whose tables lie above block 2,048 (where
+   int32 offsets into a block-major pool would overflow): the bucketed step reading in place
+   against the same step gathering, token by token, at batch 1 / 8 / 32 / 64 with 1k-token
+   contexts and k = 4, each step over the time to read its bytes once at the bandwidth
+   measured in the same run (``--small``: 2 layers of a small shape, 160 blocks).
 
     python -m bench.gpu_check --out results.json --log-dir logs/
 """
@@ -404,6 +411,145 @@ def graph_steps(
     return out
 
 
+# Llama-3.1-8B's config.json, the fields the model reads (weights random)
+LLAMA_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+SMALL_8B = LLAMA_8B | {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+HIGH_BLOCK = 2048  # tables above this block of a block-major 8B pool pass 2**31 elements
+
+
+def memory_bandwidth(dev: str, nbytes: int = 2**30) -> float:
+    """Bytes a second one ``copy_`` moves (read + write), best of 10."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        synchronize(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def random_model(hf: dict[str, Any], dev: str) -> Any:
+    """A bf16 ``LlamaModel`` of config ``hf`` with random weights, built on ``dev``."""
+    from models.config import LlamaConfig
+    from models.llama import LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig.from_hf_dict(hf), dtype=torch.bfloat16, device=dev)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def steps_8b(dev: str, small: bool) -> dict[str, Any]:
+    """Section 7 (see the module's docstring)."""
+    from models.attention.flex import FlexBackend
+    from models.attention.flex_kernel import FlexKernel
+    from models.attention.reference import ReferenceBackend
+    from models.backend import TorchBackend
+    from models.kv_layout import new_kv_pool
+    from runtime.backends import exact_attention, model_attention_spec
+    from runtime.bucketed import BucketedRunner
+    from runtime.runner import SeqInput
+
+    bandwidth = memory_bandwidth(dev, 2**26 if small else 2**31)
+    model = random_model(SMALL_8B if small else LLAMA_8B, dev)
+    c = model.cfg
+    # the LM head is read whole each step, the embedding table one row a token
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
+    weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    num_blocks, nb, context = (160, 8, 100) if small else (4096, 64, 1000)
+    batches = (1, 8) if small else (1, 8, 32, 64)
+    pool = new_kv_pool(num_blocks, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype, dev)
+    pool.normal_(0.0, 1.0)  # random KV: the backends are compared on the same values
+    flex = FlexKernel()
+    spec = model_attention_spec(model, pool, 16)
+    inplace = BucketedRunner(model, pool, 16, 64, 8, nb, dev == "cuda", _backend(model, pool, flex))
+    gathering = TorchBackend(model, ReferenceBackend(spec, exact_attention(model)))
+    gather = BucketedRunner(model, pool, 16, 64, 8, nb, dev == "cuda", gathering)
+    kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * pool.element_size()
+    out: dict[str, Any] = {
+        "shape": "small" if small else "llama-3.1-8b",
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_read": weights,
+        "pool_blocks": num_blocks,
+        "pool_gb": pool.numel() * pool.element_size() / 1e9,
+        "lowest_block_read": num_blocks - max(batches) * nb,
+        "high_block": HIGH_BLOCK,
+        "context": context,
+        "batches": {},
+    }
+    for batch in batches:
+        # block tables from the top of the pool down: batch 1's reads all lie past HIGH_BLOCK
+        tables = [list(range(num_blocks - (i + 1) * nb, num_blocks - i * nb)) for i in range(batch)]
+        row: dict[str, Any] = {}
+        for k in (0, 4):
+            step_in = [SeqInput(t, context, list(range(k + 1)), list(range(k + 1))) for t in tables]
+            got: dict[str, Any] = {}
+            tokens: dict[str, torch.Tensor] = {}
+            for name, runner in (("inplace", inplace), ("gather", gather)):
+                for _ in range(3):  # the first call compiles and captures
+                    res = runner.run(step_in)
+                times = []
+                for _ in range(10):
+                    synchronize(dev)
+                    t0 = time.perf_counter()
+                    res = runner.run(step_in)
+                    synchronize(dev)
+                    times.append(time.perf_counter() - t0)
+                got[f"{name}_ms"] = 1000 * statistics.median(times)
+                tokens[name] = res.logits.argmax(-1)
+            agree = (tokens["inplace"] == tokens["gather"]).float()
+            got["inplace_gather_agreement"] = agree.mean().item()
+            got["first_disagreement"] = int(agree.argmin().item()) if agree.min() < 1 else None
+            nbytes = weights + batch * (context + k + 1) * kv_per_token
+            got["over_bytes_read"] = got["inplace_ms"] / 1000 / (nbytes / bandwidth)
+            row[f"k{k}"] = got
+        row["k4_over_k0"] = row["k4"]["inplace_ms"] / row["k0"]["inplace_ms"]
+        out["batches"][batch] = row
+    attention = inplace.backend.attention
+    kernel = attention.kernel if isinstance(attention, FlexBackend) else None
+    out["attention"] = type(attention).__name__
+    out["flex_failed"] = None if kernel is None else kernel.failed
+    out["flex_fallbacks"] = 0 if kernel is None else kernel.fallbacks
+    out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
+    return out
+
+
 KV_SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
     # as served: NixlTransport sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y on a VRAM pool
     "two_process": (["--mode", "two_process"], {}),
@@ -466,6 +612,7 @@ def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
 
 
 SECTIONS = (
+    "steps_8b_bf16",  # issue 53's shape first
     "forward",
     "graph_steps_1b_bf16",
     "engine_1b_bf16",
@@ -508,6 +655,8 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         return graph_steps(big, dev, quant, batches[:2], (0,), compare=False)
     if name == "step_costs_1b_bf16":
         return step_costs(big, dev)
+    if name == "steps_8b_bf16":
+        return steps_8b(dev, small)
     raise ValueError(f"no section {name!r}; sections: {', '.join(SECTIONS)}")
 
 

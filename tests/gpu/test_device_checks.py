@@ -85,6 +85,39 @@ def test_the_devices_attention_matches_the_reference(
     assert backend.fallbacks == 0, backend.describe()
 
 
+def test_attention_reads_a_block_major_8b_pool_past_2_31_elements(device: str) -> None:
+    """Llama-3.1-8B's KV shape (8 KV heads of 128, 32 layers) in a block-major pool of 2,304
+    blocks: the last layer's block b starts at element b * 2**20 + 31 * 2**15, past 2**31 from
+    block 2,048 on, where a kernel computing offsets in int32 would read elsewhere. A decode and
+    a k = 4 verification over 1,000 cached tokens in the pool's last 64 blocks match the float64
+    reference. (On a CPU dry run the pool has 4 layers: the offsets stay small.)"""
+    from models.attention.metadata import SeqSlice
+
+    hkv, g, d, nb = 8, 4, 128, 2304
+    layers = 32 if device == "cuda" else 4
+    gen = torch.Generator().manual_seed(11)
+    pool = torch.empty(nb, layers, 2, hkv, BS, d, dtype=torch.bfloat16, device=device)
+    pool.fill_(float("nan"))  # a read outside the sequences' blocks shows
+    table = list(range(nb - 64, nb))
+    layer = pool[:, layers - 1]  # [NB, 2, Hkv, BS, D], block stride layers * 2**15
+    layer[table] = torch.randn(64, 2, hkv, BS, d, generator=gen).to(torch.bfloat16).to(device)
+    assert device != "cuda" or layer[table[0]].storage_offset() >= 2**31
+    for new in (1, 5):
+        seqs = [SeqSlice(table, 1000, new)]
+        q, k, v = (
+            torch.randn(new, h, d, generator=gen).to(torch.bfloat16).to(device)
+            for h in (hkv * g, hkv, hkv)
+        )
+        want_pool = layer.clone()  # [NB, 2, Hkv, BS, D], contiguous
+        meta = ReferenceBackend(layer_spec(want_pool, g), exact=True).plan(seqs)
+        want = paged_attention(q, k, v, want_pool, meta, d**-0.5)
+        backend = attention_for(layer_spec(layer, g), torch.bfloat16)
+        got = paged_attention(q, k, v, layer, backend.plan(seqs), d**-0.5)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(layer[table], want_pool[table])  # the same K/V written
+        assert backend.fallbacks == 0, backend.describe()
+
+
 @pytest.mark.parametrize("quant", ["none", "int8", "fp8"])
 def test_bucketed_steps_equal_ragged_ones(gpu_target: Path, device: str, quant: str) -> None:
     """The engine's GPU step (persistent buffers, one CUDA graph per bucket, attention in
