@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from models.kv_layout import new_kv_pool
 from models.spec import ModelSpec
 from models.weights import resolve_checkpoint
 from runtime.backends import model_backend
-from runtime.runner import LocalRunner, SeqInput
+from runtime.runner import LocalRunner, SeqInput, device_name
 
 RESULTS = Path(__file__).parent / "results"
 CONTEXT = 128
@@ -55,13 +54,6 @@ def _cases() -> dict[str, list[SeqInput]]:
     return cases
 
 
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def measure(rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     folder = resolve_checkpoint("embedded")
@@ -79,7 +71,7 @@ def measure(rounds: int) -> dict[str, Any]:
                 times[use][case].append(time.perf_counter() - t0)
     ms = {u: {c: 1e3 * statistics.median(v) for c, v in t.items()} for u, t in times.items()}
     return {
-        "cpu": _cpu_name(),
+        "cpu": device_name(torch.device("cpu")),
         "panel_vector_tiles": CpuLinear().vector(),
         "auto_takes": "cpu_panel" if CpuLinear().vector() else "onednn",
         "rounds": rounds,

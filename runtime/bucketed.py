@@ -98,6 +98,11 @@ class BucketedRunner(LocalRunner):
             torch.cuda.synchronize(self.model.device)
             return self._capture_once(bucket)
 
+    def describe(self) -> dict[str, str | int]:
+        """``graphs``: the buckets captured so far (each a CUDA graph), or ``off``."""
+        graphs = f"{len(self._captured)} buckets captured" if self.graphs else "off"
+        return {**super().describe(), "graphs": graphs}
+
     def _capture_once(self, bucket: Bucket) -> _Captured:
         """Warm-up and capture compute this very step: their K/V writes are the step's own."""
         log.info(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from kvtransfer.select import make_transport
 from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
+
+log = logging.getLogger(__name__)
 
 
 def build_shard(spec: ShardSpec) -> Shard:
@@ -17,4 +21,5 @@ def build_shard(spec: ShardSpec) -> Shard:
     target = rank_target(spec, pool)
     draft = load_draft(spec, pool)
     transport, why = make_transport(spec.transport, pool, spec.role)
+    log.info("%s shard: %s", spec.role, target.describe())
     return Shard(target, draft, pool, transport, tp_size=1, fallback_reason=why)

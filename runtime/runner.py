@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import platform
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -124,7 +126,21 @@ class LocalRunner(ModelRunner):
         return run_step(self.backend, self.kv_pool, batch)
 
     def describe(self) -> dict[str, str | int]:
-        return self.backend.describe()
+        return {
+            "device": device_name(self.model.device),
+            "torch": torch.__version__,
+            **self.backend.describe(),
+        }
+
+
+def device_name(device: torch.device) -> str:
+    """``cuda: NVIDIA H100 80GB HBM3`` or ``cpu: AMD EPYC``: what a replica's steps ran on."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    return f"{device.type}: {model or platform.machine()}"
 
 
 class EagleRunner:

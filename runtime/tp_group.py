@@ -186,6 +186,7 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
     shard = Shard(runner, draft, pool, transport, spec.tp_size)
     shard.closers.append(runner.stop)
     shard.closers.append(lambda: _kill(actors))
+    log.info("%s shard over %d ranks: %s", spec.role, spec.tp_size, runner.describe())
     return shard
 
 

@@ -18,6 +18,7 @@ from models.spec import DraftKind, DraftSpec, ModelSpec
 from models.tokenizer import Tokenizer
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
+from runtime.runner import device_name
 from tests.decode.engine_utils import make_request, run_all
 from tests.helpers import cpu_has_bf16_dot, cpu_panel_serves
 
@@ -70,7 +71,10 @@ def test_greedy_disaggregated_speculative_equals_plain_and_transformers(
     accepted = sum(r.stats.num_accepted_tokens for r in spec_reqs)
     assert drafted > 0 and accepted > 0  # speculation really ran, and really accepted
     for engine in (spec_engine, plain_engine):  # the greedy rows' argmax came by the screen
-        matmul = str(engine.target.describe()["matmul"])
+        described = engine.target.describe()
+        assert described["device"] == device_name(torch.device("cpu")) != "cpu: "
+        assert described["torch"] == torch.__version__
+        matmul = str(described["matmul"])
         screened = re.search(r"bf16 screen \((\d+) rows, 0 fell back\)", matmul)
         if cpu_has_bf16_dot():
             assert screened is not None and int(screened.group(1)) > 0

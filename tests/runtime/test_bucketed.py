@@ -73,6 +73,7 @@ def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel) -> None:
         for i, w in enumerate(widths):
             cached[i] += w
     assert bucketed.bucketed_steps == 4 and bucketed.ragged_steps == 0
+    assert bucketed.describe()["graphs"] == "off"  # CUDA graphs: on a GPU only
 
 
 @pytest.mark.slow  # flex_attention compiles a kernel per bucket on a CPU
