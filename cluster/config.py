@@ -39,7 +39,9 @@ class PoolConfig(_Frozen):
         "`replicas` count.",
     )
     tp: int = Field(1, ge=1, description="Tensor-parallel size of each replica.")
-    num_blocks: int = Field(512, ge=1, description="KV blocks per replica.")
+    num_blocks: int = Field(
+        512, ge=1, description="KV blocks per replica (with gpu_memory_utilization: the least)."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the models run; 'auto' picks CUDA when a GPU is visible."
     )
@@ -62,6 +64,15 @@ class PoolConfig(_Frozen):
         "places several replicas on one GPU (a one-GPU machine can run prefill and two decode "
         "replicas); they share its memory, so the model, draft and num_blocks of each must fit "
         "their share, which is not checked.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Size each replica's KV pool from GPU memory: this share of the device, "
+        "less the loaded models and the largest step's activations (profiled at start-up), "
+        "goes to the pool, in whole blocks. num_blocks is then the least the pool may hold: a "
+        "replica with less memory refuses to start, naming the numbers. CUDA and tp 1 only.",
     )
     resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
     onednn_cache_capacity: int | None = Field(
@@ -87,6 +98,26 @@ class PoolConfig(_Frozen):
         "requests may run on before it is killed. The HTTP ingress, which every client stream "
         "passes through, drains for the longest of the pools' timeouts.",
     )
+
+    @model_validator(mode="after")
+    def _memory_sizing(self) -> PoolConfig:
+        u = self.gpu_memory_utilization
+        if u is not None and self.device == "cpu":
+            raise ValueError(
+                f"gpu_memory_utilization={u:g} sizes the KV pool from GPU memory; on device "
+                "cpu set num_blocks"
+            )
+        if u is not None and self.tp > 1:
+            raise ValueError(
+                f"gpu_memory_utilization={u:g} is built for tp 1 only; with tp {self.tp} set "
+                "num_blocks"
+            )
+        if u is not None and self.gpu_fraction < 1:
+            raise ValueError(
+                f"gpu_memory_utilization={u:g} with gpu_fraction={self.gpu_fraction:g}: replicas "
+                "sharing a GPU would each size their pool from the whole device; set num_blocks"
+            )
+        return self
 
     @model_validator(mode="after")
     def _gpu_share(self) -> PoolConfig:
@@ -183,7 +214,9 @@ DecodeRouting = Literal["round_robin", "power_of_two", "least_kv", "acceptance_a
 
 class DecodeConfig(PoolConfig):
     resource: str = Field("decode_pool", description="Ray custom resource of decode nodes.")
-    num_blocks: int = Field(1024, ge=1, description="KV blocks per replica.")
+    num_blocks: int = Field(
+        1024, ge=1, description="KV blocks per replica (with gpu_memory_utilization: the least)."
+    )
     max_batch_size: int = Field(64, ge=1, description="Sequences per decode step.")
     max_num_batched_tokens: int = Field(
         2048,

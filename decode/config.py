@@ -16,7 +16,8 @@ class DecodeEngineConfig:
     device: str = "cpu"
     tp_size: int = 1
     transport: str = "auto"
-    num_blocks: int = 1024
+    num_blocks: int = 1024  # with gpu_memory_utilization: the least the pool may hold
+    gpu_memory_utilization: float | None = None  # size the pool from GPU memory
     block_size: int = 16
     max_batch_size: int = 64
     max_num_batched_tokens: int = 2048

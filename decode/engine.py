@@ -9,6 +9,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 from decode.admission import Admission, Queued
 from decode.choices import Choices
@@ -60,8 +61,14 @@ class DecodeEngine:
                 )
                 if cfg.bucketed()
                 else None,
+                memory_utilization=cfg.gpu_memory_utilization,
+                profile_tokens=cfg.max_num_batched_tokens,
+                profile_seqs=cfg.max_batch_size,
+                profile_query=cfg.draft.num_speculative_tokens + 1,
             )
         )
+        # sized from memory: what the pool holds, from here on
+        self.cfg = cfg = replace(cfg, num_blocks=self.shard.pool.spec.num_blocks)
         self.pool = self.shard.pool
         self.target = self.shard.target
         self.transport = self.shard.transport

@@ -17,7 +17,8 @@ class PrefillWorkerConfig:
     transport: str = (
         "auto"  # KV transport: auto (NIXL, else the object store) | nixl | object_store
     )
-    num_blocks: int = 512
+    num_blocks: int = 512  # with gpu_memory_utilization: the least the pool may hold
+    gpu_memory_utilization: float | None = None  # size the pool from GPU memory
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True

@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -56,8 +57,13 @@ class PrefillWorker:
                 num_threads=cfg.num_threads,
                 switch_interval_s=cfg.switch_interval_s,
                 transport=cfg.transport,
+                memory_utilization=cfg.gpu_memory_utilization,
+                profile_tokens=cfg.max_num_batched_tokens,
+                profile_seqs=1,
             )
         )
+        # sized from memory: what the pool holds, from here on
+        self.cfg = cfg = replace(cfg, num_blocks=self.shard.pool.spec.num_blocks)
         self.pool = self.shard.pool
         self.target = self.shard.target
         self.draft = self.shard.draft

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from kvtransfer.select import make_transport
-from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
+from runtime.kv_sizing import size_pool
+from runtime.shard import (
+    Shard,
+    ShardSpec,
+    load_draft,
+    load_draft_model,
+    load_target,
+    rank_pool,
+    target_runner,
+)
 
 log = logging.getLogger(__name__)
 
@@ -13,13 +23,23 @@ log = logging.getLogger(__name__)
 def build_shard(spec: ShardSpec) -> Shard:
     spec.configure_process()
     if spec.tp_size > 1:
+        if spec.memory_utilization is not None:
+            raise ValueError(
+                f"{spec.role}.gpu_memory_utilization is built for tp 1 only; with tp "
+                f"{spec.tp_size} set {spec.role}.num_blocks"
+            )
         # imported here: TP ranks are Ray actors; a one-process shard runs without Ray
         from runtime.tp_group import build_tp_shard
 
         return build_tp_shard(spec)
+    model = load_target(spec)
+    drafter = load_draft_model(spec)
+    if spec.memory_utilization is not None:
+        blocks = size_pool(spec, model, spec.profile_tokens, spec.profile_seqs, spec.profile_query)
+        spec = replace(spec, num_blocks=blocks)
     pool = rank_pool(spec, 0)
-    target = rank_target(spec, pool)
-    draft = load_draft(spec, pool)
+    target = target_runner(spec, model, pool)
+    draft = load_draft(spec, pool, drafter)
     transport, why = make_transport(spec.transport, pool, spec.role)
     log.info("%s shard: %s", spec.role, target.describe())
     return Shard(target, draft, pool, transport, tp_size=1, fallback_reason=why)

@@ -15,7 +15,8 @@ from kvtransfer.transport import KVTransport
 from models.backend import ModelBackend
 from models.config import DTYPES
 from models.cpu.backend import CpuBackend, pack_eagle_head
-from models.eagle import EagleConfig, load_eagle
+from models.eagle import EagleConfig, EagleHead, load_eagle
+from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import check_supported
 from models.spec import DraftKind, DraftSpec, ModelSpec
@@ -40,6 +41,13 @@ class ShardSpec:
     switch_interval_s: float | None = None
     transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
     buckets: BucketSpec | None = None  # the target's bucketed steps (None: ragged only)
+    # a GPU pool from this share of device memory, at least num_blocks (runtime.kv_sizing);
+    # profiled at its largest steps: a prompt chunk of profile_tokens, and profile_seqs
+    # sequences of profile_query tokens
+    memory_utilization: float | None = None
+    profile_tokens: int = 2048
+    profile_seqs: int = 64
+    profile_query: int = 1
 
     def configure_process(self) -> None:
         if self.num_threads > 0:
@@ -97,8 +105,17 @@ def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
 
 def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
     """This rank's shard of the target over its pool (``tp`` None: the whole model)."""
+    return target_runner(spec, load_target(spec, tp), pool)
+
+
+def load_target(spec: ShardSpec, tp: TPContext | None = None) -> LlamaModel:
     model = spec.target.load(spec.device, tp, row_ops_for(spec.device))
     model.feature_layers = feature_layers(spec)
+    return model
+
+
+def target_runner(spec: ShardSpec, model: LlamaModel, pool: KVPool) -> LocalRunner:
+    """``model`` over ``pool`` as the spec runs it (bucketed or ragged)."""
     kv = pool.tensor("target")
     backend = _served(model_backend(model, kv, spec.block_size), "target")
     b = spec.buckets
@@ -116,12 +133,25 @@ def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> L
     )
 
 
-def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | None:
+def load_draft(
+    spec: ShardSpec, pool: KVPool, loaded: EagleHead | LlamaModel | None = None
+) -> ModelRunner | EagleRunner | None:
+    """The drafter over ``pool``: ``loaded`` (``load_draft_model``'s) or loaded here."""
+    loaded = loaded if loaded is not None else load_draft_model(spec)
+    if loaded is None:
+        return None
+    kv = pool.tensor("draft")
+    if isinstance(loaded, EagleHead):
+        return EagleRunner(loaded, kv, spec.block_size)
+    backend = _served(model_backend(loaded, kv, spec.block_size), "draft")
+    return LocalRunner(loaded, kv, spec.block_size, backend)
+
+
+def load_draft_model(spec: ShardSpec) -> EagleHead | LlamaModel | None:
     d = spec.draft
     if d.model is None:
         return None
     ops = row_ops_for(spec.device)
-    kv = pool.tensor("draft")
     if d.kind is DraftKind.EAGLE:
         check_supported(d.model.quant, spec.device)
         head = load_eagle(
@@ -134,11 +164,8 @@ def load_draft(spec: ShardSpec, pool: KVPool) -> ModelRunner | EagleRunner | Non
         )
         if head.device.type == "cpu" and not pack_eagle_head(head):
             _no_packed_matmul("EAGLE head", head.dtype)
-        return EagleRunner(head, kv, spec.block_size)
-    model = d.model.load(spec.device, ops=ops)
-    return LocalRunner(
-        model, kv, spec.block_size, _served(model_backend(model, kv, spec.block_size), "draft")
-    )
+        return head
+    return d.model.load(spec.device, ops=ops)
 
 
 def _served(backend: ModelBackend, what: str) -> ModelBackend:

@@ -176,9 +176,11 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
         actor_cls = ray.remote(RankWorker)
         actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
     groups = _process_groups(spec, 0, host, port)
-    ray.get([a.source.remote() for a in actors])
     pool = rank_pool(spec, 0)
+    # beside the ranks' loads, not after them: a quantized load runs collectives (row maxima
+    # over the group's columns), so each side would wait on the other
     local = rank_target(spec, pool, TPContext(0, spec.tp_size, groups.compute))
+    ray.get([a.source.remote() for a in actors])  # every rank loaded (or its error raised)
     draft = load_draft(spec, pool)
     rank0 = NixlTransport(pool, role=spec.role, rank=0, tp_size=spec.tp_size)
     transport = GroupTransport(rank0, actors)

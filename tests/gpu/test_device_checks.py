@@ -211,3 +211,34 @@ def test_the_disaggregated_path_is_greedy_identical(
     finally:
         prefill.close()
         engine.close()
+
+
+def test_a_pool_sized_from_memory_fills_the_share_and_serves(gpu_target: Path, device: str) -> None:
+    """decode.gpu_memory_utilization 0.3: the pool takes what 0.3 of the device leaves after the
+    model and the largest steps (profiled), at least num_blocks, and the engine then serves a
+    full batch. (A CPU dry run is refused by name.)"""
+    cfg = DecodeEngineConfig(
+        "t",
+        ModelSpec(str(gpu_target), "bfloat16"),
+        device=device,
+        num_blocks=256,
+        gpu_memory_utilization=0.3,
+        max_batch_size=16,
+        step_shapes="ragged",
+    )
+    if device != "cuda":
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            DecodeEngine(cfg)
+        return
+    engine = DecodeEngine(cfg)
+    _free, total = torch.cuda.mem_get_info()
+    assert 256 <= engine.cfg.num_blocks == engine.allocator.num_free
+    assert engine.pool.nbytes <= 0.3 * total
+    assert engine.pool.nbytes >= 0.3 * total - 4 * 2**30  # a 4-layer model leaves nearly all
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    reqs = [Request(uuid.uuid4().hex, [5 + i, 6, 7] * 30, params) for i in range(16)]
+    for r in reqs:
+        engine.add(r, None)
+    while engine.has_work:
+        engine.step()
+    assert all(len(r.output_token_ids) == 8 for r in reqs)

@@ -190,6 +190,28 @@ def test_tp2_draft_trees_match_tp1(
     engine.close()
 
 
+def test_an_int8_tp2_engine_starts_and_decodes_what_int8_tp1_does(
+    specs: tuple[ModelSpec, DraftSpec],
+) -> None:
+    """int8 weights over two ranks: each rank's load quantizes with row maxima all-reduced over
+    the group, so rank 0 must load beside the actors, not after them (before, each side waited
+    on the other until gloo's timeout). The TP = 2 engine starts in seconds and its greedy
+    tokens are TP = 1's."""
+    target, _ = specs
+    int8 = replace(target, quantization="int8")
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    outs = []
+    for tp in (1, 2):
+        t0 = time.monotonic()
+        engine = DecodeEngine(DecodeEngineConfig("t", int8, DraftSpec(), tp_size=tp, **KW))  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < 120  # gloo's collectives time out at 300 s
+        reqs = [make_request(p, sp) for p in _prompts()]
+        got = run_all(engine, reqs)
+        outs.append([got[r.request_id] for r in reqs])
+        engine.close()
+    assert outs[0] == outs[1]
+
+
 def test_a_silent_rank_wedges_the_replica_and_ends_its_requests(
     tp2: tuple[DecodeEngine, PrefillWorker],
 ) -> None:
