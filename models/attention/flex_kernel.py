@@ -62,15 +62,25 @@ def key_chunks(spec: AttentionSpec) -> int:
     return (spec.num_blocks - 1) * spec.block_chunks + spec.num_kv_heads
 
 
-class FlexKernel:
-    """One model's compiled kernel; groups over fewer than ``min_context_tokens`` gather."""
+# Triton's flex templates index K/V rows in int32: a layer's view of a large block-major pool
+# (Llama-8B's KV shape: block b at row b * 8,192) passes 2**31 elements from block ~2,048
+INT32_ELEMENTS = 2**31 - 1
 
-    def __init__(self, min_context_tokens: int = 32768) -> None:
+
+class FlexKernel:
+    """One model's compiled kernel; groups over fewer than ``min_context_tokens`` gather, and
+    so does a CUDA pool whose layer view spans more than ``max_view_elements`` (None: any)."""
+
+    def __init__(
+        self, min_context_tokens: int = 32768, max_view_elements: int | None = INT32_ELEMENTS
+    ) -> None:
         self.min_context_tokens = min_context_tokens
+        self.max_view_elements = max_view_elements
         self._kernel: Callable[..., torch.Tensor] | None = None
         self._shapes: set[tuple[int, int]] = set()
         self.failed: str | None = None
         self.fallbacks = 0
+        self.too_large = 0  # steps gathered because the pool's view is past int32 offsets
 
     @staticmethod
     def fits(group_size: int, seq: SeqSlice) -> bool:
@@ -78,6 +88,24 @@ class FlexKernel:
 
     def applies(self, context_tokens: int) -> bool:
         return self.failed is None and context_tokens >= self.min_context_tokens
+
+    def reachable(self, spec: AttentionSpec) -> bool:
+        """Whether every K/V row of ``spec``'s layer view has an int32 offset where it must."""
+        span = key_chunks(spec) * spec.block_size * spec.head_dim
+        if spec.device.type != "cuda" or self.max_view_elements is None:
+            return True
+        if span <= self.max_view_elements:
+            return True
+        if not self.too_large:
+            log.error(
+                "a layer's view of this KV pool spans %d elements, past the %d flex indexes: "
+                "its steps gather (counted in attention_fallbacks)",
+                span,
+                self.max_view_elements,
+            )
+        self.too_large += 1
+        self.fallbacks += 1
+        return False
 
     def plan(
         self,
@@ -91,7 +119,7 @@ class FlexKernel:
         h, num_blocks = spec.num_kv_heads, spec.num_blocks
         block_size, device = spec.block_size, spec.device
         nq = b * h
-        if nq > MAX_QUERY_BLOCKS:
+        if nq > MAX_QUERY_BLOCKS or not self.reachable(spec):
             return None
         padded = max(4, 1 << (nq - 1).bit_length())
         width, stride = key_chunks(spec), spec.block_chunks
@@ -143,6 +171,8 @@ class FlexKernel:
         b, nb = tables.shape
         block_size = spec.block_size
         if b * spec.num_kv_heads > MAX_QUERY_BLOCKS or not self.applies(b * nb * block_size):
+            return None
+        if not self.reachable(spec):
             return None
         try:
             h, g = spec.num_kv_heads, spec.group_size
