@@ -122,6 +122,13 @@ class FlexBackend(ReferenceBackend):
         return True
 
     def describe(self) -> str:
-        if self.kernel.failed is not None:
-            return f"gather (flex unavailable: {self.kernel.failed})"
-        return "flex in place (decodes and verifications over long contexts), else gather"
+        k = self.kernel
+        if k.failed is not None:
+            return f"gather (flex unavailable: {k.failed})"
+        failing = (
+            f"; {len(k.failed_shapes)} shapes gather after failing, first: "
+            f"{next(iter(k.failed_shapes.values()))}"
+            if k.failed_shapes
+            else ""
+        )
+        return f"flex in place (decodes and verifications over long contexts), else gather{failing}"

@@ -78,7 +78,8 @@ class FlexKernel:
         self.max_view_elements = max_view_elements
         self._kernel: Callable[..., torch.Tensor] | None = None
         self._shapes: set[tuple[int, int]] = set()
-        self.failed: str | None = None
+        self.failed: str | None = None  # why no step can run in place (planning, capture)
+        self.failed_shapes: dict[tuple[int, ...], str] = {}  # a kernel's shape: why it failed
         self.fallbacks = 0
         self.too_large = 0  # steps gathered because the pool's view is past int32 offsets
 
@@ -243,12 +244,27 @@ class FlexKernel:
         at = layer_kv.storage_offset()
         keys = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at)
         values = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at + h * bs * d)
+        # what a compiled kernel is specialised on: the rows, and the mask's lengths
+        shape = (padded * qb, n, *fg.block_mask.seq_lengths)
+        if shape in self.failed_shapes:
+            self.fallbacks += 1
+            return None
         try:
             out = self._run(rows.view(1, 1, padded * qb, d), keys, values, fg, scale)
-        except Exception as e:
-            self.failed = f"{type(e).__name__}: {e}"[:500]
+        except Exception as e:  # this shape gathers from now on; the others still try
+            self.failed_shapes[shape] = f"{type(e).__name__}: {e}"[:500]
             self.fallbacks += 1
-            log.error("paged flex attention cannot run here, using the gather path: %s", e)
+            # a valid call after a failed one returned wrong values (0.27 off, torch 2.13
+            # CPU) until dynamo's compiled state was dropped: every compile starts afresh
+            torch._dynamo.reset()
+            self._kernel = None
+            log.error(
+                "paged flex attention failed for %d query rows over %d KV rows, which gather "
+                "from now on (compiled kernels reset): %s",
+                shape[0],
+                shape[1],
+                e,
+            )
             return None
         out = out.view(padded, qb, d)[: fg.num_query_blocks, : qn * g]
         return out.view(b, h, qn, g, d).permute(0, 2, 1, 3, 4).reshape(b, qn, hq, d)

@@ -70,6 +70,31 @@ def test_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def test_a_failing_shape_gathers_alone_and_the_rest_stay_in_place() -> None:
+    """A flex call that raises (here: planned over another pool than it reads) is logged and
+    counted, that shape gathers from then on, and a step of another shape still runs in place,
+    right: in this torch a valid call after a failed one returned wrong values (0.27 off) until
+    dynamo's compiled state was reset, which the kernel now does on a failure."""
+    gen = torch.Generator().manual_seed(3)
+    seqs = [SeqSlice(list(range(1, 21)), 300, 1)]
+    q = torch.randn(1, HKV * G, D, generator=gen)
+    kernel = FlexKernel(min_context_tokens=0)
+    small = _layer(5, False)
+    meta = _backend(torch.zeros(2 * NB, 2, HKV, BS, D), kernel).plan(seqs)  # the wrong pool
+    k, v = torch.randn(1, HKV, D, generator=gen), torch.randn(1, HKV, D, generator=gen)
+    gathered = paged_attention(q, k, v, small.clone(), meta, D**-0.5)
+    assert len(kernel.failed_shapes) == 1 and kernel.fallbacks == 1 and kernel.failed is None
+    want = paged_attention(q, k, v, small.clone(), _backend(small, None).plan(seqs), D**-0.5)
+    torch.testing.assert_close(gathered, want, atol=2e-5, rtol=1e-4)
+    paged_attention(q, k, v, small.clone(), meta, D**-0.5)  # the failed shape: gathered
+    assert kernel.fallbacks == 2 and len(kernel.failed_shapes) == 1
+    got, in_place = _step(seqs, kernel, small.clone(), q)  # the pool's own shape: in place
+    assert in_place == 1 and kernel.fallbacks == 2
+    ref, _ = _step(seqs, None, small.clone(), q)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    assert "1 shapes gather after failing" in FlexBackend(layer_spec(small, G), kernel).describe()
+
+
 def test_short_contexts_keep_the_gather_path() -> None:
     kernel = FlexKernel(min_context_tokens=1 << 20)
     pool = torch.zeros(NB, 2, HKV, BS, D)
