@@ -405,6 +405,8 @@ def graph_steps(
     kernel = attention.kernel if isinstance(attention, FlexBackend) else None
     out["flex_failed"] = None if kernel is None else kernel.failed
     out["flex_fallbacks"] = 0 if kernel is None else kernel.fallbacks
+    out["flex_failed_shapes"] = [] if kernel is None else list(kernel.failed_shapes.values())
+    out["flex_too_large"] = 0 if kernel is None else kernel.too_large
     b = out["batches"]
     if 1 in b and 64 in b:  # the goal: at most 2
         out["batch64_over_batch1"] = b[64]["k0"]["bucketed_ms"] / b[1]["k0"]["bucketed_ms"]
@@ -546,6 +548,8 @@ def steps_8b(dev: str, small: bool) -> dict[str, Any]:
     out["attention"] = type(attention).__name__
     out["flex_failed"] = None if kernel is None else kernel.failed
     out["flex_fallbacks"] = 0 if kernel is None else kernel.fallbacks
+    out["flex_failed_shapes"] = [] if kernel is None else list(kernel.failed_shapes.values())
+    out["flex_too_large"] = 0 if kernel is None else kernel.too_large
     out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
     return out
 
