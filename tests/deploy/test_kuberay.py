@@ -157,6 +157,18 @@ def test_image_bakes_in_the_apps_models() -> None:
     assert len(images) == 1  # one image: the Dockerfile's
 
 
+def test_the_image_and_make_install_pin_the_same_cuda_torch() -> None:
+    """The GPU torch is the one the device checks ran on, in both places that install one."""
+    script = (DEPLOY.parent / "tools" / "install_torch.sh").read_text()
+    version = re.search(r'^GPU_TORCH="([\d.]+)"$', script, re.M)
+    index = re.search(r'^GPU_INDEX="(\S+)"$', script, re.M)
+    assert version and index
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert f'"torch=={version.group(1)}"' in dockerfile
+    assert f"--index-url {index.group(1)}" in dockerfile
+    assert re.search(r"pip install[^\n]*\btorch\b(?!==)", dockerfile) is None  # never unpinned
+
+
 def test_the_kustomize_base_lists_only_manifests_of_its_own_folder() -> None:
     """kustomize refuses a resource outside the kustomization's folder; the base must list
     files that are here, and the RayService (not the hand-run RayCluster beside it)."""
