@@ -48,9 +48,10 @@ class Admission:
         most = self.most_tokens(r)
         if self.blocks_for(most) <= self.num_blocks:
             return None
+        need = len(r.prompt_token_ids) + r.sampling.max_tokens + 1
         return (
             f"the prompt ({len(r.prompt_token_ids)} tokens) and max_tokens "
-            f"({r.sampling.max_tokens}) need {most} tokens of KV; one sequence can hold "
+            f"({r.sampling.max_tokens}) need {need} tokens of KV; one sequence can hold "
             f"at most {self.num_blocks * self.block_size} in this pool "
             "(decode.num_blocks x kv.block_size)"
         )

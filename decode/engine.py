@@ -39,6 +39,9 @@ BLOCKED_WAIT_S = 0.02
 
 class DecodeEngine:
     def __init__(self, cfg: DecodeEngineConfig, observer: TransferObserver | None = None) -> None:
+        # no sequence outgrows the pool (its floor, when sized from memory): a model's 128k
+        # context would otherwise size every step's block-table copy (4 MiB at 64 sequences)
+        cfg = replace(cfg, max_model_len=min(cfg.max_model_len, cfg.num_blocks * cfg.block_size))
         self.cfg = cfg
         self.shard = build_shard(
             ShardSpec(

@@ -156,8 +156,11 @@ def test_an_engine_with_bucketed_steps_decodes_what_the_ragged_one_does(tiny_fol
     spec = DraftSpec(DraftKind.NGRAM, num_speculative_tokens=3)
     outs = {}
     for shapes in ("ragged", "bucketed"):
-        cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), spec, num_blocks=64)
+        cfg = DecodeEngineConfig(
+            "t", ModelSpec(str(tiny_folder)), spec, num_blocks=64, max_model_len=131072
+        )
         engine = DecodeEngine(replace(cfg, step_shapes=shapes))
+        assert engine.cfg.max_model_len == 64 * 16  # capped by what the pool can hold
         reqs = [make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         got = run_all(engine, reqs)
         outs[shapes] = [got[r.request_id] for r in reqs]
@@ -165,6 +168,7 @@ def test_an_engine_with_bucketed_steps_decodes_what_the_ragged_one_does(tiny_fol
         if shapes == "bucketed":
             assert isinstance(runner, BucketedRunner)
             assert runner.bucketed_steps > 0 and runner.ragged_steps > 0  # prompts: ragged
+            assert runner.buffers.max_blocks == 64  # block tables as wide as the pool, no more
         else:
             assert not isinstance(runner, BucketedRunner)
     assert outs["bucketed"] == outs["ragged"]
