@@ -510,7 +510,7 @@ int64_t tandem_bf16_panels_at_least(const uint16_t* s, int64_t ss, int64_t m, in
 int tandem_panel_bf16(void) { return HAVE_BF16; }
 
 /* Whether the tiles run in 16-float registers. Elsewhere (AVX2: 16 registers of 8 floats) a
- * tile's 24 accumulators spill, and oneDNN's matmul is 2-17x faster (bench.panel_fallback). */
+ * tile's 24 accumulators spill, and oneDNN's matmul is 1.8-17x faster (bench.panel_fallback). */
 int tandem_panel_vector(void) {
 #ifdef __AVX512F__
     return 1;

@@ -76,7 +76,7 @@ def test_the_kernel_builds_here() -> None:
 def test_replicas_take_the_panel_kernel_only_with_its_vector_tiles(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Built without AVX-512F, the kernel's 16-float tiles spill (2-17x slower than oneDNN,
+    """Built without AVX-512F, the kernel's 16-float tiles spill (1.8-17x slower than oneDNN,
     bench.panel_fallback): a replica's packer then takes oneDNN and says why; ``never`` and
     ``always`` ($TANDEM_CPU_PANEL) override, and every path computes the same product."""
     flags = next(
