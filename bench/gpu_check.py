@@ -618,6 +618,7 @@ def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
 
 SECTIONS = (
     "steps_8b_bf16",  # issue 53's shape first
+    "attention_8b_bf16",
     "forward",
     "graph_steps_1b_bf16",
     "engine_1b_bf16",
@@ -662,6 +663,10 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         return step_costs(big, dev)
     if name == "steps_8b_bf16":
         return steps_8b(dev, small)
+    if name == "attention_8b_bf16":
+        from bench.gpu_attention import measure
+
+        return measure(dev, small)
     raise ValueError(f"no section {name!r}; sections: {', '.join(SECTIONS)}")
 
 

@@ -1,14 +1,18 @@
-"""The flex backend: decodes and chain verifications read the pool in place through
-``flex_attention``; prompt chunks, trees, sliding windows and short contexts gather."""
+"""The flex backend: every step reads the pool in place through ``flex_attention`` (decodes,
+verifications and draft trees in query blocks of 16 rows, prompt chunks in tiles of 64), but
+for short queries over short contexts, which gather where that measured faster."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from models.attention.flex_kernel import FlexKernel, FlexPlan
+from models.attention.flex_kernel import FlexKernel
+from models.attention.flex_plan import PROMPT_QUERY_BLOCK, QUERY_BLOCK, FlexPlan
 from models.attention.metadata import (
     AttentionGroup,
     AttentionSpec,
@@ -30,23 +34,27 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FlexGroup:
-    gathered: GatherGroup
-    plan: FlexPlan | None  # None: more (sequence, head) pairs than the kernel serves
+    """Sequences of a ragged step read in place; their gather group is built only if the
+    kernel fails."""
+
+    layout: StepLayout
+    members: tuple[int, ...]
+    spec: AttentionSpec
+    plan: FlexPlan
     kernel: FlexKernel
 
-    @property
+    @cached_property
     def rows(self) -> torch.Tensor | None:
-        return self.gathered.rows
+        rows = self.layout.rows(self.members)
+        return None if rows is None else rows.to(self.spec.device, non_blocking=True)
+
+    @cached_property
+    def gathered(self) -> GatherGroup:
+        return gather_group(self.layout, self.members, self.spec, exact=False)
 
     def attend(self, q: torch.Tensor, layer_kv: torch.Tensor, scale: float) -> torch.Tensor:
-        g = self.gathered
-        if self.plan is not None:
-            qp = g.pad(q)
-            found = self.kernel.attend(qp, layer_kv, self.plan, scale)
-            if found is not None:
-                b, qn, hq, d = qp.shape
-                return g.unpad(found.reshape(b * qn, hq * d))
-        return g.attend(q, layer_kv, scale)
+        found = self.kernel.attend_rows(q, layer_kv, self.plan, scale)
+        return self.gathered.attend(q, layer_kv, scale) if found is None else found
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class FlexBackend(ReferenceBackend):
     def __init__(self, spec: AttentionSpec, kernel: FlexKernel | None = None) -> None:
         self.kernel = kernel or FlexKernel()
         super().__init__(spec, exact=False)
-        self.buckets_in_place = spec.window is None  # the block masks have no window
+        self.buckets_in_place = True
 
     @property
     def fallbacks(self) -> int:
@@ -81,22 +89,27 @@ class FlexBackend(ReferenceBackend):
     def groups(self, layout: StepLayout) -> tuple[AttentionGroup, ...]:
         spec, kernel = self.spec, self.kernel
         everyone = range(len(layout.seqs))
-        if spec.window is not None:
-            return gather_groups(layout, everyone, spec, exact=False)
-        fits = [i for i in everyone if kernel.fits(spec.group_size, layout.seqs[i])]
-        if not kernel.applies(sum(layout.need[i] for i in fits) * spec.block_size):
-            fits = []
-        rest = [i for i in everyone if i not in set(fits)]
-        groups: tuple[AttentionGroup, ...] = gather_groups(layout, rest, spec, exact=False)
-        if fits:
-            gathered = gather_group(layout, fits, spec, exact=False)
-            part = [layout.seqs[i] for i in fits]
-            need = torch.tensor([layout.need[i] for i in fits])
-            cached = torch.tensor([s.num_cached for s in part])
-            tables = layout.tables[torch.tensor(fits), : max(layout.need[i] for i in fits)]
-            plan = kernel.plan(tables, need, cached, spec)
-            groups = (FlexGroup(gathered, plan, kernel), *groups)
-        return groups
+        short = [i for i in everyone if kernel.short(spec.group_size, layout.seqs[i])]
+        if not kernel.applies(sum(layout.need[i] for i in short) * spec.block_size):
+            short = []
+        long = [i for i in everyone if not kernel.short(spec.group_size, layout.seqs[i])]
+        groups: list[AttentionGroup] = []
+        gathered: list[int] = [i for i in everyone if i not in set(short) | set(long)]
+        for members, query_block in ((short, QUERY_BLOCK), (long, PROMPT_QUERY_BLOCK)):
+            plan = self._plan(layout, members, query_block)
+            if plan is None:
+                gathered += members
+            else:
+                groups.append(FlexGroup(layout, tuple(members), spec, plan, kernel))
+        return (*groups, *gather_groups(layout, sorted(gathered), spec, exact=False))
+
+    def _plan(
+        self, layout: StepLayout, members: Sequence[int], query_block: int
+    ) -> FlexPlan | None:
+        if not members:
+            return None
+        seqs = [layout.seqs[i] for i in members]
+        return self.kernel.plan(seqs, layout.tables_of(members), self.spec, query_block)
 
     def plan_bucket(self, bucket: BucketInputs) -> StepMetadata:
         gathered = self.bucket_group(bucket)
@@ -131,4 +144,5 @@ class FlexBackend(ReferenceBackend):
             if k.failed_shapes
             else ""
         )
-        return f"flex in place (decodes and verifications over long contexts), else gather{failing}"
+        short = f"short queries over under {k.min_context_tokens} context tokens gather"
+        return f"flex in place ({short}){failing}"

@@ -1,65 +1,23 @@
-"""``flex_attention`` reading the pool in place through a block mask (decodes, verifications).
-A layer [NB, 2, Hkv, BS, D] is seen as one run of BS-row chunks: chunk ``b * S + h`` (S =
-``block_chunks``) is head h's keys of block b; the values view starts Hkv chunks later. A query
-block is one (sequence, KV head), row ``t * G + g``; KV blocks wholly before its first new token
-are ``full`` (unmasked). Shapes are static (inductor's CPU template needs them)."""
+"""``flex_attention`` over the pool in place (``flex_plan`` builds its block masks): one
+model's compiled kernel, what it may serve, and its failures, per shape and counted."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import flex_attention
 
+from models.attention import flex_plan
+from models.attention.flex_plan import QUERY_BLOCK, FlexPlan, key_chunks
 from models.attention.metadata import AttentionSpec, SeqSlice
 from models.kv_layout import block_chunks
 
 log = logging.getLogger(__name__)
 
-QUERY_BLOCK = 16  # query rows per (sequence, KV head)
-MAX_QUERY_BLOCKS = 512
+MAX_QUERY_BLOCKS = 16384
 RECOMPILE_LIMIT = 64
-
-
-def kv_lists(lists: torch.Tensor, padded: int, width: int) -> torch.Tensor:
-    n, m = lists.shape
-    store = torch.zeros(padded * m + width, dtype=torch.int32, device=lists.device)
-    store[: n * m] = lists.reshape(n * m).to(torch.int32)
-    return store.as_strided((1, 1, padded, width), (0, 0, m, 1))
-
-
-def causal_mask(
-    first: torch.Tensor,
-    logical: torch.Tensor,
-    query_block: int,
-    group: int,
-    block_size: int,
-    stride: int,
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """first: [P] each query block's first position; logical: [>= NB] each pool block's index
-    in the sequence that reads it. A row sees the keys at or before its position."""
-
-    def causal(
-        _b: torch.Tensor, _h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
-    ) -> torch.Tensor:
-        pos = first[q // query_block] + (q % query_block) // group
-        return logical[kv // (block_size * stride)] * block_size + kv % block_size <= pos
-
-    return causal
-
-
-@dataclass(frozen=True)
-class FlexPlan:
-    block_mask: BlockMask
-    num_query_blocks: int  # b * Hkv, before padding
-    group_size: int
-    query_block: int = QUERY_BLOCK
-
-
-def key_chunks(spec: AttentionSpec) -> int:
-    return (spec.num_blocks - 1) * spec.block_chunks + spec.num_kv_heads
 
 
 # Triton's flex templates index K/V rows in int32: a layer's view of a large block-major pool
@@ -68,8 +26,10 @@ INT32_ELEMENTS = 2**31 - 1
 
 
 class FlexKernel:
-    """One model's compiled kernel; groups over fewer than ``min_context_tokens`` gather, and
-    so does a CUDA pool whose layer view spans more than ``max_view_elements`` (None: any)."""
+    """One model's compiled kernel. Short queries (decodes, verifications, small trees) over
+    fewer than ``min_context_tokens`` gather, where an H200 measured gathering faster (1.98 ms
+    against 2.35 at batch 1, 1k tokens each); so does a CUDA pool whose layer view spans more
+    than ``max_view_elements`` (None: any)."""
 
     def __init__(
         self, min_context_tokens: int = 32768, max_view_elements: int | None = INT32_ELEMENTS
@@ -80,12 +40,14 @@ class FlexKernel:
         self._shapes: set[tuple[int, int]] = set()
         self.failed: str | None = None  # why no step can run in place (planning, capture)
         self.failed_shapes: dict[tuple[int, ...], str] = {}  # a kernel's shape: why it failed
+        self.plan_failures: dict[str, int] = {}  # why a step could not be planned: how often
         self.fallbacks = 0
         self.too_large = 0  # steps gathered because the pool's view is past int32 offsets
 
     @staticmethod
-    def fits(group_size: int, seq: SeqSlice) -> bool:
-        return seq.tree is None and group_size * seq.num_new <= QUERY_BLOCK
+    def short(group_size: int, seq: SeqSlice) -> bool:
+        """A decode, verification or small tree: one query block of QUERY_BLOCK rows."""
+        return group_size * seq.num_new <= QUERY_BLOCK
 
     def applies(self, context_tokens: int) -> bool:
         return self.failed is None and context_tokens >= self.min_context_tokens
@@ -109,52 +71,17 @@ class FlexKernel:
         return False
 
     def plan(
-        self,
-        tables: torch.Tensor,
-        need: torch.Tensor,
-        cached: torch.Tensor,
-        spec: AttentionSpec,
+        self, seqs: Sequence[SeqSlice], tables: torch.Tensor, spec: AttentionSpec, query_block: int
     ) -> FlexPlan | None:
-        """tables [b, NBmax], need [b] blocks attended, cached [b]; None past MAX_QUERY_BLOCKS."""
-        b = tables.shape[0]
-        h, num_blocks = spec.num_kv_heads, spec.num_blocks
-        block_size, device = spec.block_size, spec.device
-        nq = b * h
-        if nq > MAX_QUERY_BLOCKS or not self.reachable(spec):
+        """A ragged group (``seqs`` over ``tables`` [b, NBmax]) planned on the host; None (its
+        sequences gather) after a failure, past MAX_QUERY_BLOCKS or past int32 offsets."""
+        if self.failed is not None:
             return None
-        padded = max(4, 1 << (nq - 1).bit_length())
-        width, stride = key_chunks(spec), spec.block_chunks
-        nbmax = tables.shape[1]
-        chunks = tables.unsqueeze(1) * stride + torch.arange(h).view(1, h, 1)
-        j = torch.arange(nbmax)
-        used = j.view(1, -1) < need.view(-1, 1)  # [b, NBmax] attended (the rest is padding)
-        full = (j.view(1, -1) + 1) * block_size <= cached.view(-1, 1)  # [b, NBmax] before q
-        part = used & ~full
-        # per query block: masked chunks and full ones (a prefix of the table), left-aligned
-        n_full = full.sum(1).repeat_interleave(h).int()
-        n_part = part.sum(1).repeat_interleave(h).int()
-        order = torch.argsort((~part).int(), dim=1, stable=True)
-        masked = chunks.gather(2, order.unsqueeze(1).expand(b, h, nbmax)).view(nq, nbmax)
-        kv_num = torch.zeros(padded, dtype=torch.int32)
-        full_num = torch.zeros(padded, dtype=torch.int32)
-        kv_num[:nq], full_num[:nq] = n_part, n_full
-        logical = torch.zeros(num_blocks, dtype=torch.long)
-        logical[tables[used]] = j.view(1, -1).expand(b, nbmax)[used]
-        first = torch.zeros(padded, dtype=torch.long)
-        first[:nq] = cached.repeat_interleave(h)
-        logical, first = logical.to(device), first.to(device)
-        g = spec.group_size
-        mask = BlockMask.from_kv_blocks(
-            kv_num.view(1, 1, padded).to(device),
-            kv_lists(masked.to(device), padded, width),
-            full_num.view(1, 1, padded).to(device),
-            kv_lists(chunks.view(nq, nbmax).to(device), padded, width),
-            BLOCK_SIZE=(QUERY_BLOCK, block_size),
-            mask_mod=causal_mask(first, logical, QUERY_BLOCK, g, block_size, stride),
-            seq_lengths=(padded * QUERY_BLOCK, width * block_size),
-            compute_q_blocks=False,
-        )
-        return FlexPlan(mask, nq, g)
+        tokens = query_block // spec.group_size
+        tiles = sum(-(-s.num_new // tokens) for s in seqs)
+        if tiles * spec.num_kv_heads > MAX_QUERY_BLOCKS or not self.reachable(spec):
+            return None
+        return self._planned(lambda: flex_plan.plan_ragged(seqs, tables, spec, query_block))
 
     def plan_bucket(
         self,
@@ -164,93 +91,79 @@ class FlexKernel:
         query: int,
         spec: AttentionSpec,
     ) -> FlexPlan | None:
-        """``plan`` with device ops only (CUDA graphs); padding sequences bring 0 new tokens.
-        None (gather) after a failure, under ``min_context_tokens``, or past MAX_QUERY_BLOCKS."""
+        """A bucket's plan with device ops only (CUDA graphs). None (gather) after a failure,
+        under ``min_context_tokens``, past MAX_QUERY_BLOCKS or past int32 offsets."""
         if self.failed is not None:
             self.fallbacks += 1
             return None
         b, nb = tables.shape
-        block_size = spec.block_size
-        if b * spec.num_kv_heads > MAX_QUERY_BLOCKS or not self.applies(b * nb * block_size):
+        if b * spec.num_kv_heads > MAX_QUERY_BLOCKS or not self.applies(b * nb * spec.block_size):
             return None
         if not self.reachable(spec):
             return None
+        return self._planned(lambda: flex_plan.plan_bucket(tables, cached, num_new, query, spec))
+
+    def _planned(self, build: Callable[[], FlexPlan]) -> FlexPlan | None:
+        """The plan, or None (this step's group gathers, counted; each error logged once)."""
         try:
-            h, g = spec.num_kv_heads, spec.group_size
-            nq = b * h
-            qb = max(QUERY_BLOCK, 1 << (g * query - 1).bit_length())
-            padded = max(4, 1 << (nq - 1).bit_length())
-            width, stride = key_chunks(spec), spec.block_chunks
-            dev = tables.device
-            heads = torch.arange(h, device=dev)
-            chunks = tables.unsqueeze(1) * stride + heads.view(1, h, 1)
-            need = (cached + num_new + block_size - 1) // block_size
-            n_full = torch.minimum(cached // block_size, need)  # [b] blocks wholly before q
-            j = torch.arange(nb, device=dev)
-            first_part = (n_full.view(b, 1) + j.view(1, nb)).clamp(max=nb - 1)
-            masked = chunks.gather(2, first_part.unsqueeze(1).expand(b, h, nb))
-
-            def per_block(x: torch.Tensor) -> torch.Tensor:
-                out = torch.zeros(padded, dtype=torch.int32, device=dev)
-                out[:nq] = x.view(b, 1).expand(b, h).reshape(nq).to(torch.int32)
-                return out
-
-            # blocks past a sequence's need scatter to a spare entry, not a used one
-            used = j.view(1, nb) < need.view(b, 1)
-            spare = spec.num_blocks
-            target = torch.where(used, tables, spare).reshape(-1)
-            logical = torch.zeros(spare + 1, dtype=torch.long, device=dev)
-            logical.scatter_(0, target, j.view(1, nb).expand(b, nb).reshape(-1))
-            first = torch.zeros(padded, dtype=torch.long, device=dev)
-            first[:nq] = cached.view(b, 1).expand(b, h).reshape(nq)
-
-            mask = BlockMask.from_kv_blocks(
-                per_block(need - n_full).view(1, 1, padded),
-                kv_lists(masked.view(nq, nb), padded, width),
-                per_block(n_full).view(1, 1, padded),
-                kv_lists(chunks.view(nq, nb), padded, width),
-                BLOCK_SIZE=(qb, block_size),
-                mask_mod=causal_mask(first, logical, qb, g, block_size, stride),
-                seq_lengths=(padded * qb, width * block_size),
-                compute_q_blocks=False,
-            )
-            return FlexPlan(mask, nq, g, qb)
-        except Exception as e:  # an API this torch lacks, say: the bucket gathers
-            self.failed = f"{type(e).__name__}: {e}"[:500]
+            return build()
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"[:500]
             self.fallbacks += 1
-            log.error("paged flex attention cannot plan a bucket, using the gather path: %s", e)
+            if why not in self.plan_failures:
+                log.error("paged flex attention cannot plan a step, which gathers: %s", why)
+            self.plan_failures[why] = self.plan_failures.get(why, 0) + 1
             return None
 
     def attend(
         self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexPlan, scale: float
     ) -> torch.Tensor | None:
-        """q: [b, q, Hq, D]; layer_kv: [NB, 2, Hkv, BS, D]. Returns [b, q, Hq, D], or None when
-        the kernel cannot run here (logged once, counted): the caller gathers."""
-        if self.failed is not None:
-            self.fallbacks += 1
-            return None
+        """A bucket's q: [b, q, Hq, D]; layer_kv: [NB, 2, Hkv, BS, D]. Returns [b, q, Hq, D], or
+        None when the kernel cannot run here (logged, counted): the caller gathers."""
         b, qn, hq, d = q.shape
-        nb, _two, h, bs, _d = layer_kv.shape
-        g = fg.group_size
-        padded = fg.block_mask.kv_num_blocks.shape[-1]
-        qb = fg.query_block
-        rows = q.new_zeros(padded, qb, d)
+        h, g, qb = layer_kv.shape[2], fg.group_size, fg.query_block
+        rows = q.new_zeros(fg.padded, qb, d)
         # [b, q, H, G, D] -> [b, H, q, G, D] -> [b * H, q * G, D]
         rows[: fg.num_query_blocks, : qn * g] = (
             q.view(b, qn, h, g, d).permute(0, 2, 1, 3, 4).reshape(b * h, qn * g, d)
         )
+        out = self._call(rows.view(fg.padded * qb, d), layer_kv, fg, scale)
+        if out is None:
+            return None
+        out = out.view(fg.padded, qb, d)[: fg.num_query_blocks, : qn * g]
+        return out.view(b, h, qn, g, d).permute(0, 2, 1, 3, 4).reshape(b, qn, hq, d)
+
+    def attend_rows(
+        self, q: torch.Tensor, layer_kv: torch.Tensor, fg: FlexPlan, scale: float
+    ) -> torch.Tensor | None:
+        """A ragged group's q: [t, Hq, D] -> [t, Hq * D], or None (the caller gathers)."""
+        assert fg.rows is not None
+        t, hq, d = q.shape
+        rows = q.new_zeros(fg.padded * fg.query_block, d)
+        rows[fg.rows] = q.reshape(t * hq, d)
+        out = self._call(rows, layer_kv, fg, scale)
+        return None if out is None else out[fg.rows].view(t, hq * d)
+
+    def _call(
+        self, rows: torch.Tensor, layer_kv: torch.Tensor, fg: FlexPlan, scale: float
+    ) -> torch.Tensor | None:
+        """rows: [P * query_block, D] -> the same, attended; None after a failure."""
+        if self.failed is not None:
+            self.fallbacks += 1
+            return None
+        nb, _two, h, bs, d = layer_kv.shape
         # the layer's chunks as rows [n, D]: keys, and values Hkv chunks later
         n = ((nb - 1) * block_chunks(layer_kv) + h) * bs
         at = layer_kv.storage_offset()
         keys = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at)
         values = layer_kv.as_strided((1, 1, n, d), (0, 0, d, 1), at + h * bs * d)
         # what a compiled kernel is specialised on: the rows, and the mask's lengths
-        shape = (padded * qb, n, *fg.block_mask.seq_lengths)
+        shape = (rows.shape[0], n, *fg.block_mask.seq_lengths)
         if shape in self.failed_shapes:
             self.fallbacks += 1
             return None
         try:
-            out = self._run(rows.view(1, 1, padded * qb, d), keys, values, fg, scale)
+            out = self._run(rows.view(1, 1, *rows.shape), keys, values, fg, scale)
         except Exception as e:  # this shape gathers from now on; the others still try
             self.failed_shapes[shape] = f"{type(e).__name__}: {e}"[:500]
             self.fallbacks += 1
@@ -266,8 +179,7 @@ class FlexKernel:
                 e,
             )
             return None
-        out = out.view(padded, qb, d)[: fg.num_query_blocks, : qn * g]
-        return out.view(b, h, qn, g, d).permute(0, 2, 1, 3, 4).reshape(b, qn, hq, d)
+        return out.view(rows.shape)
 
     def _run(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fg: FlexPlan, scale: float

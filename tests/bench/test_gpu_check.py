@@ -1,10 +1,12 @@
-"""``bench.gpu_check``'s 8B-shape section dry-run on the CPU (``--small``): it builds the model on
-the device without a checkpoint, times both backends over tables at the top of the pool, and
-reports what the device run will be judged on."""
+"""``bench.gpu_check``'s 8B-shape sections dry-run on the CPU (``--small``): the model built on
+the device without a checkpoint, both backends timed over tables at the top of the pool, and
+what the device run will be judged on reported."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from bench.gpu_check import run_section
 
@@ -21,3 +23,13 @@ def test_the_8b_section_runs_small_and_reports_its_ratios(tmp_path: Path) -> Non
         # bf16 kernels are not batch-invariant: a random model's near-tie may flip, one at most
         assert row["k0"]["inplace_gather_agreement"] >= 7 / 8
     assert out["flex_failed"] is None and out["flex_fallbacks"] == 0
+
+
+@pytest.mark.slow  # flex compiles a kernel per kind of step on a CPU (about 40 s)
+def test_the_attention_section_runs_every_kind_of_step_in_place(tmp_path: Path) -> None:
+    out = run_section("attention_8b_bf16", tmp_path, "cpu", True, tmp_path)
+    assert set(out["cases"]) >= {"decode_b1_1k", "tree_w4_b8_1k", "prompt_2k_after_6k"}
+    for row in out["cases"].values():
+        assert row["in_place"] and row["inplace_ms"] > 0 and row["gather_ms"] > 0
+        assert row["max_abs_diff"] < 0.05  # bf16 rounding of values near 1
+    assert out["flex_fallbacks"] == 0 and out["flex_plan_failures"] == {}

@@ -61,11 +61,13 @@ def test_forward_matches_transformers(gpu_target: Path, device: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("window", [None, 48])
 def test_the_devices_attention_matches_the_reference(
-    case: StepCase, dtype: torch.dtype, block_major: bool, device: str
+    case: StepCase, dtype: torch.dtype, block_major: bool, window: int | None, device: str
 ) -> None:
     """The backend ``runtime.backends`` picks for the device, against the float64 reference
-    on it: outputs to the dtype's rounding, the same K/V written."""
+    on it: outputs to the dtype's rounding, the same K/V written (flex reads prompt chunks and
+    large trees in place whatever their context, windowed or not)."""
     gen = torch.Generator().manual_seed(7)
     seqs = case.seqs(NB, BS, gen)
     t = sum(s.num_new for s in seqs)
@@ -74,10 +76,10 @@ def test_the_devices_attention_matches_the_reference(
         torch.randn(t, h, D, generator=gen).to(dtype).to(device) for h in (HKV * G, HKV, HKV)
     )
     want_pool = layer.clone()
-    meta = ReferenceBackend(layer_spec(want_pool, G), exact=True).plan(seqs)
+    meta = ReferenceBackend(layer_spec(want_pool, G, window), exact=True).plan(seqs)
     want = paged_attention(q, k, v, want_pool, meta, D**-0.5)
     mine = in_block_major(layer) if block_major else layer.clone()
-    backend = attention_for(layer_spec(mine, G), dtype)
+    backend = attention_for(layer_spec(mine, G, window), dtype)
     got = paged_attention(q, k, v, mine, backend.plan(seqs), D**-0.5)
     assert torch.equal(mine, want_pool)
     tol = 3e-5 if dtype == torch.float32 else 2e-2

@@ -12,6 +12,7 @@ from models.attention.flex_kernel import FlexKernel
 from models.attention.metadata import BucketInputs, SeqSlice
 from models.attention.reference import ReferenceBackend
 from models.kv_layout import block_chunks
+from models.tree import TreeSpan
 from tests.models.attention.cases import layer_spec
 
 pytestmark = pytest.mark.slow  # flex_attention compiles a kernel per shape on a CPU
@@ -29,15 +30,21 @@ def _layer(seed: int, block_major: bool) -> torch.Tensor:
     return torch.randn(NB, LAYERS, 2, HKV, BS, D, generator=gen)[:, LAYERS // 2]
 
 
-def _backend(pool: torch.Tensor, kernel: FlexKernel | None) -> ReferenceBackend:
-    spec = layer_spec(pool, G)
+def _backend(
+    pool: torch.Tensor, kernel: FlexKernel | None, window: int | None = None
+) -> ReferenceBackend:
+    spec = layer_spec(pool, G, window)
     return ReferenceBackend(spec) if kernel is None else FlexBackend(spec, kernel)
 
 
 def _step(
-    seqs: list[SeqSlice], flex: FlexKernel | None, pool: torch.Tensor, q: torch.Tensor
+    seqs: list[SeqSlice],
+    flex: FlexKernel | None,
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, int]:
-    meta = _backend(pool, flex).plan(seqs)
+    meta = _backend(pool, flex, window).plan(seqs)
     t = q.shape[0]
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(t, HKV, D, generator=gen)
@@ -50,9 +57,8 @@ def _step(
 def test_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
-    # decodes and verifications over long contexts, and a prompt chunk the gather path keeps;
-    # the first sequence's one (partial) block is block 0, which every padded table entry
-    # names as well
+    # decodes and verifications over long contexts, and a prompt chunk; the first sequence's
+    # one (partial) block is block 0, which every padded table entry names as well
     shapes = [(300, 1), (517, 5), (16, 1), (250, 3), (40, 24)]
     seqs, start = [SeqSlice([0], 5, 1)], 0
     for cached, new in shapes:
@@ -65,7 +71,7 @@ def test_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
     assert block_chunks(pool) == (LAYERS if block_major else 1) * 2 * HKV
     got, in_place = _step(seqs, kernel, pool, q)
     want, none = _step(seqs, None, _layer(4, block_major), q)
-    assert in_place == 1 and none == 0  # every decode and verification in one group, in place
+    assert in_place == 2 and none == 0  # short queries in one group, the prompt chunk in another
     assert kernel.failed is None and kernel.fallbacks == 0
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
@@ -95,12 +101,33 @@ def test_a_failing_shape_gathers_alone_and_the_rest_stay_in_place() -> None:
     assert "1 shapes gather after failing" in FlexBackend(layer_spec(small, G), kernel).describe()
 
 
-def test_short_contexts_keep_the_gather_path() -> None:
+def test_short_contexts_keep_the_gather_path_for_short_queries_alone() -> None:
+    """Under ``min_context_tokens`` a decode gathers (measured faster on a GPU there); a prompt
+    chunk reads in place whatever its context (gathering it costs its rows times its keys)."""
     kernel = FlexKernel(min_context_tokens=1 << 20)
     pool = torch.zeros(NB, 2, HKV, BS, D)
     q = torch.zeros(1, HKV * G, D)
     _out, in_place = _step([SeqSlice([0, 1], 20, 1)], kernel, pool, q)
     assert in_place == 0
+    _out, in_place = _step([SeqSlice([0, 1], 0, 20)], kernel, pool, torch.zeros(20, HKV * G, D))
+    assert in_place == 1
+
+
+def test_large_trees_and_windowed_prompts_read_in_place() -> None:
+    """A draft tree too wide for one query block (30 new nodes: two tiles of 21 tokens), beside
+    a long prompt chunk, with and without a sliding window, equals the gather path."""
+    gen = torch.Generator().manual_seed(11)
+    parents = (-1, *(int(torch.randint(0, n, (1,), generator=gen)) for n in range(1, 32)))
+    perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
+    tree = TreeSpan(130, parents)  # two nodes cached, 30 new
+    seqs = [SeqSlice(perm[:11], 132, 30, tree), SeqSlice(perm[11:40], 190, 260)]
+    q = torch.randn(290, HKV * G, D, generator=gen)
+    for window in (None, 40):
+        kernel = FlexKernel(min_context_tokens=0)
+        got, in_place = _step(seqs, kernel, _layer(6, True), q, window)
+        want, _ = _step(seqs, None, _layer(6, True), q, window)
+        assert in_place == 1 and kernel.fallbacks == 0  # both sequences: tiles of 64 rows
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
 def _bucket(
@@ -110,6 +137,7 @@ def _bucket(
     tables: torch.Tensor,
     cached: torch.Tensor,
     num_new: torch.Tensor,
+    window: int | None,
 ) -> torch.Tensor:
     """One layer of a bucketed step's attention (``plan_bucket``): its rows' outputs."""
     b, nb = tables.shape
@@ -123,7 +151,7 @@ def _bucket(
     slot_blocks = torch.where(valid, blocks.view(-1), blocks.view(-1)[0])
     slot_offsets = torch.where(valid, pos % BS, pos[0] % BS)
     bucket = BucketInputs(pos, slot_blocks, slot_offsets, write_rows, tables, cached, num_new)
-    meta = _backend(pool, flex).plan_bucket(bucket)
+    meta = _backend(pool, flex, window).plan_bucket(bucket)
     in_place = isinstance(meta.groups[0], FlexBucketGroup)
     assert in_place == (flex is not None and flex.min_context_tokens == 0)
     gen = torch.Generator().manual_seed(2)
@@ -133,11 +161,13 @@ def _bucket(
     return out[valid]
 
 
-@pytest.mark.parametrize("block_major", [False, True])
-def test_bucketed_in_place_attention_equals_the_gather_path(block_major: bool) -> None:
+@pytest.mark.parametrize(("block_major", "window"), [(False, None), (True, None), (True, 40)])
+def test_bucketed_in_place_attention_equals_the_gather_path(
+    block_major: bool, window: int | None
+) -> None:
     """A bucket's block mask, built from device tensors alone (what a CUDA graph holds), gives
     what the gather path gives: decodes and verifications, contexts that end inside a block
-    or on its edge, and a padding sequence."""
+    or on its edge, a padding sequence, and a sliding window."""
     gen = torch.Generator().manual_seed(3)
     perm = (1 + torch.randperm(NB - 1, generator=gen)).tolist()
     for qn, cached_list, new_list in (
@@ -155,8 +185,8 @@ def test_bucketed_in_place_attention_equals_the_gather_path(block_major: bool) -
         q = torch.randn(len(cached_list) * qn, HKV * G, D, generator=gen)
         kernel = FlexKernel(min_context_tokens=0)
         pool = _layer(qn, block_major)
-        got = _bucket(kernel, pool, q, tables, cached, num_new)
-        want = _bucket(None, _layer(qn, block_major), q, tables, cached, num_new)
+        got = _bucket(kernel, pool, q, tables, cached, num_new, window)
+        want = _bucket(None, _layer(qn, block_major), q, tables, cached, num_new, window)
         assert kernel.failed is None and kernel.fallbacks == 0
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 

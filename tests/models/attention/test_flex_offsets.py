@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import torch
 
-from models.attention.flex_kernel import INT32_ELEMENTS, FlexKernel, key_chunks
-from models.attention.metadata import AttentionSpec
+from models.attention.flex_kernel import INT32_ELEMENTS, FlexKernel
+from models.attention.flex_plan import QUERY_BLOCK, key_chunks
+from models.attention.metadata import AttentionSpec, SeqSlice
 from tests.models.attention.cases import layer_spec
 
 
@@ -28,7 +29,7 @@ def test_a_cuda_pool_past_int32_offsets_gathers_and_is_counted() -> None:
     kernel = FlexKernel(min_context_tokens=0)
     assert kernel.reachable(fits) and kernel.fallbacks == 0
     tables = torch.arange(2000, 2049).view(1, -1)
-    plan = kernel.plan(tables, torch.tensor([49]), torch.tensor([780]), past)
+    plan = kernel.plan([SeqSlice(tables[0].tolist(), 780, 1)], tables, past, QUERY_BLOCK)
     assert plan is None  # before any device work: the step gathers
     assert kernel.too_large == 1 and kernel.fallbacks == 1 and kernel.failed is None
     assert not kernel.reachable(past) and kernel.too_large == 2
