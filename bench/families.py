@@ -1,7 +1,7 @@
 """Every supported checkpoint family served end to end, against transformers, in one run.
 
 For each family (``FAMILIES``: Llama 3.x rope scaling, linear scaling, Llama attention biases,
-Qwen2, Qwen3, Mistral with and without its sliding window) a tiny random checkpoint with the
+Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3) a tiny random checkpoint with the
 embedded model's tokenizer is served the way ``tandem serve --model DIR`` serves it (a local
 colocated app, n-gram drafting, through the OpenAI API and the ``openai`` client), and each
 prompt's greedy completion is compared with transformers' ``generate`` on the same checkpoint:
@@ -64,6 +64,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # a window of 64 positions: longer prompts and the steps after them reach past it
     "mistral-window": ("mistral", {"sliding_window": 64}),
     "qwen3": ("qwen3", {"use_sliding_window": False, "tie_word_embeddings": False}),
+    # fused qkv and gate/up projections; Phi-3-mini's window, scaled to the tiny context
+    "phi3": ("phi3", {"tie_word_embeddings": False, "sliding_window": 64, "pad_token_id": 0}),
 }
 
 

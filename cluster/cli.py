@@ -16,24 +16,43 @@ import time
 from importlib.metadata import entry_points
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from cluster.auth import load_keys
 from cluster.config import TandemConfig
+from cluster.model_config import DTYPE_HELP, QUANTIZATION_HELP
 
 log = logging.getLogger("tandem")
 COMMANDS_GROUP = "tandem.commands"  # entry points: callables taking the subparsers object
 
 
+def _setting(text: str) -> tuple[str, Any]:
+    """``--set key=value``: a dotted config field and a YAML value (``8``, ``true``, ``null``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(
+            f"--set wants key=value (e.g. decode.num_blocks=4096), got {text!r}"
+        )
+    return key.strip(), yaml.safe_load(value)
+
+
 def _load_config(args: argparse.Namespace) -> TandemConfig:
+    """The YAML config (or the defaults), then the flags, then ``--set``: validated as one."""
     cfg = TandemConfig.from_yaml(args.config) if args.config else TandemConfig()
-    overrides: dict[str, Any] = {}
-    if args.model:
-        overrides["model.source"] = args.model
-    if args.mode:
-        overrides["mode"] = args.mode
-    if args.host:
-        overrides["http.host"] = args.host
-    if args.port:
-        overrides["http.port"] = args.port
+    flags = {
+        "model.source": args.model,
+        "model.dtype": args.dtype,
+        "model.quantization": args.quantization,
+        "mode": args.mode,
+        "http.host": args.host,
+        "http.port": args.port,
+        "limits.max_model_len": args.max_model_len,
+        "decode.tp": args.tp,
+        "prefill.tp": args.tp,
+        "draft.source": args.draft_source,
+    }
+    overrides: dict[str, Any] = {k: v for k, v in flags.items() if v is not None}
     if args.draft:
         overrides["draft.kind"] = args.draft
         if args.draft in ("none", "ngram"):  # no checkpoint: drop the config's head, if any
@@ -41,6 +60,7 @@ def _load_config(args: argparse.Namespace) -> TandemConfig:
             overrides["draft.lookup_first"] = False
         if args.draft != "eagle":  # trees are drafted by an EAGLE head only
             overrides["draft.tree_width"] = 1
+    overrides.update(args.set or [])
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
@@ -50,7 +70,11 @@ def serve_cmd(args: argparse.Namespace) -> int:
     from cluster.builder import build_app
     from cluster.local_cluster import shutdown, start_ray, start_serve
 
-    cfg = _load_config(args)
+    try:
+        cfg = _load_config(args)
+    except (ValidationError, ValueError) as e:  # a field named, and what it must be
+        print(f"tandem serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
     if not load_keys(cfg.auth).enabled:  # only with auth.required: false (else no start)
         log.warning(
             "serving on %s with no API key set (auth.api_keys_file, $%s): anyone who can reach "
@@ -75,7 +99,11 @@ def serve_cmd(args: argparse.Namespace) -> int:
     )
     try:
         start_serve(cfg)
-        app = build_app(cfg)
+        try:
+            app = build_app(cfg)
+        except ValueError as e:  # a model or setting refused by name, before any replica
+            print(f"tandem serve: cannot serve this model: {e}", file=sys.stderr)
+            return 2
         serve.run(app, name="tandem", route_prefix="/", blocking=False)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         print(
@@ -118,18 +146,34 @@ def config_render_cmd(args: argparse.Namespace) -> int:
     return render_command(Path(args.deploy_dir), check=args.check, out=sys.stdout)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="start a local cluster and serve the OpenAI API")
-    s.add_argument("--config", help="YAML config (see deploy/local.yaml)")
+    s.add_argument("--config", help="YAML config (see deploy/local.yaml); flags override it")
     s.add_argument("--model", help="model: 'embedded', an HF folder, a .gguf, or a cached HF id")
+    s.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help=DTYPE_HELP)
+    s.add_argument("--quantization", choices=["none", "int8", "fp8"], help=QUANTIZATION_HELP)
+    s.add_argument("--tp", type=int, help="tensor-parallel size of every replica (both pools)")
+    s.add_argument("--max-model-len", type=int, help="prompt plus output tokens per request")
     s.add_argument("--mode", choices=["disaggregated", "colocated"])
-    s.add_argument("--draft", choices=["none", "ngram", "draft_model"])
+    s.add_argument("--draft", choices=["none", "ngram", "draft_model", "eagle"])
+    s.add_argument(
+        "--draft-source",
+        help="the draft model's folder (draft_model) or the EAGLE head's ('embedded': the head "
+        "shipped for the embedded model)",
+    )
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.add_argument("--address", help="join an existing Ray cluster instead of starting one")
+    s.add_argument(
+        "--set",
+        action="append",
+        type=_setting,
+        metavar="KEY=VALUE",
+        help="any config field by its dotted path, e.g. decode.num_blocks=4096 (repeatable; "
+        "applied last)",
+    )
     s.add_argument(
         "--metrics-port",
         type=int,
@@ -151,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     r.set_defaults(fn=config_render_cmd)
     for command in entry_points(group=COMMANDS_GROUP):
         command.load()(sub)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
     code: int = args.fn(args)
     return code
 

@@ -9,7 +9,11 @@ from pydantic import Field, model_validator
 
 from cluster.api_config import Frozen as _Frozen
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPE_HELP = (
+    "auto: float32 where the decode pool runs on a CPU (faster there, and exact), else the "
+    "checkpoint's own dtype (config.json's torch_dtype; bfloat16 where it names none)."
+)
 Quantization = Literal["none", "int8", "fp8"]
 
 QUANTIZATION_HELP = (
@@ -29,7 +33,9 @@ class ModelConfig(_Frozen):
     name: str | None = Field(
         None, description="Model id clients send in 'model'; defaults to the checkpoint's name."
     )
-    dtype: Dtype = Field("float32", description="Weights and KV cache dtype of the target.")
+    dtype: Dtype = Field(
+        "auto", description=f"Weights and KV cache dtype of the target. {DTYPE_HELP}"
+    )
     quantization: Quantization = Field("none", description=QUANTIZATION_HELP)
 
 
@@ -46,7 +52,7 @@ class DraftConfig(_Frozen):
         "'embedded' with eagle is the head shipped for the embedded model "
         "(models/drafts/smollm2-135m-eagle, found wherever tandem is installed).",
     )
-    dtype: Dtype = Field("float32", description="Draft model dtype.")
+    dtype: Dtype = Field("auto", description=f"Draft model dtype. {DTYPE_HELP}")
     quantization: Quantization = Field(
         "none", description="The draft model's or EAGLE head's; as model.quantization."
     )

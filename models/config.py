@@ -18,7 +18,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+WINDOWED_TYPES = ("mistral", "phi3")  # whose sliding_window applies to every layer
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ def _rope(cfg: dict[str, Any]) -> RopeScaling:
     if kind not in ROPE_TYPES:
         raise ValueError(
             f"unsupported rope_scaling.rope_type {kind!r}: tandem implements {list(ROPE_TYPES)}"
+        )
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError(
+            f"unsupported partial_rotary_factor {rope['partial_rotary_factor']!r}: only 1.0"
         )
     if float(rope.get("attention_factor") or 1.0) != 1.0:
         raise ValueError(
@@ -119,6 +124,8 @@ def _check_fields(cfg: dict[str, Any]) -> None:
     if model_type not in MODEL_TYPES:
         why = {
             "qwen3_moe": "mixture-of-experts layers are not implemented",
+            "phi3small": "Phi-3-small's blocksparse attention is not implemented",
+            "phimoe": "mixture-of-experts layers are not implemented",
         }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
         raise ValueError(f"unsupported model_type {model_type!r}: {why}")
     for field, allowed in _MUST_BE.items():
@@ -127,7 +134,7 @@ def _check_fields(cfg: dict[str, Any]) -> None:
                 f"unsupported {field} {cfg[field]!r}: tandem implements {allowed[0]!r} only"
             )
     window = _window(cfg)
-    if window is not None and model_type != "mistral":
+    if window is not None and model_type not in WINDOWED_TYPES:
         raise ValueError(
             f"unsupported sliding_window {window} for model_type {model_type!r}: its window "
             f"applies to some layers only (max_window_layers), which is not implemented"
@@ -165,6 +172,7 @@ class LlamaConfig:
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None
+    fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored as one tensor each
 
     @property
     def q_size(self) -> int:
@@ -203,6 +211,7 @@ class LlamaConfig:
             o_bias=bool(cfg.get("attention_bias")),
             qk_norm=cfg.get("model_type") == "qwen3",
             sliding_window=_window(cfg),
+            fused_projections=cfg.get("model_type") == "phi3",
         )
 
     @classmethod

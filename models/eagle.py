@@ -285,7 +285,7 @@ class EagleHead(nn.Module):
         if isinstance(self.layer, Eagle3Layer):
             self.layer.load(w, "layers.0.")
         else:
-            load_layer(self.layer, w, "layers.0.")
+            load_layer(self.layer, w, "layers.0.", self.cfg.layer)
         emb = h.get("embed_tokens.weight")
         if emb is None:
             emb = whole(target["model.embed_tokens.weight"])

@@ -20,7 +20,7 @@ from models.parallel import (
     tp_group,
 )
 from models.quant import Quant
-from models.weights import Sliceable, whole
+from models.weights import Sliceable, split_rows, whole
 
 
 class LlamaAttention(nn.Module):
@@ -214,10 +214,16 @@ class LlamaModel(nn.Module):
         self.lm_head.quantize(kind, keep_table=self.cfg.tie_word_embeddings)
         self.quant = kind
 
-    def load_weights(self, weights: Mapping[str, Sliceable], quant: Quant = Quant.NONE) -> None:
+    def load_weights(
+        self,
+        weights: Mapping[str, Sliceable],
+        quant: Quant = Quant.NONE,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         """HF-named unsharded weights, each layer keeping its rank's shard. With ``quant`` each
         layer is quantized as it loads, so the host holds one full-precision layer at a time;
-        TP ranks load in the same order so their row-scale reductions pair up."""
+        TP ranks load in the same order so their row-scale reductions pair up. ``progress``
+        hears (layers loaded, layers) after each."""
 
         def w(name: str) -> Sliceable:
             if name not in weights:
@@ -233,9 +239,11 @@ class LlamaModel(nn.Module):
         group = tp_group(self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
-            load_layer(layer, w, f"model.layers.{i}.")
+            load_layer(layer, w, f"model.layers.{i}.", self.cfg)
             if quant is not Quant.NONE:
                 quantize_layers(layer, quant, group)
+            if progress is not None:
+                progress(i + 1, len(self.layers))
         self.quant = quant
 
 
@@ -247,21 +255,29 @@ def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:
             m.quantize(kind)
 
 
-def load_layer(layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str) -> None:
+def load_layer(
+    layer: LlamaDecoderLayer, w: Callable[[str], Sliceable], prefix: str, cfg: LlamaConfig
+) -> None:
     attn, mlp = layer.self_attn, layer.mlp
     qkv = ("q", "k", "v")
-    attn.qkv_proj.load(
-        [w(prefix + f"self_attn.{n}_proj.weight") for n in qkv],
-        [w(prefix + f"self_attn.{n}_proj.bias") for n in qkv]
-        if attn.qkv_proj.bias is not None
-        else [],
-    )
+    sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+    inter = cfg.intermediate_size
+    if cfg.fused_projections:  # Phi-3: one tensor each, split as loaded
+        attn.qkv_proj.load(split_rows(w(prefix + "self_attn.qkv_proj.weight"), sizes))
+        mlp.gate_up_proj.load(split_rows(w(prefix + "mlp.gate_up_proj.weight"), (inter, inter)))
+    else:
+        attn.qkv_proj.load(
+            [w(prefix + f"self_attn.{n}_proj.weight") for n in qkv],
+            [w(prefix + f"self_attn.{n}_proj.bias") for n in qkv]
+            if attn.qkv_proj.bias is not None
+            else [],
+        )
+        mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
     attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
     if attn.q_norm is not None and attn.k_norm is not None:
         attn.q_norm.weight.data.copy_(whole(w(prefix + "self_attn.q_norm.weight")))
         attn.k_norm.weight.data.copy_(whole(w(prefix + "self_attn.k_norm.weight")))
-    mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
     mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     if isinstance(layer.input_layernorm, RMSNorm):
         layer.input_layernorm.weight.data.copy_(whole(w(prefix + "input_layernorm.weight")))

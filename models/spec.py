@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +18,9 @@ from models.layers import RowOps
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import Quant, check_supported
-from models.weights import open_checkpoint
+from models.weights import open_checkpoint, safetensors_files
+
+log = logging.getLogger(__name__)
 
 
 class DraftKind(enum.Enum):
@@ -24,6 +28,17 @@ class DraftKind(enum.Enum):
     NGRAM = "ngram"
     DRAFT_MODEL = "draft_model"
     EAGLE = "eagle"
+
+
+def served_dtype(requested: str, folder: Path, device: str) -> str:
+    """``requested``, or for ``auto``: float32 on a CPU, else the checkpoint's dtype."""
+    if requested != "auto":
+        return requested
+    if not device.startswith("cuda"):
+        return "float32"
+    cfg = json.loads((folder / "config.json").read_text())
+    named = cfg.get("torch_dtype") or cfg.get("dtype")
+    return str(named) if named in DTYPES else "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -61,11 +76,31 @@ class ModelSpec:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
         check_supported(self.quant, device)
+        t0 = time.perf_counter()
+        folder = Path(self.folder)
+        shards = len(safetensors_files(folder)) or len(list(folder.glob("pytorch_model*.bin")))
+        rank = "" if tp is None or tp.world_size == 1 else f" (TP rank {tp.rank}/{tp.world_size})"
+        log.info(
+            "loading %s%s: %d weight files, %s, quantization %s, on %s",
+            folder.name,
+            rank,
+            shards,
+            self.dtype,
+            self.quantization,
+            device,
+        )
         with large_blocks_mapped():  # what a layer-by-layer quantization frees is returned
             dtype = DTYPES[self.dtype]
             model = LlamaModel(self.config(), tp=tp, dtype=dtype, device=device, ops=ops)
-            model.load_weights(open_checkpoint(Path(self.folder)), quant=self.quant)
+            model.load_weights(open_checkpoint(folder), quant=self.quant, progress=_progress)
+        log.info("loaded %s%s in %.1f s", folder.name, rank, time.perf_counter() - t0)
         return model.eval()
+
+
+def _progress(done: int, total: int) -> None:
+    """A line at every tenth of the layers (and the last)."""
+    if done == total or done * 10 // total != (done - 1) * 10 // total:
+        log.info("loaded %d/%d layers", done, total)
 
 
 @dataclass(frozen=True)

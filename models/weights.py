@@ -48,6 +48,32 @@ class LazyTensor:
         return out
 
 
+class Rows:
+    """Rows ``start .. start + length`` of a fused tensor (Phi-3's qkv_proj and gate_up_proj),
+    read only as far as narrowed."""
+
+    def __init__(self, whole: Sliceable, start: int, length: int) -> None:
+        self._whole, self._start = whole, start
+        self.shape = torch.Size([length, *whole.shape[1:]])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._whole.narrow(0, self._start + start, length)
+        return self._whole.narrow(0, self._start, self.shape[0]).narrow(dim, start, length)
+
+
+def split_rows(whole: Sliceable, sizes: Sequence[int]) -> list[Sliceable]:
+    """``whole`` [sum(sizes), ...] as consecutive row ranges."""
+    if sum(sizes) != whole.shape[0]:
+        raise ValueError(f"a fused tensor of {whole.shape[0]} rows does not split into {sizes}")
+    out: list[Sliceable] = []
+    at = 0
+    for n in sizes:
+        out.append(Rows(whole, at, n))
+        at += n
+    return out
+
+
 INDEX = "model.safetensors.index.json"
 
 

@@ -1,14 +1,15 @@
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from cluster.builder import DraftMismatchError, check_draft_vocab, resolve_models
-from cluster.cli import _load_config
+from cluster.cli import _load_config, build_parser
+from cluster.cli import main as cli_main
 from cluster.config import TandemConfig
+from models.spec import served_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,19 +29,71 @@ def test_bench_configs_load(path: Path) -> None:
     assert cfg.decode.routing != "slo_aware" or cfg.decode.routing_tpot_slo_s is not None
 
 
+def _cli(*argv: str) -> TandemConfig:
+    return _load_config(build_parser().parse_args(["serve", *argv]))
+
+
 def test_cli_draft_override_drops_the_configs_head() -> None:
     """README's `tandem serve --config deploy/local.yaml --mode colocated --draft none`."""
-    args = argparse.Namespace(
-        config=str(REPO / "deploy" / "local.yaml"),
-        model=None,
-        mode="colocated",
-        host=None,
-        port=None,
-        draft="none",
+    cfg = _cli(
+        "--config", str(REPO / "deploy" / "local.yaml"), "--mode", "colocated", "--draft", "none"
     )
-    cfg = _load_config(args)
     assert cfg.mode == "colocated" and cfg.draft.kind == "none"
     assert cfg.draft.source is None and not cfg.draft.lookup_first
+
+
+def test_cli_flags_and_set_reach_the_config() -> None:
+    cfg = _cli(
+        "--model", "/models/x", "--dtype", "bfloat16", "--tp", "2", "--quantization", "int8",
+        "--max-model-len", "4096", "--draft", "eagle", "--draft-source", "/heads/x",
+        "--set", "decode.num_blocks=4096", "--set", "draft.tree_width=4",
+        "--set", "decode.max_batch_size=16", "--set", "limits.max_model_len=null",
+    )  # fmt: skip
+    assert (cfg.model.source, cfg.model.dtype, cfg.model.quantization) == (
+        "/models/x",
+        "bfloat16",
+        "int8",
+    )
+    assert cfg.decode.tp == cfg.prefill.tp == 2
+    assert (cfg.draft.kind, cfg.draft.source, cfg.draft.tree_width) == ("eagle", "/heads/x", 4)
+    assert cfg.decode.num_blocks == 4096 and cfg.decode.max_batch_size == 16
+    assert cfg.limits.max_model_len is None  # --set comes last: it overrides the flag
+    assert TandemConfig().model.dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--set", "decode.num_blockz=3"], "num_blockz"),
+        (["--set", "decode.tp=0"], "decode.tp"),
+        (["--tp", "0"], "tp"),
+        (["--max-model-len", "1"], "max_model_len"),
+        (["--draft", "eagle"], "draft.source"),
+    ],
+)
+def test_cli_refuses_a_bad_setting_by_name_before_starting_anything(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err and needle in err
+
+
+def test_cli_set_wants_key_equals_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["serve", "--set", "decode.num_blocks"])
+    assert stop.value.code == 2 and "--set wants key=value" in capsys.readouterr().err
+
+
+def test_auto_dtype_is_float32_on_a_cpu_and_the_checkpoints_on_a_gpu(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert served_dtype("auto", tmp_path, "cpu") == "float32"
+    assert served_dtype("auto", tmp_path, "cuda") == "bfloat16"
+    assert served_dtype("float16", tmp_path, "cuda") == "float16"
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')  # transformers 5's name
+    assert served_dtype("auto", tmp_path, "cuda") == "float32"
+    (tmp_path / "config.json").write_text("{}")
+    assert served_dtype("auto", tmp_path, "cuda") == "bfloat16"
 
 
 @pytest.mark.parametrize(

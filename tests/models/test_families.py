@@ -1,7 +1,7 @@
 """Checkpoint families against transformers on tiny random checkpoints (fp32, ≤ 1e-4): Llama
 3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
-biases), Qwen3 (per-head q/k norms), both also over TP = 2, Mistral with and without its
-sliding window; and every config field that would change the math in a way tandem does not
+biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), all but the rope
+kinds also over TP = 2, Mistral with and without its sliding window; and every config field that would change the math in a way tandem does not
 implement refused at load, naming it."""
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
         pos += n
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias", "qwen3", "phi3"])
 def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
     """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
     once, after the all-reduce; every rank normalizes its own heads with the shared per-head
-    q/k norms."""
+    q/k norms; Phi-3's fused projections are split before each rank takes its slice."""
     check_tp2_matches_tp1(ModelSpec(str(_checkpoint(tmp_path / family, family))))
 
 
@@ -91,6 +91,15 @@ BASE: dict[str, Any] = {
             "quant_method 'compressed-tensors'",
         ),
         ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+        (
+            {"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0]}},
+            "rope_type 'longrope'",
+        ),
+        (
+            {"model_type": "phi3", "rope_parameters": {"partial_rotary_factor": 0.75}},
+            "partial_rotary_factor 0.75",
+        ),
+        ({"model_type": "phimoe"}, "model_type 'phimoe'"),
         ({"embedding_multiplier": 12.0}, "embedding_multiplier 12.0"),
     ],
 )
