@@ -1,7 +1,8 @@
 """Every supported checkpoint family served end to end, against transformers, in one run.
 
 For each family (``FAMILIES``: Llama 3.x rope scaling, linear scaling, Llama attention biases,
-Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3) a tiny random checkpoint with the
+Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, and the mixtures of experts
+Qwen3-MoE and Mixtral) a tiny random checkpoint with the
 embedded model's tokenizer is served the way ``tandem serve --model DIR`` serves it (a local
 colocated app, n-gram drafting, through the OpenAI API and the ``openai`` client), and each
 prompt's greedy completion is compared with transformers' ``generate`` on the same checkpoint:
@@ -66,6 +67,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"use_sliding_window": False, "tie_word_embeddings": False}),
     # fused qkv and gate/up projections; Phi-3-mini's window, scaled to the tiny context
     "phi3": ("phi3", {"tie_word_embeddings": False, "sliding_window": 64, "pad_token_id": 0}),
+    # 8 experts, top 2 renormalized; layer 0 dense (mlp_only_layers), layer 1 sparse
+    "qwen3-moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "mixtral": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
 }
 
 

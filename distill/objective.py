@@ -94,6 +94,7 @@ def dense_layer(
         return dense_attention_mlp(
             layer.self_attn, layer.mlp, post, rope, inp, residual, keys, values, mask
         )
+    assert isinstance(layer.mlp, LlamaMLP)  # a head's layer is dense
     return dense_attention_mlp(
         layer.self_attn,
         layer.mlp,

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from models.moe_config import MOE_TYPES, MoEConfig
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -18,8 +20,8 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-WINDOWED_TYPES = ("mistral", "phi3")  # whose sliding_window applies to every layer
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_TYPES)
+WINDOWED_TYPES = ("mistral", "phi3", "mixtral")  # whose sliding_window applies to every layer
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,10 @@ def _check_fields(cfg: dict[str, Any]) -> None:
     model_type = cfg.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         why = {
-            "qwen3_moe": "mixture-of-experts layers are not implemented",
+            "qwen2_moe": "Qwen2-MoE's shared expert is not implemented (Qwen3-MoE and Mixtral are)",
+            "gpt_oss": "gpt-oss (attention sinks, MXFP4 experts) is not implemented",
             "phi3small": "Phi-3-small's blocksparse attention is not implemented",
-            "phimoe": "mixture-of-experts layers are not implemented",
+            "phimoe": "PhiMoE's sparsemixer routing is not implemented",
         }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
         raise ValueError(f"unsupported model_type {model_type!r}: {why}")
     for field, allowed in _MUST_BE.items():
@@ -173,6 +176,7 @@ class LlamaConfig:
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     sliding_window: int | None = None
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored as one tensor each
+    moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the expert blocks
 
     @property
     def q_size(self) -> int:
@@ -209,9 +213,10 @@ class LlamaConfig:
             rope_scaling=_rope(cfg),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),
-            qk_norm=cfg.get("model_type") == "qwen3",
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
             sliding_window=_window(cfg),
             fused_projections=cfg.get("model_type") == "phi3",
+            moe=MoEConfig.from_hf_dict(cfg) if cfg.get("model_type") in MOE_TYPES else None,
         )
 
     @classmethod

@@ -316,7 +316,9 @@ class EagleHead(nn.Module):
         q, k, v = layer.self_attn.qkv_proj.weight.split(
             [self.cfg.layer.q_size, self.cfg.layer.kv_size, self.cfg.layer.kv_size]
         )
-        gate, up = layer.mlp.gate_up_proj.weight.split(self.cfg.layer.intermediate_size)
+        mlp = layer.mlp
+        assert isinstance(mlp, LlamaMLP)  # a head's layer is dense
+        gate, up = mlp.gate_up_proj.weight.split(self.cfg.layer.intermediate_size)
         out = {
             "fc.weight": self.fc.weight,
             "layers.0.self_attn.q_proj.weight": q,
@@ -325,7 +327,7 @@ class EagleHead(nn.Module):
             "layers.0.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
             "layers.0.mlp.gate_proj.weight": gate,
             "layers.0.mlp.up_proj.weight": up,
-            "layers.0.mlp.down_proj.weight": layer.mlp.down_proj.weight,
+            "layers.0.mlp.down_proj.weight": mlp.down_proj.weight,
             "layers.0.post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
         }
         if self.fc.bias is not None:

@@ -11,6 +11,7 @@ from models.attention.backend import paged_attention
 from models.attention.metadata import StepMetadata
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
+from models.moe import SparseMoE
 from models.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -112,6 +113,7 @@ class LlamaDecoderLayer(nn.Module):
         device: torch.device,
         input_norm: bool = True,  # EAGLE heads skip it: their input is already normalized
         ops: RowOps | None = None,
+        sparse: bool = False,  # the MLP is cfg.moe's expert block
     ) -> None:
         super().__init__()
         self.input_layernorm: nn.Module = (
@@ -122,7 +124,11 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, tp, dtype, device, ops=ops)
         eps = cfg.rms_norm_eps
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
-        self.mlp = LlamaMLP(cfg, tp, dtype, device, ops)
+        self.mlp: LlamaMLP | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.moe, tp, dtype, device, ops)
+            if sparse and cfg.moe is not None
+            else LlamaMLP(cfg, tp, dtype, device, ops)
+        )
 
     def forward(
         self,
@@ -160,8 +166,9 @@ class LlamaModel(nn.Module):
         self.feature_layers: tuple[int, ...] = ()
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
+        sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, dev, ops=ops) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, tp, dtype, dev, ops=ops, sparse=s) for s in sparse
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev, ops)
         self.rope = RotaryEmbedding(
@@ -264,7 +271,6 @@ def load_layer(
     inter = cfg.intermediate_size
     if cfg.fused_projections:  # Phi-3: one tensor each, split as loaded
         attn.qkv_proj.load(split_rows(w(prefix + "self_attn.qkv_proj.weight"), sizes))
-        mlp.gate_up_proj.load(split_rows(w(prefix + "mlp.gate_up_proj.weight"), (inter, inter)))
     else:
         attn.qkv_proj.load(
             [w(prefix + f"self_attn.{n}_proj.weight") for n in qkv],
@@ -272,13 +278,20 @@ def load_layer(
             if attn.qkv_proj.bias is not None
             else [],
         )
+    if isinstance(mlp, SparseMoE):
+        assert cfg.moe is not None
+        mlp.load(w, prefix + cfg.moe.prefix)
+    elif cfg.fused_projections:
+        mlp.gate_up_proj.load(split_rows(w(prefix + "mlp.gate_up_proj.weight"), (inter, inter)))
+        mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
+    else:
         mlp.gate_up_proj.load([w(prefix + f"mlp.{n}_proj.weight") for n in ("gate", "up")])
+        mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
     attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
     if attn.q_norm is not None and attn.k_norm is not None:
         attn.q_norm.weight.data.copy_(whole(w(prefix + "self_attn.q_norm.weight")))
         attn.k_norm.weight.data.copy_(whole(w(prefix + "self_attn.k_norm.weight")))
-    mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     if isinstance(layer.input_layernorm, RMSNorm):
         layer.input_layernorm.weight.data.copy_(whole(w(prefix + "input_layernorm.weight")))
     norm = whole(w(prefix + "post_attention_layernorm.weight"))

@@ -122,6 +122,7 @@ class LayerProgram:
             "tensor-parallel": model.tp.world_size > 1,
             "attention biases": cfg.qkv_bias or cfg.o_bias,
             "q/k norms": cfg.qk_norm,
+            "mixture of experts": cfg.moe is not None,
             "the drafter reads inner layers": bool(model.feature_layers),
             "no in-place attention kernel": attention is None or not attention.ready(),
         }

@@ -1,8 +1,9 @@
 """Checkpoint families against transformers on tiny random checkpoints (fp32, ≤ 1e-4): Llama
 3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
-biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), all but the rope
-kinds also over TP = 2, Mistral with and without its sliding window; and every config field that would change the math in a way tandem does not
-implement refused at load, naming it."""
+biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), Qwen3-MoE and
+Mixtral (top-k routed experts), Mistral with and without its sliding window, most also over
+TP = 2; and every config field that would change the math in a way tandem does not implement
+refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
         pos += n
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama-attention-bias", "qwen3", "phi3"])
+@pytest.mark.parametrize(
+    "family", ["qwen2", "llama-attention-bias", "qwen3", "phi3", "qwen3-moe", "mixtral"]
+)
 def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
     """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
-    once, after the all-reduce; every rank normalizes its own heads with the shared per-head
-    q/k norms; Phi-3's fused projections are split before each rank takes its slice."""
+        once, after the all-reduce; every rank normalizes its own heads with the shared per-head
+        q/k norms; Phi-3's fused projections are split before each rank takes its slice; each expert
+    is split like a dense MLP and a rank reduces its experts' sum once."""
     check_tp2_matches_tp1(ModelSpec(str(_checkpoint(tmp_path / family, family))))
 
 
@@ -69,7 +73,10 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "qwen3_moe"}, "model_type 'qwen3_moe'"),
+        ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe'"),
+        ({"model_type": "gpt_oss"}, "model_type 'gpt_oss'"),
+        ({"model_type": "qwen3_moe"}, "no num_experts_per_tok"),
+        ({"model_type": "mixtral", "num_experts_per_tok": 3, "num_local_experts": 2}, "1..2"),
         ({"model_type": "gemma2"}, "model_type 'gemma2'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),

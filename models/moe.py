@@ -1,0 +1,105 @@
+"""A mixture-of-experts MLP block (Qwen3-MoE, Mixtral): a replicated router picks each token's
+top-k experts; each expert is a SwiGLU MLP split by TP like a dense one (columns of gate/up, rows
+of down), so a rank sums its partial outputs over every expert and reduces once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers import RowOps
+from models.moe_config import MoEConfig
+from models.parallel import ColumnParallelLinear, RowParallelLinear, ServedLinear, TPContext
+from models.quant import Quant
+from models.weights import Sliceable, whole
+
+
+class Router(ServedLinear):
+    """[E, H] on every rank, served like any matmul (a CPU's packed kernel is the same for one
+    row as for many, which keeps verification bit-identical to decoding); never quantized, as
+    vLLM keeps it."""
+
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(experts, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def quantize(self, kind: Quant, group: Any = None) -> None:
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)  # [T, H] -> [T, E]
+
+
+class Expert(nn.Module):
+    def __init__(
+        self, hidden: int, inter: int, tp: TPContext, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.local_inter = tp.shard(inter, "moe_intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(hidden, [inter, inter], tp, dtype, device)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, dtype, device)
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        moe: MoEConfig,
+        tp: TPContext,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: RowOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.moe, self.tp = moe, tp
+        self.ops = ops or RowOps()
+        self.gate = Router(hidden, moe.num_experts, dtype, device)
+        inter = moe.expert_intermediate_size
+        self.experts = nn.ModuleList(
+            Expert(hidden, inter, tp, dtype, device) for _ in range(moe.num_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> each token's top-k expert weights [T, k] (x's dtype) and ids [T, k]."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; each expert runs over the rows routed to it, in expert order
+        weights, ids = self.route(x)
+        k = self.moe.top_k
+        flat = ids.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)
+        rows = order // k  # [T * k] the token of each routed row, grouped by expert
+        scale = weights.reshape(-1)[order].unsqueeze(1)  # [T * k, 1]
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            expert = self.experts[e]
+            assert isinstance(expert, Expert)
+            take = rows[start : start + n]
+            act = self.ops.silu_mul(expert.gate_up_proj(x[take]), expert.local_inter)
+            out.index_add_(0, take, expert.down_proj.matmul(act) * scale[start : start + n])
+            start += n
+        return self.tp.all_reduce(out)
+
+    def load(self, w: Callable[[str], Sliceable], prefix: str) -> None:
+        """``prefix``: the layer's block, e.g. ``model.layers.3.mlp.``."""
+        self.gate.weight.data.copy_(whole(w(prefix + "gate.weight")))
+        gate, up, down = self.moe.names
+        for e, expert in enumerate(self.experts):
+            assert isinstance(expert, Expert)
+            at = f"{prefix}experts.{e}."
+            expert.gate_up_proj.load([w(f"{at}{gate}.weight"), w(f"{at}{up}.weight")])
+            expert.down_proj.load(w(f"{at}{down}.weight"))
