@@ -2,7 +2,8 @@
 
 For each family (``FAMILIES``: Llama 3.x rope scaling, linear scaling, Llama attention biases,
 Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, and the mixtures of experts
-Qwen3-MoE and Mixtral) a tiny random checkpoint with the
+Qwen3-MoE and Mixtral; then pre-quantized compressed-tensors checkpoints of the Qwen3 one,
+``--formats``) a tiny random checkpoint with the
 embedded model's tokenizer is served the way ``tandem serve --model DIR`` serves it (a local
 colocated app, n-gram drafting, through the OpenAI API and the ``openai`` client), and each
 prompt's greedy completion is compared with transformers' ``generate`` on the same checkpoint:
@@ -168,7 +169,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--port", type=int, default=8141)
-    ap.add_argument("--families", nargs="+", default=sorted(FAMILIES))
+    ap.add_argument("--families", nargs="*", default=sorted(FAMILIES))
+    ap.add_argument(
+        "--formats",
+        nargs="*",
+        default=["w8a16", "w4a16", "fp8-dynamic", "fp8-static", "w8a8-int8"],
+        help="compressed-tensors schemes (bench.quantized_checkpoints) of the qwen3 checkpoint",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "families.json")
     args = ap.parse_args()
     embedded = resolve_checkpoint("embedded")
@@ -182,6 +189,11 @@ def main() -> None:
         for family in args.families:
             folder = family_checkpoint(Path(tmp) / family, family, vocab, embedded)
             rows.append(served(family, folder, prompts, args.max_tokens, args.port))
+        from bench.quantized_checkpoints import compressed_checkpoint
+
+        for scheme in args.formats:
+            folder = compressed_checkpoint(Path(tmp) / scheme, "qwen3", scheme, vocab, embedded)
+            rows.append(served(f"qwen3+{scheme}", folder, prompts, args.max_tokens, args.port))
     report = {
         "benchmark": "families",
         "machine": {"cpus": 2, "platform": platform.platform()},

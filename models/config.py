@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from models.compressed import check_config
 from models.moe_config import MOE_TYPES, MoEConfig
 
 DTYPES: dict[str, torch.dtype] = {
@@ -110,10 +111,14 @@ def _check_quantization(cfg: dict[str, Any]) -> None:
     if q is None:
         return
     method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
+    if method == "compressed-tensors":
+        check_config(q)
+        return
     raise ValueError(
-        f"unsupported quantization_config.quant_method {method!r}: pre-quantized checkpoints "
-        "are not loaded yet (their weights would be read without their scales); serve the "
-        "unquantized checkpoint, optionally with quantization: int8 or fp8"
+        f"unsupported quantization_config.quant_method {method!r}: tandem loads pre-quantized "
+        "checkpoints in the compressed-tensors format only (others would be read without their "
+        "scales); serve a compressed-tensors or an unquantized checkpoint (optionally with "
+        "quantization: int8 or fp8)"
     )
 
 

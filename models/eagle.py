@@ -14,12 +14,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.attention.metadata import StepMetadata
+from models.compressed import open_weights
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
 from models.parallel import TPContext, WeightKernel, linear
 from models.quant import Quant, quantize, row_absmax
-from models.weights import Sliceable, load_state_dict, open_checkpoint, whole
+from models.weights import Sliceable, load_state_dict, whole
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -419,7 +420,7 @@ def load_eagle(
 ) -> EagleHead:
     cfg = EagleConfig.from_folder(folder).for_target(LlamaConfig.from_folder(target_folder))
     head = EagleHead(cfg, dtype, device, ops)
-    head.load(load_state_dict(folder), open_checkpoint(target_folder))
+    head.load(load_state_dict(folder), open_weights(target_folder))
     if quant is not Quant.NONE:
         head.quantize(quant)
     return head.eval()

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.attention.backend import paged_attention
 from models.attention.metadata import StepMetadata
+from models.compressed import CompressedCheckpoint
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.moe import SparseMoE
@@ -247,11 +248,32 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.", self.cfg)
+            if isinstance(weights, CompressedCheckpoint):
+                quantize_inputs(layer, weights, f"model.layers.{i}.")
             if quant is not Quant.NONE:
                 quantize_layers(layer, quant, group)
             if progress is not None:
                 progress(i + 1, len(self.layers))
         self.quant = quant
+
+
+def quantize_inputs(layer: LlamaDecoderLayer, weights: CompressedCheckpoint, prefix: str) -> None:
+    """A W8A8 checkpoint's activation quantization, on the matmuls whose inputs it names."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoE):
+        experts = [m for m in weights.quantized if m.startswith(prefix) and ".experts." in m]
+        if any(weights.input_quant_of(m) is not None for m in experts):
+            raise ValueError("activation-quantized (W8A8) experts are not implemented")
+        matmuls = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
+    else:
+        matmuls = {
+            "qkv_proj": attn.qkv_proj,
+            "o_proj": attn.o_proj,
+            "gate_up_proj": mlp.gate_up_proj,
+            "down_proj": mlp.down_proj,
+        }
+    for name, linear in matmuls.items():
+        linear.input_quant = weights.input_quant(prefix, name)
 
 
 def quantize_layers(module: nn.Module, kind: Quant, group: object) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,6 +68,8 @@ def tp_group(tp: TPContext) -> Any:
 class ServedLinear(nn.Module):
     weight: nn.Parameter
     kernel: WeightKernel | None = None
+    # a pre-quantized W8A8 checkpoint's activation quantization ([T, in] -> [T, in])
+    input_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def serve(self, kernel: WeightKernel) -> None:
         self.kernel = kernel
@@ -79,6 +81,8 @@ class ServedLinear(nn.Module):
         self.serve(quantize(w, kind, row_absmax(w, group)))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
         return linear(x, self.weight, self.kernel, bias)
 
 

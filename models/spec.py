@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
+from models.compressed import CompressedCheckpoint, open_weights
 from models.config import DTYPES, LlamaConfig
 from models.host_memory import large_blocks_mapped
 from models.layers import RowOps
 from models.llama import LlamaModel
 from models.parallel import TPContext
 from models.quant import Quant, check_supported
-from models.weights import open_checkpoint, safetensors_files
+from models.weights import safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,13 @@ class ModelSpec:
         with large_blocks_mapped():  # what a layer-by-layer quantization frees is returned
             dtype = DTYPES[self.dtype]
             model = LlamaModel(self.config(), tp=tp, dtype=dtype, device=device, ops=ops)
-            model.load_weights(open_checkpoint(folder), quant=self.quant, progress=_progress)
+            weights = open_weights(folder)
+            if isinstance(weights, CompressedCheckpoint) and self.quant is not Quant.NONE:
+                raise ValueError(
+                    f"quantization={self.quantization} with a pre-quantized checkpoint: serve it "
+                    "as stored (quantization: none)"
+                )
+            model.load_weights(weights, quant=self.quant, progress=_progress)
         log.info("loaded %s%s in %.1f s", folder.name, rank, time.perf_counter() - t0)
         return model.eval()
 

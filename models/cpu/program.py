@@ -123,6 +123,9 @@ class LayerProgram:
             "attention biases": cfg.qkv_bias or cfg.o_bias,
             "q/k norms": cfg.qk_norm,
             "mixture of experts": cfg.moe is not None,
+            "activation quantization": any(
+                getattr(m, "input_quant", None) is not None for m in model.modules()
+            ),
             "the drafter reads inner layers": bool(model.feature_layers),
             "no in-place attention kernel": attention is None or not attention.ready(),
         }

@@ -1,0 +1,117 @@
+"""Tiny pre-quantized checkpoints written with the ``compressed-tensors`` library, as
+llm-compressor writes them: a family's random checkpoint (``bench.families``), a preset scheme
+applied to its matmuls (``lm_head`` ignored), weight scales from each weight's own range (the
+minmax observer's result), compressed in the scheme's format and saved with its config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.families import family_checkpoint
+
+GROUP = 32  # group size of the grouped schemes (the tiny models' rows are 64 or 128 wide)
+SCHEMES: dict[str, dict[str, Any]] = {
+    # weight-only: int8 per channel, int4 per group (symmetric and with zero points)
+    "w8a16": {"preset": "W8A16", "weights": {"strategy": "channel", "group_size": None}},
+    "w4a16": {"preset": "W4A16", "weights": {"group_size": GROUP}},
+    "w4a16-asym": {"preset": "W4A16_ASYM", "weights": {"group_size": GROUP}},
+    # activations quantized too: fp8 per channel with per-token inputs; fp8 per tensor with a
+    # calibrated input scale; int8 per channel with per-token inputs
+    "fp8-dynamic": {"preset": "FP8_DYNAMIC"},
+    "fp8-static": {"preset": "FP8"},
+    "w8a8-int8": {"preset": "W8A8"},
+}
+WEIGHT_ONLY = ("w8a16", "w4a16", "w4a16-asym")
+
+
+def _scheme(name: str) -> Any:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    spec = SCHEMES[name]
+    args = dict(PRESET_SCHEMES[spec["preset"]])
+    if "weights" in spec:
+        args["weights"] = QuantizationArgs(**{**args["weights"].model_dump(), **spec["weights"]})
+    return QuantizationScheme(targets=["Linear"], **args)
+
+
+def _input_ranges(model: Any, inputs: torch.Tensor) -> dict[str, float]:
+    """Each linear's largest input magnitude over one forward of the unquantized model."""
+    seen: dict[str, float] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+
+            def hook(_m: Any, args: tuple[torch.Tensor, ...], name: str = name) -> None:
+                seen[name] = max(seen.get(name, 0.0), float(args[0].abs().amax()))
+
+            hooks.append(m.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(inputs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _calibrate(model: Any, ranges: dict[str, float]) -> None:
+    """Each weight's scale from its range (symmetric: its largest magnitude); static input
+    scales from the inputs' largest magnitude (fp8: over 448)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    for name, m in model.named_modules():
+        scheme = getattr(m, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w, a = m.weight.data, scheme.weights
+        if a.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif a.strategy == "group":
+            g = w.view(w.shape[0], -1, a.group_size)
+            lo, hi = g.amin(2), g.amax(2)
+        else:
+            lo, hi = w.amin().view(1), w.amax().view(1)
+        scale, zero = calculate_qparams(lo, hi, a)
+        m.weight_scale.data.copy_(scale.view(m.weight_scale.shape))
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero.view(m.weight_zero_point.shape))
+        act = scheme.input_activations
+        if act is not None and not act.dynamic:
+            top = torch.tensor([ranges[name]])
+            scale, _ = calculate_qparams(-top, top, act)
+            m.input_scale.data.copy_(scale.view(m.input_scale.shape))
+
+
+def compressed_checkpoint(
+    folder: Path,
+    family: str,
+    scheme: str,
+    vocab_size: int = 256,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """``family``'s tiny checkpoint quantized by ``scheme`` (a key of SCHEMES) into ``folder``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from transformers import AutoModelForCausalLM
+
+    dense = family_checkpoint(
+        folder.with_name(folder.name + "-dense"), family, vocab_size, tokenizer_from
+    )
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(9))
+    ranges = _input_ranges(model, ids)
+    config = QuantizationConfig(config_groups={"group_0": _scheme(scheme)}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    _calibrate(model, ranges)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    for f in dense.iterdir():  # the tokenizer's files, if any
+        if f.suffix in (".json", ".jinja") and not (folder / f.name).exists():
+            (folder / f.name).write_bytes(f.read_bytes())
+    assert "quantization_config" in json.loads((folder / "config.json").read_text())
+    return folder
