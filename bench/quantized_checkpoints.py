@@ -115,3 +115,39 @@ def compressed_checkpoint(
             (folder / f.name).write_bytes(f.read_bytes())
     assert "quantization_config" in json.loads((folder / "config.json").read_text())
     return folder
+
+
+def block_fp8_checkpoint(
+    folder: Path,
+    family: str,
+    block: tuple[int, int] = (32, 32),
+    vocab_size: int = 256,
+    tokenizer_from: Path | None = None,
+) -> Path:
+    """``family``'s tiny checkpoint in the block-wise fp8 format Qwen and DeepSeek publish
+    (``quant_method: fp8``; no library writes it): each matmul but ``lm_head`` as e4m3 with one
+    ``weight_scale_inv`` (its block's largest magnitude over 448) per ``block``."""
+    from safetensors.torch import load_file, save_file
+
+    dense = family_checkpoint(folder, family, vocab_size, tokenizer_from)
+    [file] = sorted(dense.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    bo, bi = block
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        w = tensors[name].float()
+        out, n = w.shape
+        blocks = w.view(out // bo, bo, n // bi, bi)
+        scale = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0  # [out / bo, in / bi]
+        q = (blocks / scale.view(out // bo, 1, n // bi, 1)).to(torch.float8_e4m3fn)
+        tensors[name] = q.view(out, n)
+        tensors[name + "_scale_inv"] = scale
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [bo, bi],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

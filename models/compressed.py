@@ -6,9 +6,8 @@ quantized (W8A8) also gets an ``InputQuant`` per matmul, applied the library's w
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from models.weights import LazyTensor, Sliceable, open_checkpoint, safetensors_files
+from models.prequantized import PrequantizedCheckpoint, whole_tensor
+from models.weights import LazyTensor, Sliceable, safetensors_files
 
 FORMATS = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized")
 # the HF matmuls whose input a tandem matmul quantizes (fused parts share their input)
@@ -102,7 +102,7 @@ class InputQuant:
         return out.squeeze(0)
 
 
-class CompressedCheckpoint(Mapping[str, Sliceable]):
+class CompressedCheckpoint(PrequantizedCheckpoint):
     """A folder's tensors under their dense names: a quantized module's ``weight`` decompressed
     (float32) when read, everything else as stored."""
 
@@ -167,10 +167,9 @@ class CompressedCheckpoint(Mapping[str, Sliceable]):
         ]
         return dense.float()
 
-    def input_quant_of(self, module: str) -> Any | None:
-        """HF matmul ``module``'s input_activations args, if its scheme quantizes them."""
+    def quantizes_input(self, module: str) -> bool:
         scheme = self.scheme(module)
-        return None if scheme is None else scheme.input_activations
+        return scheme is not None and scheme.input_activations is not None
 
     def input_quant(self, layer_prefix: str, matmul: str) -> InputQuant | None:
         """The input quantization of tandem matmul ``matmul`` (a key of INPUT_OF) in the layer
@@ -197,15 +196,3 @@ class CompressedCheckpoint(Mapping[str, Sliceable]):
         args = found[0][0]
         static = [s for _, s in found if s is not None]
         return InputQuant(args, torch.stack(static).amax().reshape(1).float() if static else None)
-
-
-def open_weights(folder: Path) -> Mapping[str, Sliceable]:
-    """A checkpoint's tensors by dense name: compressed-tensors ones decompressed as read."""
-    qcfg = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    if qcfg is None:
-        return open_checkpoint(folder)
-    return CompressedCheckpoint(folder, qcfg)
-
-
-def whole_tensor(t: Sliceable) -> torch.Tensor:
-    return t.narrow(0, 0, t.shape[0])

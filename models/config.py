@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from models.block_fp8 import check_config as block_fp8_config
 from models.compressed import check_config
 from models.moe_config import MOE_TYPES, MoEConfig
 
@@ -113,6 +114,9 @@ def _check_quantization(cfg: dict[str, Any]) -> None:
     method = q.get("quant_method", "unnamed") if isinstance(q, dict) else type(q).__name__
     if method == "compressed-tensors":
         check_config(q)
+        return
+    if method == "fp8":
+        block_fp8_config(q)
         return
     raise ValueError(
         f"unsupported quantization_config.quant_method {method!r}: tandem loads pre-quantized "

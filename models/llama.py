@@ -9,7 +9,6 @@ from torch import nn
 
 from models.attention.backend import paged_attention
 from models.attention.metadata import StepMetadata
-from models.compressed import CompressedCheckpoint
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.moe import SparseMoE
@@ -21,6 +20,7 @@ from models.parallel import (
     VocabParallelEmbedding,
     tp_group,
 )
+from models.prequantized import PrequantizedCheckpoint
 from models.quant import Quant
 from models.weights import Sliceable, split_rows, whole
 
@@ -241,6 +241,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens.load(w("model.embed_tokens.weight"))
         if not self.cfg.tie_word_embeddings:
             self.lm_head.load(w("lm_head.weight"))
+            if isinstance(weights, PrequantizedCheckpoint) and weights.quantizes_input("lm_head"):
+                raise ValueError("an activation-quantized lm_head is not implemented")
         if quant is not Quant.NONE:
             self.lm_head.quantize(quant, keep_table=self.cfg.tie_word_embeddings)
         self.norm.weight.data.copy_(whole(w("model.norm.weight")))
@@ -248,7 +250,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.", self.cfg)
-            if isinstance(weights, CompressedCheckpoint):
+            if isinstance(weights, PrequantizedCheckpoint):
                 quantize_inputs(layer, weights, f"model.layers.{i}.")
             if quant is not Quant.NONE:
                 quantize_layers(layer, quant, group)
@@ -257,12 +259,12 @@ class LlamaModel(nn.Module):
         self.quant = quant
 
 
-def quantize_inputs(layer: LlamaDecoderLayer, weights: CompressedCheckpoint, prefix: str) -> None:
+def quantize_inputs(layer: LlamaDecoderLayer, weights: PrequantizedCheckpoint, prefix: str) -> None:
     """A W8A8 checkpoint's activation quantization, on the matmuls whose inputs it names."""
     attn, mlp = layer.self_attn, layer.mlp
     if isinstance(mlp, SparseMoE):
         experts = [m for m in weights.quantized if m.startswith(prefix) and ".experts." in m]
-        if any(weights.input_quant_of(m) is not None for m in experts):
+        if any(weights.quantizes_input(m) for m in experts):
             raise ValueError("activation-quantized (W8A8) experts are not implemented")
         matmuls = {"qkv_proj": attn.qkv_proj, "o_proj": attn.o_proj}
     else:

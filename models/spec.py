@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from models.compressed import CompressedCheckpoint, open_weights
 from models.config import DTYPES, LlamaConfig
 from models.host_memory import large_blocks_mapped
 from models.layers import RowOps
 from models.llama import LlamaModel
 from models.parallel import TPContext
+from models.prequantized import PrequantizedCheckpoint, open_weights
 from models.quant import Quant, check_supported
 from models.weights import safetensors_files
 
@@ -94,7 +94,7 @@ class ModelSpec:
             dtype = DTYPES[self.dtype]
             model = LlamaModel(self.config(), tp=tp, dtype=dtype, device=device, ops=ops)
             weights = open_weights(folder)
-            if isinstance(weights, CompressedCheckpoint) and self.quant is not Quant.NONE:
+            if isinstance(weights, PrequantizedCheckpoint) and self.quant is not Quant.NONE:
                 raise ValueError(
                     f"quantization={self.quantization} with a pre-quantized checkpoint: serve it "
                     "as stored (quantization: none)"
