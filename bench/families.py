@@ -1,7 +1,7 @@
 """Every supported checkpoint family served end to end, against transformers, in one run.
 
 For each family (``FAMILIES``: Llama 3.x rope scaling, linear scaling, Llama attention biases,
-Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, and the mixtures of experts
+Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, Gemma 3, and the mixtures of experts
 Qwen3-MoE and Mixtral; then pre-quantized compressed-tensors checkpoints of the Qwen3 one,
 ``--formats``) a tiny random checkpoint with the
 embedded model's tokenizer is served the way ``tandem serve --model DIR`` serves it (a local
@@ -79,6 +79,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [0],
             "use_sliding_window": False,
             "tie_word_embeddings": False,
+        },
+    ),
+    # a sliding layer (32 positions, its own rope base) then a global one (linear rope x8);
+    # query_pre_attn_scalar other than head_dim; (1 + w) norms around attention and the MLP
+    "gemma3": (
+        "gemma3_text",
+        {
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 32,
+            "query_pre_attn_scalar": 24,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         },
     ),
     "mixtral": (

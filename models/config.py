@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_TYPES)
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", *MOE_TYPES)
 WINDOWED_TYPES = ("mistral", "phi3", "mixtral")  # whose sliding_window applies to every layer
 
 
@@ -56,8 +56,15 @@ class RopeScaling:
         return torch.where(between, blended, scaled)
 
 
-def _rope(cfg: dict[str, Any]) -> RopeScaling:
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The full-attention layers' rope parameters (Gemma 3 nests them by layer type)."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    nested = rope.get("full_attention") if isinstance(rope, dict) else None
+    return dict(nested) if isinstance(nested, dict) else dict(rope)
+
+
+def _rope(cfg: dict[str, Any]) -> RopeScaling:
+    rope = _rope_params(cfg)
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind not in ROPE_TYPES:
         raise ValueError(
@@ -128,7 +135,10 @@ def _check_quantization(cfg: dict[str, Any]) -> None:
 
 def _check_fields(cfg: dict[str, Any]) -> None:
     _check_quantization(cfg)
+    gemma = cfg.get("model_type") == "gemma3_text"
     for field in _ABSENT:
+        if field == "query_pre_attn_scalar" and gemma:
+            continue
         if cfg.get(field) is not None:
             raise ValueError(f"unsupported {field} {cfg[field]!r}: not implemented")
     model_type = cfg.get("model_type", "llama")
@@ -140,13 +150,21 @@ def _check_fields(cfg: dict[str, Any]) -> None:
             "phimoe": "PhiMoE's sparsemixer routing is not implemented",
         }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
         raise ValueError(f"unsupported model_type {model_type!r}: {why}")
+    if gemma:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported hidden_activation {act!r}: gelu_pytorch_tanh only")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("unsupported use_bidirectional_attention True: causal only")
     for field, allowed in _MUST_BE.items():
+        if gemma and field == "hidden_act":
+            continue
         if field in cfg and cfg[field] is not None and cfg[field] not in allowed:
             raise ValueError(
                 f"unsupported {field} {cfg[field]!r}: tandem implements {allowed[0]!r} only"
             )
     window = _window(cfg)
-    if window is not None and model_type not in WINDOWED_TYPES:
+    if window is not None and model_type not in (*WINDOWED_TYPES, "gemma3_text"):
         raise ValueError(
             f"unsupported sliding_window {window} for model_type {model_type!r}: its window "
             f"applies to some layers only (max_window_layers), which is not implemented"
@@ -162,6 +180,40 @@ def _window(cfg: dict[str, Any]) -> int | None:
     if window is None or not cfg.get("use_sliding_window", True) or int(window) >= context:
         return None
     return int(window)
+
+
+@dataclass(frozen=True)
+class GemmaShape:
+    """Gemma 3's differences from a Llama layer: RMSNorms scale by ``1 + weight`` (stored so
+    at load), embeddings times sqrt(hidden), a norm after attention and around the MLP,
+    gelu-tanh, ``query_pre_attn_scalar``, and ``sliding[i]`` layers attending over the last
+    ``window`` positions with their own rope base."""
+
+    sliding: tuple[bool, ...]
+    window: int
+    local_rope_theta: float
+    query_pre_attn_scalar: float
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> GemmaShape:
+        layers = int(cfg["num_hidden_layers"])
+        kinds = cfg.get("layer_types")
+        if not kinds:  # older configs: every n-th layer is global
+            n = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+            kinds = [
+                "full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)
+            ]
+        rope = cfg.get("rope_parameters") or {}
+        local = rope.get("sliding_attention") if isinstance(rope, dict) else None
+        if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported sliding layers' rope_type {local['rope_type']!r}")
+        theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+        return cls(
+            sliding=tuple(k == "sliding_attention" for k in kinds),
+            window=int(cfg.get("sliding_window") or 4096),
+            local_rope_theta=float(theta),
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +238,7 @@ class LlamaConfig:
     sliding_window: int | None = None
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored as one tensor each
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the expert blocks
+    gemma: GemmaShape | None = None  # Gemma 3: its norms, activation and per-layer windows
 
     @property
     def q_size(self) -> int:
@@ -199,7 +252,7 @@ class LlamaConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Raises ValueError for a field value that changes the math in an unimplemented way."""
         _check_fields(cfg)
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope = _rope_params(cfg)
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -222,10 +275,11 @@ class LlamaConfig:
             rope_scaling=_rope(cfg),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),
-            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"),
-            sliding_window=_window(cfg),
+            qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"),
+            sliding_window=None if cfg.get("model_type") == "gemma3_text" else _window(cfg),
             fused_projections=cfg.get("model_type") == "phi3",
             moe=MoEConfig.from_hf_dict(cfg) if cfg.get("model_type") in MOE_TYPES else None,
+            gemma=GemmaShape.from_hf_dict(cfg) if cfg.get("model_type") == "gemma3_text" else None,
         )
 
     @classmethod

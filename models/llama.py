@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.gemma.query_pre_attn_scalar if cfg.gemma else cfg.head_dim) ** -0.5
         h = cfg.hidden_size
         self.qkv_proj = ColumnParallelLinear(
             in_features or h,
@@ -97,10 +97,15 @@ class LlamaMLP(nn.Module):
         self.local_inter = tp.shard(inter, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], tp, dtype, device)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, dtype, device)
+        self.gelu = cfg.gemma is not None  # gelu_pytorch_tanh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = self.ops.silu_mul(gate_up, self.local_inter)
+        if self.gelu:
+            gate, up = gate_up.split(self.local_inter, dim=-1)
+            act = nn.functional.gelu(gate, approximate="tanh") * up
+        else:
+            act = self.ops.silu_mul(gate_up, self.local_inter)
         y: torch.Tensor = self.down_proj(act)
         return y
 
@@ -115,6 +120,7 @@ class LlamaDecoderLayer(nn.Module):
         input_norm: bool = True,  # EAGLE heads skip it: their input is already normalized
         ops: RowOps | None = None,
         sparse: bool = False,  # the MLP is cfg.moe's expert block
+        sliding: bool = False,  # attends through the step's local metadata (Gemma 3)
     ) -> None:
         super().__init__()
         self.input_layernorm: nn.Module = (
@@ -130,6 +136,13 @@ class LlamaDecoderLayer(nn.Module):
             if sparse and cfg.moe is not None
             else LlamaMLP(cfg, tp, dtype, device, ops)
         )
+        self.sliding = sliding
+        # Gemma 3 normalizes attention's output, and the MLP's input and output
+        self.sandwich: tuple[RMSNorm, RMSNorm] | None = None
+        if cfg.gemma is not None:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, device, ops)
+            self.sandwich = (self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
     def forward(
         self,
@@ -138,9 +151,17 @@ class LlamaDecoderLayer(nn.Module):
         layer_kv: torch.Tensor,
         meta: StepMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, layer_kv, meta)
-        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return y
+        if self.sliding and meta.local is not None:
+            meta = meta.local
+        attended = self.self_attn(self.input_layernorm(x), rope, layer_kv, meta)
+        if self.sandwich is None:
+            x = x + attended
+            y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+            return y
+        pre, post = self.sandwich
+        x = x + self.post_attention_layernorm(attended)
+        out: torch.Tensor = x + post(self.mlp(pre(x)))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -168,13 +189,23 @@ class LlamaModel(nn.Module):
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_layers
+        sliding = cfg.gemma.sliding if cfg.gemma is not None else (False,) * cfg.num_layers
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, tp, dtype, dev, ops=ops, sparse=s) for s in sparse
+            LlamaDecoderLayer(cfg, tp, dtype, dev, ops=ops, sparse=s, sliding=w)
+            for s, w in zip(sparse, sliding, strict=True)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, dev, ops)
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dev, cfg.rope_scaling, ops
         )
+        # Gemma 3's sliding layers rotate by their own base; its embeddings scale by sqrt(hidden)
+        self.rope_local: RotaryEmbedding | None = None
+        if cfg.gemma is not None:
+            theta = cfg.gemma.local_rope_theta
+            self.rope_local = RotaryEmbedding(
+                cfg.head_dim, cfg.max_position_embeddings, theta, dev, None, ops
+            )
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma is not None else None
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
@@ -196,6 +227,8 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # the scale rounded to the dtype first, as Gemma's
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         return x
 
     @torch.inference_mode()
@@ -245,7 +278,7 @@ class LlamaModel(nn.Module):
                 raise ValueError("an activation-quantized lm_head is not implemented")
         if quant is not Quant.NONE:
             self.lm_head.quantize(quant, keep_table=self.cfg.tie_word_embeddings)
-        self.norm.weight.data.copy_(whole(w("model.norm.weight")))
+        self.norm.weight.data.copy_(norm_weight(w("model.norm.weight"), self.cfg))
         group = tp_group(self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
@@ -314,9 +347,21 @@ def load_layer(
     o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
     attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
     if attn.q_norm is not None and attn.k_norm is not None:
-        attn.q_norm.weight.data.copy_(whole(w(prefix + "self_attn.q_norm.weight")))
-        attn.k_norm.weight.data.copy_(whole(w(prefix + "self_attn.k_norm.weight")))
+        attn.q_norm.weight.data.copy_(norm_weight(w(prefix + "self_attn.q_norm.weight"), cfg))
+        attn.k_norm.weight.data.copy_(norm_weight(w(prefix + "self_attn.k_norm.weight"), cfg))
     if isinstance(layer.input_layernorm, RMSNorm):
-        layer.input_layernorm.weight.data.copy_(whole(w(prefix + "input_layernorm.weight")))
-    norm = whole(w(prefix + "post_attention_layernorm.weight"))
+        layer.input_layernorm.weight.data.copy_(
+            norm_weight(w(prefix + "input_layernorm.weight"), cfg)
+        )
+    norm = norm_weight(w(prefix + "post_attention_layernorm.weight"), cfg)
     layer.post_attention_layernorm.weight.data.copy_(norm)
+    if layer.sandwich is not None:
+        for module, name in zip(layer.sandwich, ("pre", "post"), strict=True):
+            module.weight.data.copy_(
+                norm_weight(w(f"{prefix}{name}_feedforward_layernorm.weight"), cfg)
+            )
+
+
+def norm_weight(t: Sliceable, cfg: LlamaConfig) -> torch.Tensor:
+    """An RMSNorm's weight as served: Gemma's scale by ``1 + weight`` (added in float32)."""
+    return whole(t).float() + 1.0 if cfg.gemma is not None else whole(t)

@@ -6,6 +6,7 @@ import torch
 
 from models.attention.backend import AttentionBackend
 from models.attention.flex import FlexBackend
+from models.attention.layered import LayeredBackend
 from models.attention.metadata import AttentionSpec
 from models.attention.reference import ReferenceBackend
 from models.backend import ModelBackend, TorchBackend
@@ -82,6 +83,25 @@ def exact_attention(model: LlamaModel) -> bool:
     )
 
 
+def model_attention(model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> AttentionBackend:
+    """The model's attention: one backend, or for Gemma 3 one per kind of layer."""
+    exact = exact_attention(model)
+    attention = attention_for(model_attention_spec(model, kv_pool, block_size), model.dtype, exact)
+    c = model.cfg
+    if c.gemma is None or model.rope_local is None:
+        return attention
+    local = attention_spec(
+        model.rope_local,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        kv_pool,
+        block_size,
+        c.gemma.window,
+    )
+    return LayeredBackend(attention, attention_for(local, model.dtype, exact))
+
+
 def model_backend(
     model: LlamaModel,
     kv_pool: torch.Tensor,
@@ -91,8 +111,7 @@ def model_backend(
 ) -> ModelBackend:
     """On a CPU with ``serve_cpu``, ``CpuBackend.apply`` (``panel``: see ``PanelUse``); else the
     modules in PyTorch ops."""
-    spec = model_attention_spec(model, kv_pool, block_size)
-    attention = attention_for(spec, model.dtype, exact_attention(model))
+    attention = model_attention(model, kv_pool, block_size)
     if serve_cpu and model.device.type == "cpu":
         return CpuBackend.apply(model, attention, panel)
     return TorchBackend(model, attention)

@@ -88,6 +88,8 @@ class StepMetadata:
     groups: tuple[AttentionGroup, ...]
     # a bucket's padding rows write their source row's K/V again: [T] the row each write carries
     write_rows: torch.Tensor | None = None
+    # the same step for a model's sliding-window layers (Gemma 3): its window and rope base
+    local: StepMetadata | None = None
 
     @property
     def num_tokens(self) -> int:

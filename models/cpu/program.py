@@ -123,6 +123,7 @@ class LayerProgram:
             "attention biases": cfg.qkv_bias or cfg.o_bias,
             "q/k norms": cfg.qk_norm,
             "mixture of experts": cfg.moe is not None,
+            "Gemma 3's layer shape": cfg.gemma is not None,
             "activation quantization": any(
                 getattr(m, "input_quant", None) is not None for m in model.modules()
             ),

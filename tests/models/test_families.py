@@ -1,9 +1,9 @@
 """Checkpoint families against transformers on tiny random checkpoints (fp32, ≤ 1e-4): Llama
 3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
-biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), Qwen3-MoE and
-Mixtral (top-k routed experts), Mistral with and without its sliding window, most also over
-TP = 2; and every config field that would change the math in a way tandem does not implement
-refused at load, naming it."""
+biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), Gemma 3 (sliding
+and global layers, each with its own rope), Qwen3-MoE and Mixtral (top-k routed experts),
+Mistral with and without its sliding window, most also over TP = 2; and every config field
+that would change the math in a way tandem does not implement refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from bench.families import family_checkpoint as _checkpoint
 from models.config import LlamaConfig
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec
+from runtime.backends import model_backend
 from runtime.runner import LocalRunner, SeqInput
+from tests.helpers import assert_verification_equals_decodes
 from tests.models.test_tensor_parallel import check_tp2_matches_tp1
 
 TOL = 1e-4
@@ -49,7 +51,7 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "llama-attention-bias", "qwen3", "phi3", "qwen3-moe", "mixtral"]
+    "family", ["qwen2", "llama-attention-bias", "qwen3", "phi3", "qwen3-moe", "mixtral", "gemma3"]
 )
 def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
     """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
@@ -57,6 +59,17 @@ def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
         q/k norms; Phi-3's fused projections are split before each rank takes its slice; each expert
     is split like a dense MLP and a rank reduces its experts' sum once."""
     check_tp2_matches_tp1(ModelSpec(str(_checkpoint(tmp_path / family, family))))
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verification_equals_decodes_bit_for_bit(tmp_path: Path, family: str, dtype: str) -> None:
+    """As served on a CPU (Gemma 3: two attention plans a step, one per kind of layer)."""
+    model = ModelSpec(str(_checkpoint(tmp_path / family, family)), dtype).load()
+    c = model.cfg
+    pool = torch.zeros(kv_pool_shape(8, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+    served = model_backend(model, pool.to(model.dtype), BS)
+    assert_verification_equals_decodes(model, n=60, k=15, blocks=8, backend=served)
 
 
 BASE: dict[str, Any] = {
@@ -90,7 +103,7 @@ BASE: dict[str, Any] = {
             "sliding_window 4096",
         ),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size None"),
         ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
         (
