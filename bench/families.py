@@ -1,9 +1,9 @@
 """Every supported checkpoint family served end to end, against transformers, in one run.
 
 For each family (``FAMILIES``: Llama 3.x rope scaling, linear scaling, Llama attention biases,
-Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, Gemma 3, and the mixtures of experts
-Qwen3-MoE and Mixtral; then pre-quantized compressed-tensors checkpoints of the Qwen3 one,
-``--formats``) a tiny random checkpoint with the
+Qwen2, Qwen3, Mistral with and without its sliding window, Phi-3, Gemma 3, and the mixtures of
+experts Qwen3-MoE and Mixtral; then pre-quantized compressed-tensors checkpoints of the Qwen3
+one, ``--formats``) a tiny random checkpoint with the
 embedded model's tokenizer is served the way ``tandem serve --model DIR`` serves it (a local
 colocated app, n-gram drafting, through the OpenAI API and the ``openai`` client), and each
 prompt's greedy completion is compared with transformers' ``generate`` on the same checkpoint:

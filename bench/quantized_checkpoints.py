@@ -151,3 +151,78 @@ def block_fp8_checkpoint(
     }
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[n, m] of 0..15 -> [n / 8, m] int32, row 8i + k in nibble k."""
+    q = q.to(torch.int64).view(-1, 8, q.shape[1])
+    shifts = torch.arange(0, 32, 4).view(1, 8, 1)
+    return (q << shifts).sum(1).to(torch.int64).to(torch.int32, copy=True).view(-1, q.shape[2])
+
+
+def _pack_columns(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """[n, m] of 0..15 -> [n, m / 8] int32, nibble i of each eight holding column order[i]
+    (AutoAWQ's packing loop)."""
+    q = q.to(torch.int64).view(q.shape[0], -1, 8)
+    nibbles = q[:, :, list(order)]
+    shifts = torch.arange(0, 32, 4).view(1, 1, 8)
+    packed = (nibbles << shifts).sum(2)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def int4_checkpoint(
+    folder: Path, family: str, method: str, group: int = GROUP, act_order: bool = False
+) -> tuple[Path, dict[str, torch.Tensor]]:
+    """``family``'s tiny checkpoint in GPTQ's (v1) or AWQ's int4 layout (no library here writes
+    them), and each matmul's weights as the format means them, (q - zero) * scale, which the
+    packing must not change. ``act_order``: GPTQ's g_idx assigns input columns to groups out of
+    order."""
+    from safetensors.torch import load_file, save_file
+
+    dense = family_checkpoint(folder, family)
+    [file] = sorted(dense.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    meant: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        w = tensors.pop(name).float().t()  # [in, out]
+        n = w.shape[0]
+        groups = torch.arange(n) // group
+        if act_order:
+            groups = groups[torch.randperm(n, generator=gen)]
+        lo = torch.stack([w[groups == g].amin(0) for g in range(n // group)]).clamp(max=0)
+        hi = torch.stack([w[groups == g].amax(0) for g in range(n // group)]).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)  # [in / g, out]
+        zero = (-lo / scale).round().clamp(0, 15)
+        q = (w / scale[groups] + zero[groups]).round().clamp(0, 15)
+        module = name.removesuffix(".weight")
+        if method == "awq":
+            tensors[f"{module}.qweight"] = _pack_columns(q, (0, 2, 4, 6, 1, 3, 5, 7))
+            tensors[f"{module}.qzeros"] = _pack_columns(zero, (0, 2, 4, 6, 1, 3, 5, 7))
+        else:
+            tensors[f"{module}.qweight"] = _pack_rows(q)
+            tensors[f"{module}.qzeros"] = _pack_columns(zero - 1, tuple(range(8)))  # v1: zero - 1
+            tensors[f"{module}.g_idx"] = groups.to(torch.int32)
+        tensors[f"{module}.scales"] = scale.to(torch.float16)
+        meant[name] = ((q - zero[groups]) * scale.to(torch.float16).float()[groups]).t()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "version": "gemm",
+            "zero_point": True,
+        }
+        if method == "awq"
+        else {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group,
+            "desc_act": act_order,
+            "sym": False,
+        }
+    )
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder, meant

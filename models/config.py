@@ -12,6 +12,7 @@ import torch
 
 from models.block_fp8 import check_config as block_fp8_config
 from models.compressed import check_config
+from models.gptq import check_config as gptq_config
 from models.moe_config import MOE_TYPES, MoEConfig
 
 DTYPES: dict[str, torch.dtype] = {
@@ -125,11 +126,14 @@ def _check_quantization(cfg: dict[str, Any]) -> None:
     if method == "fp8":
         block_fp8_config(q)
         return
+    if method in ("gptq", "awq"):
+        gptq_config(q)
+        return
     raise ValueError(
         f"unsupported quantization_config.quant_method {method!r}: tandem loads pre-quantized "
-        "checkpoints in the compressed-tensors format only (others would be read without their "
-        "scales); serve a compressed-tensors or an unquantized checkpoint (optionally with "
-        "quantization: int8 or fp8)"
+        "checkpoints in the compressed-tensors, block-wise fp8, GPTQ and AWQ formats (others "
+        "would be read without their scales); serve one of those or an unquantized checkpoint "
+        "(optionally with quantization: int8 or fp8)"
     )
 
 

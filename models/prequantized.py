@@ -32,12 +32,15 @@ def open_weights(folder: Path) -> Mapping[str, Sliceable]:
     """A checkpoint's tensors by dense name: pre-quantized ones dequantized as read."""
     from models.block_fp8 import BlockFp8Checkpoint
     from models.compressed import CompressedCheckpoint
+    from models.gptq import GptqCheckpoint
 
     qcfg = json.loads((folder / "config.json").read_text()).get("quantization_config")
     if qcfg is None:
         return open_checkpoint(folder)
     if qcfg.get("quant_method") == "fp8":
         return BlockFp8Checkpoint(folder, qcfg)
+    if qcfg.get("quant_method") in ("gptq", "awq"):
+        return GptqCheckpoint(folder, qcfg)
     return CompressedCheckpoint(folder, qcfg)
 
 
