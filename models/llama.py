@@ -289,6 +289,10 @@ class LlamaModel(nn.Module):
                 quantize_layers(layer, quant, group)
             if progress is not None:
                 progress(i + 1, len(self.layers))
+        if self.device.type == "cuda" and quant is Quant.NONE:  # grouped expert matmuls
+            for m in self.modules():
+                if isinstance(m, SparseMoE):
+                    m.stack_experts()
         self.quant = quant
 
 

@@ -1,6 +1,8 @@
 """A mixture-of-experts MLP block (Qwen3-MoE, Mixtral): a replicated router picks each token's
 top-k experts; each expert is a SwiGLU MLP split by TP like a dense one (columns of gate/up, rows
-of down), so a rank sums its partial outputs over every expert and reduces once."""
+of down), so a rank sums its partial outputs over every expert and reduces once. On a GPU the
+experts are stacked and run as two grouped matmuls (``torch._grouped_mm``) with no host sync, so
+a step captures in a CUDA graph; elsewhere (and quantized) each expert runs over its tokens."""
 
 from __future__ import annotations
 
@@ -63,6 +65,10 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(hidden, inter, tp, dtype, device) for _ in range(moe.num_experts)
         )
+        self.local_inter = tp.shard(inter, "moe_intermediate_size")
+        # stack_experts(): [E, 2 * I_local, H] and [E, H, I_local], the experts' weights moved in
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> each token's top-k expert weights [T, k] (x's dtype) and ids [T, k]."""
@@ -72,7 +78,18 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def stack_experts(self) -> None:
+        """Move every expert's weights into two stacked tensors (the grouped path)."""
+        experts = [e for e in self.experts if isinstance(e, Expert)]
+        self.gate_up = torch.stack([e.gate_up_proj.weight.data for e in experts])
+        self.down = torch.stack([e.down_proj.weight.data for e in experts])
+        for e in experts:
+            for linear in (e.gate_up_proj, e.down_proj):
+                linear.weight = nn.Parameter(linear.weight.data.new_empty(0), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.down is not None:
+            return self.forward_grouped(x, self.gate_up, self.down)
         # x: [T, H]; each expert runs over the rows routed to it, in expert order
         weights, ids = self.route(x)
         k = self.moe.top_k
@@ -93,6 +110,25 @@ class SparseMoE(nn.Module):
             out.index_add_(0, take, expert.down_proj.matmul(act) * scale[start : start + n])
             start += n
         return self.tp.all_reduce(out)
+
+    def forward_grouped(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, H]; the routed rows sorted by expert, each group's matmuls in one call, with
+        device ops only (no count leaves the device)."""
+        weights, ids = self.route(x)
+        k, e = self.moe.top_k, self.moe.num_experts
+        flat = ids.reshape(-1)  # [T * k]
+        order = torch.argsort(flat, stable=True)
+        rows = order // k
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] each group's end row
+        gu = torch._grouped_mm(x[rows], gate_up.transpose(1, 2), offs=ends)  # [T * k, 2 * I]
+        act = self.ops.silu_mul(gu, self.local_inter)
+        y = torch._grouped_mm(act, down.transpose(1, 2), offs=ends)  # [T * k, H]
+        y = y * weights.reshape(-1)[order].unsqueeze(1)
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, rows, y))
 
     def load(self, w: Callable[[str], Sliceable], prefix: str) -> None:
         """``prefix``: the layer's block, e.g. ``model.layers.3.mlp.``."""
