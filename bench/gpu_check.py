@@ -27,6 +27,11 @@ sections past ``--budget`` seconds are skipped):
    against the same step gathering, token by token, at batch 1 / 8 / 32 / 64 with 1k-token
    contexts and k = 4, each step over the time to read its bytes once at the bandwidth
    measured in the same run (``--small``: 2 layers of a small shape, 160 blocks).
+8. ``attention_8b_bf16``: ``bench.gpu_attention``, one layer's attention at the 8B KV shape
+   for every kind of step (decodes, verifications, a width-4 tree, prompt chunks, a sliding
+   window), flex in place against gathering: what the flex backend's gathering rule rests on.
+9. ``moe_step_bf16``: ``bench.gpu_moe``, a Qwen3-30B-A3B-shaped MoE's decode step at batch 1
+   and 32 (grouped expert matmuls, CUDA graphs) over the bytes it reads.
 
     python -m bench.gpu_check --out results.json --log-dir logs/
 """
@@ -619,6 +624,7 @@ def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
 SECTIONS = (
     "steps_8b_bf16",  # issue 53's shape first
     "attention_8b_bf16",
+    "moe_step_bf16",
     "forward",
     "graph_steps_1b_bf16",
     "engine_1b_bf16",
@@ -667,6 +673,10 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         from bench.gpu_attention import measure
 
         return measure(dev, small)
+    if name == "moe_step_bf16":
+        from bench import gpu_moe
+
+        return gpu_moe.measure(dev, small)
     raise ValueError(f"no section {name!r}; sections: {', '.join(SECTIONS)}")
 
 

@@ -33,3 +33,12 @@ def test_the_attention_section_runs_every_kind_of_step_in_place(tmp_path: Path) 
         assert row["in_place"] and row["inplace_ms"] > 0 and row["gather_ms"] > 0
         assert row["max_abs_diff"] < 0.05  # bf16 rounding of values near 1
     assert out["flex_fallbacks"] == 0 and out["flex_plan_failures"] == {}
+
+
+def test_the_moe_section_runs_small_and_reports_its_ratio(tmp_path: Path) -> None:
+    out = run_section("moe_step_bf16", tmp_path, "cpu", True, tmp_path)
+    assert out["shape"] == "small" and not out["grouped_experts"]  # stacked on a GPU only
+    for batch in (1, 32):
+        row = out["batches"][batch]
+        assert row["step_ms"] > 0 and row["over_bytes_read"] > 1
+        assert 4 <= row["experts_read"] <= 2 * 16  # top 4 of 16, two layers
