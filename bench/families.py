@@ -92,6 +92,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         },
     ),
+    # Qwen2-MoE: q/k/v biases, experts not renormalized, a gated shared expert every token takes
+    "qwen2-moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "norm_topk_prob": False,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+        },
+    ),
     "mixtral": (
         "mixtral",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},

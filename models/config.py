@@ -148,7 +148,6 @@ def _check_fields(cfg: dict[str, Any]) -> None:
     model_type = cfg.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         why = {
-            "qwen2_moe": "Qwen2-MoE's shared expert is not implemented (Qwen3-MoE and Mixtral are)",
             "gpt_oss": "gpt-oss (attention sinks, MXFP4 experts) is not implemented",
             "phi3small": "Phi-3-small's blocksparse attention is not implemented",
             "phimoe": "PhiMoE's sparsemixer routing is not implemented",
@@ -277,7 +276,9 @@ class LlamaConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             rope_scaling=_rope(cfg),
-            qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias")),
+            qkv_bias=cfg.get("model_type") == "qwen2"
+            or (cfg.get("model_type") == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+            or bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),
             qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=None if cfg.get("model_type") == "gemma3_text" else _window(cfg),

@@ -66,6 +66,11 @@ class SparseMoE(nn.Module):
             Expert(hidden, inter, tp, dtype, device) for _ in range(moe.num_experts)
         )
         self.local_inter = tp.shard(inter, "moe_intermediate_size")
+        self.shared_expert: Expert | None = None
+        self.shared_expert_gate: Router | None = None
+        if moe.shared_intermediate_size is not None:
+            self.shared_expert = Expert(hidden, moe.shared_intermediate_size, tp, dtype, device)
+            self.shared_expert_gate = Router(hidden, 1, dtype, device)
         # stack_experts(): [E, 2 * I_local, H] and [E, H, I_local], the experts' weights moved in
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
@@ -80,7 +85,7 @@ class SparseMoE(nn.Module):
 
     def stack_experts(self) -> None:
         """Move every expert's weights into two stacked tensors (the grouped path)."""
-        experts = [e for e in self.experts if isinstance(e, Expert)]
+        experts = [e for e in self.experts if isinstance(e, Expert)]  # not the shared one
         self.gate_up = torch.stack([e.gate_up_proj.weight.data for e in experts])
         self.down = torch.stack([e.down_proj.weight.data for e in experts])
         for e in experts:
@@ -109,7 +114,15 @@ class SparseMoE(nn.Module):
             act = self.ops.silu_mul(expert.gate_up_proj(x[take]), expert.local_inter)
             out.index_add_(0, take, expert.down_proj.matmul(act) * scale[start : start + n])
             start += n
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self._shared(x, out))
+
+    def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out plus the shared expert's (partial) output, gated per token; before the reduce."""
+        e, gate = self.shared_expert, self.shared_expert_gate
+        if e is None or gate is None:
+            return out
+        act = self.ops.silu_mul(e.gate_up_proj(x), e.local_inter)
+        return out + torch.sigmoid(gate(x)) * e.down_proj.matmul(act)
 
     def forward_grouped(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
@@ -128,12 +141,21 @@ class SparseMoE(nn.Module):
         act = self.ops.silu_mul(gu, self.local_inter)
         y = torch._grouped_mm(act, down.transpose(1, 2), offs=ends)  # [T * k, H]
         y = y * weights.reshape(-1)[order].unsqueeze(1)
-        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, rows, y))
+        return self.tp.all_reduce(self._shared(x, torch.zeros_like(x).index_add_(0, rows, y)))
 
     def load(self, w: Callable[[str], Sliceable], prefix: str) -> None:
         """``prefix``: the layer's block, e.g. ``model.layers.3.mlp.``."""
         self.gate.weight.data.copy_(whole(w(prefix + "gate.weight")))
         gate, up, down = self.moe.names
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            at = f"{prefix}shared_expert."
+            self.shared_expert.gate_up_proj.load(
+                [w(f"{at}gate_proj.weight"), w(f"{at}up_proj.weight")]
+            )
+            self.shared_expert.down_proj.load(w(f"{at}down_proj.weight"))
+            self.shared_expert_gate.weight.data.copy_(
+                whole(w(prefix + "shared_expert_gate.weight"))
+            )
         for e, expert in enumerate(self.experts):
             assert isinstance(expert, Expert)
             at = f"{prefix}experts.{e}."

@@ -1,11 +1,11 @@
-"""Mixture-of-experts hyper-parameters of Qwen3-MoE and Mixtral, read from an HF config."""
+"""Mixture-of-experts hyper-parameters of Qwen3-MoE, Qwen2-MoE and Mixtral, from an HF config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-MOE_TYPES = ("qwen3_moe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 def _need(cfg: dict[str, Any], name: str) -> int:
@@ -27,6 +27,8 @@ class MoEConfig:
     sparse: tuple[bool, ...]
     prefix: str  # the block's name in a layer: "mlp." or "block_sparse_moe."
     names: tuple[str, str, str]  # an expert's gate, up and down projections
+    # Qwen2-MoE: an MLP every token takes, its output scaled by sigmoid(shared_expert_gate)
+    shared_intermediate_size: int | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> MoEConfig:
@@ -48,6 +50,9 @@ class MoEConfig:
             )
         step = int(cfg.get("decoder_sparse_step") or 1)
         dense = set(cfg.get("mlp_only_layers") or ())
+        shared = (
+            _need(cfg, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else None
+        )
         return cls(
             experts,
             top_k,
@@ -56,4 +61,5 @@ class MoEConfig:
             tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
             "mlp.",
             ("gate_proj", "up_proj", "down_proj"),
+            shared,
         )

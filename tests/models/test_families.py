@@ -51,7 +51,17 @@ def test_family_matches_transformers(tmp_path: Path, family: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen2", "llama-attention-bias", "qwen3", "phi3", "qwen3-moe", "mixtral", "gemma3"]
+    "family",
+    [
+        "qwen2",
+        "llama-attention-bias",
+        "qwen3",
+        "phi3",
+        "qwen3-moe",
+        "qwen2-moe",
+        "mixtral",
+        "gemma3",
+    ],
 )
 def test_families_split_over_tp2_match_tp1(tmp_path: Path, family: str) -> None:
     """Each rank keeps its slice of the q/k/v biases; the output projection's bias is added
@@ -86,7 +96,6 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "qwen2_moe"}, "model_type 'qwen2_moe'"),
         ({"model_type": "gpt_oss"}, "model_type 'gpt_oss'"),
         ({"model_type": "qwen3_moe"}, "no num_experts_per_tok"),
         ({"model_type": "mixtral", "num_experts_per_tok": 3, "num_local_experts": 2}, "1..2"),
@@ -104,8 +113,8 @@ BASE: dict[str, Any] = {
         ),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size None"),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method 'awq'"),
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "quant_method 'gptq'"),
+        ({"quantization_config": {"quant_method": "hqq", "bits": 4}}, "quant_method 'hqq'"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 3}}, "bits 3 for gptq"),
         (
             {"quantization_config": {"quant_method": "compressed-tensors"}},
             "quantization_config: 1 validation error",  # which names config_groups
@@ -179,12 +188,12 @@ def test_a_prequantized_checkpoint_is_refused_when_the_app_is_built(
     from cluster.builder import resolve_models
     from cluster.config import TandemConfig
 
-    folder = tmp_path / "awq"
+    folder = tmp_path / "hqq"
     shutil.copytree(tiny_folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    cfg["quantization_config"] = {"quant_method": "hqq", "bits": 4, "group_size": 128}
     (folder / "config.json").write_text(json.dumps(cfg))
     cfg_app = TandemConfig.model_validate({"model": {"source": str(folder)}, "mode": "colocated"})
     with pytest.raises(ValueError) as e:
         resolve_models(cfg_app)
-    assert "quantization_config.quant_method 'awq'" in str(e.value)
+    assert "quantization_config.quant_method 'hqq'" in str(e.value)
