@@ -185,6 +185,17 @@ def _window(cfg: dict[str, Any]) -> int | None:
     return int(window)
 
 
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 folder's language model (served text-only), else ``cfg``."""
+    if cfg.get("model_type") != "gemma3":
+        return cfg
+    text = {"model_type": "gemma3_text", **cfg.get("text_config", {})}
+    for key in ("bos_token_id", "eos_token_id", "tie_word_embeddings", "quantization_config"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    return text
+
+
 @dataclass(frozen=True)
 class GemmaShape:
     """Gemma 3's differences from a Llama layer: RMSNorms scale by ``1 + weight`` (stored so
@@ -254,6 +265,7 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Raises ValueError for a field value that changes the math in an unimplemented way."""
+        cfg = text_config(cfg)
         _check_fields(cfg)
         rope = _rope_params(cfg)
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.families import FAMILIES
+from bench.families import FAMILIES, SHAPE
 from bench.families import family_checkpoint as _checkpoint
 from models.config import LlamaConfig
 from models.kv_layout import kv_pool_shape
@@ -197,3 +197,32 @@ def test_a_prequantized_checkpoint_is_refused_when_the_app_is_built(
     with pytest.raises(ValueError) as e:
         resolve_models(cfg_app)
     assert "quantization_config.quant_method 'hqq'" in str(e.value)
+
+
+def test_a_multimodal_gemma3_folder_serves_its_language_model(tmp_path: Path) -> None:
+    """Gemma 3 4B and up ship as image-text checkpoints (``model_type: gemma3``, the language
+    model under ``language_model.``): tandem serves the text part, as transformers' image-text
+    model computes text-only prompts."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config
+
+    _model_type, extra = FAMILIES["gemma3"]
+    text = {**SHAPE, **extra, "vocab_size": 300}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                       image_token_index=299, boi_token_index=297, eoi_token_index=298)  # fmt: skip
+    torch.manual_seed(5)
+    ref = AutoModelForImageTextToText.from_config(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.08)
+    ref.save_pretrained(tmp_path / "mm")
+    ours = ModelSpec(str(tmp_path / "mm")).load()
+    assert ours.cfg.gemma is not None and ours.cfg.vocab_size == 300
+    ids = torch.randint(0, 296, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = ref.eval()(input_ids=torch.tensor([ids])).logits[0]
+    c = ours.cfg
+    pool = torch.zeros(kv_pool_shape(16, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+    got = LocalRunner(ours, pool, BS).run([SeqInput(list(range(1, 9)), 0, ids, list(range(120)))])
+    assert (got.logits - want).abs().max().item() <= TOL
