@@ -66,6 +66,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # a window of 64 positions: longer prompts and the steps after them reach past it
     "mistral-window": ("mistral", {"sliding_window": 64}),
     "qwen3": ("qwen3", {"use_sliding_window": False, "tie_word_embeddings": False}),
+    # YaRN over an original context of 64: the ramp crosses the frequencies; cos/sin scaled
+    "qwen3-yarn": (
+        "qwen3",
+        {
+            "use_sliding_window": False,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     # fused qkv and gate/up projections; Phi-3-mini's window, scaled to the tiny context
     "phi3": ("phi3", {"tie_word_embeddings": False, "sliding_window": 64, "pad_token_id": 0}),
     # 8 experts, top 2 renormalized; layer 0 dense (mlp_only_layers), layer 1 sparse

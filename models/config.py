@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from models.block_fp8 import check_config as block_fp8_config
 from models.compressed import check_config
 from models.gptq import check_config as gptq_config
 from models.moe_config import MOE_TYPES, MoEConfig
+from models.rope_scaling import RopeScaling, rope_params, rope_scaling
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -22,76 +23,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", *MOE_TYPES)
 WINDOWED_TYPES = ("mistral", "phi3", "mixtral")  # whose sliding_window applies to every layer
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """HF ``rope_scaling``: ``linear`` divides every frequency by ``factor``; ``llama3`` low ones
-    only, blending between ``low_freq_factor`` and ``high_freq_factor``."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def inv_freq(self, head_dim: int, theta: float) -> torch.Tensor:
-        base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        if self.rope_type == "linear":
-            return base / self.factor
-        if self.rope_type != "llama3":
-            return base
-        old = self.original_max_position_embeddings
-        low_wavelen = old / self.low_freq_factor
-        high_wavelen = old / self.high_freq_factor
-        wavelen = 2 * math.pi / base
-        scaled = torch.where(wavelen > low_wavelen, base / self.factor, base)
-        smooth = (old / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
-        between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(between, blended, scaled)
-
-
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The full-attention layers' rope parameters (Gemma 3 nests them by layer type)."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    nested = rope.get("full_attention") if isinstance(rope, dict) else None
-    return dict(nested) if isinstance(nested, dict) else dict(rope)
-
-
-def _rope(cfg: dict[str, Any]) -> RopeScaling:
-    rope = _rope_params(cfg)
-    kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_scaling.rope_type {kind!r}: tandem implements {list(ROPE_TYPES)}"
-        )
-    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ValueError(
-            f"unsupported partial_rotary_factor {rope['partial_rotary_factor']!r}: only 1.0"
-        )
-    if float(rope.get("attention_factor") or 1.0) != 1.0:
-        raise ValueError(
-            f"unsupported rope_scaling.attention_factor {rope['attention_factor']!r}: only 1.0"
-        )
-    if kind == "default":
-        return RopeScaling()
-    if "factor" not in rope:
-        raise ValueError(f"rope_scaling.rope_type {kind!r} needs rope_scaling.factor")
-    if kind == "linear":
-        return RopeScaling("linear", float(rope["factor"]))
-    return RopeScaling(
-        "llama3",
-        float(rope["factor"]),
-        float(rope.get("low_freq_factor", 1.0)),
-        float(rope.get("high_freq_factor", 4.0)),
-        int(rope.get("original_max_position_embeddings", 8192)),
-    )
 
 
 # fields that change the math, with the values implemented: others are refused at start-up
@@ -245,7 +178,7 @@ class LlamaConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    rope_scaling: RopeScaling = RopeScaling()
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=RopeScaling)
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (Qwen3)
@@ -267,7 +200,7 @@ class LlamaConfig:
         """Raises ValueError for a field value that changes the math in an unimplemented way."""
         cfg = text_config(cfg)
         _check_fields(cfg)
-        rope = _rope_params(cfg)
+        rope = rope_params(cfg)
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -287,7 +220,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            rope_scaling=_rope(cfg),
+            rope_scaling=rope_scaling(cfg),
             qkv_bias=cfg.get("model_type") == "qwen2"
             or (cfg.get("model_type") == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
             or bool(cfg.get("attention_bias")),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.config import RopeScaling
+from models.rope_scaling import RopeScaling
 
 
 class RowOps:
@@ -66,13 +66,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops or RowOps()
-        inv_freq = (scaling or RopeScaling()).inv_freq(head_dim, theta).to(device)
+        scaling = scaling or RopeScaling()
+        inv_freq = scaling.inv_freq(head_dim, theta).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
+        af = scaling.attention_factor  # YaRN's: cos and sin scaled alike
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * af, persistent=False)
+        self.register_buffer("sin", freqs.sin() * af, persistent=False)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rope(cos, sin, x)

@@ -100,7 +100,7 @@ BASE: dict[str, Any] = {
         ({"model_type": "qwen3_moe"}, "no num_experts_per_tok"),
         ({"model_type": "mixtral", "num_experts_per_tok": 3, "num_local_experts": 2}, "1..2"),
         ({"model_type": "gemma2"}, "model_type 'gemma2'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "needs rope_scaling.factor"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling.factor"),
         ({"mlp_bias": True}, "mlp_bias True"),
