@@ -25,6 +25,7 @@ DTYPES: dict[str, torch.dtype] = {
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", *MOE_TYPES)
 WINDOWED_TYPES = ("mistral", "phi3", "mixtral")  # whose sliding_window applies to every layer
+LAYERED = ("gemma3_text", "gpt_oss")  # whose layer_types say which layers slide
 
 
 # fields that change the math, with the values implemented: others are refused at start-up
@@ -100,7 +101,7 @@ def _check_fields(cfg: dict[str, Any]) -> None:
                 f"unsupported {field} {cfg[field]!r}: tandem implements {allowed[0]!r} only"
             )
     window = _window(cfg)
-    if window is not None and model_type not in (*WINDOWED_TYPES, "gemma3_text"):
+    if window is not None and model_type not in (*WINDOWED_TYPES, *LAYERED):
         raise ValueError(
             f"unsupported sliding_window {window} for model_type {model_type!r}: its window "
             f"applies to some layers only (max_window_layers), which is not implemented"
@@ -130,37 +131,49 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class GemmaShape:
-    """Gemma 3's differences from a Llama layer: RMSNorms scale by ``1 + weight`` (stored so
-    at load), embeddings times sqrt(hidden), a norm after attention and around the MLP,
-    gelu-tanh, ``query_pre_attn_scalar``, and ``sliding[i]`` layers attending over the last
-    ``window`` positions with their own rope base."""
+class LayerWindows:
+    """Per-layer attention (Gemma 3, gpt-oss): ``sliding[i]`` layers see the last ``window``
+    positions, rotating by ``local_rope_theta`` (None: the model's own rope)."""
 
     sliding: tuple[bool, ...]
     window: int
-    local_rope_theta: float
-    query_pre_attn_scalar: float
+    local_rope_theta: float | None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> GemmaShape:
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> LayerWindows | None:
         layers = int(cfg["num_hidden_layers"])
         kinds = cfg.get("layer_types")
-        if not kinds:  # older configs: every n-th layer is global
+        gemma = cfg.get("model_type") == "gemma3_text"
+        if not kinds and gemma:  # older Gemma configs: every n-th layer is global
             n = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
             kinds = [
                 "full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(layers)
             ]
-        rope = cfg.get("rope_parameters") or {}
-        local = rope.get("sliding_attention") if isinstance(rope, dict) else None
-        if isinstance(local, dict) and local.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported sliding layers' rope_type {local['rope_type']!r}")
-        theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+        if not kinds or "sliding_attention" not in kinds or not cfg.get("sliding_window"):
+            return None
+        theta = None
+        if gemma:
+            rope = cfg.get("rope_parameters") or {}
+            local = rope.get("sliding_attention") if isinstance(rope, dict) else None
+            if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+                raise ValueError(f"unsupported sliding layers' rope_type {local['rope_type']!r}")
+            theta = float((local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
         return cls(
-            sliding=tuple(k == "sliding_attention" for k in kinds),
-            window=int(cfg.get("sliding_window") or 4096),
-            local_rope_theta=float(theta),
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]),
+            tuple(k == "sliding_attention" for k in kinds), int(cfg["sliding_window"]), theta
         )
+
+
+@dataclass(frozen=True)
+class GemmaShape:
+    """Gemma 3's differences from a Llama layer: RMSNorms scale by ``1 + weight`` (stored so
+    at load), embeddings times sqrt(hidden), a norm after attention and around the MLP,
+    gelu-tanh, and ``query_pre_attn_scalar``."""
+
+    query_pre_attn_scalar: float
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> GemmaShape:
+        return cls(float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]))
 
 
 @dataclass(frozen=True)
@@ -185,7 +198,8 @@ class LlamaConfig:
     sliding_window: int | None = None
     fused_projections: bool = False  # Phi-3: qkv_proj and gate_up_proj stored as one tensor each
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the expert blocks
-    gemma: GemmaShape | None = None  # Gemma 3: its norms, activation and per-layer windows
+    gemma: GemmaShape | None = None  # Gemma 3: its norms, activation and attention scale
+    layer_windows: LayerWindows | None = None  # sliding and full layers (Gemma 3, gpt-oss)
 
     @property
     def q_size(self) -> int:
@@ -226,10 +240,13 @@ class LlamaConfig:
             or bool(cfg.get("attention_bias")),
             o_bias=bool(cfg.get("attention_bias")),
             qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text"),
-            sliding_window=None if cfg.get("model_type") == "gemma3_text" else _window(cfg),
+            sliding_window=None if cfg.get("model_type") in LAYERED else _window(cfg),
             fused_projections=cfg.get("model_type") == "phi3",
             moe=MoEConfig.from_hf_dict(cfg) if cfg.get("model_type") in MOE_TYPES else None,
             gemma=GemmaShape.from_hf_dict(cfg) if cfg.get("model_type") == "gemma3_text" else None,
+            layer_windows=LayerWindows.from_hf_dict(cfg)
+            if cfg.get("model_type") in LAYERED
+            else None,
         )
 
     @classmethod

@@ -189,7 +189,8 @@ class LlamaModel(nn.Module):
         self.num_kv_heads_local = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype, dev)
         sparse = cfg.moe.sparse if cfg.moe is not None else (False,) * cfg.num_layers
-        sliding = cfg.gemma.sliding if cfg.gemma is not None else (False,) * cfg.num_layers
+        windows = cfg.layer_windows
+        sliding = windows.sliding if windows is not None else (False,) * cfg.num_layers
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, tp, dtype, dev, ops=ops, sparse=s, sliding=w)
             for s, w in zip(sparse, sliding, strict=True)
@@ -200,10 +201,9 @@ class LlamaModel(nn.Module):
         )
         # Gemma 3's sliding layers rotate by their own base; its embeddings scale by sqrt(hidden)
         self.rope_local: RotaryEmbedding | None = None
-        if cfg.gemma is not None:
-            theta = cfg.gemma.local_rope_theta
+        if windows is not None and windows.local_rope_theta is not None:
             self.rope_local = RotaryEmbedding(
-                cfg.head_dim, cfg.max_position_embeddings, theta, dev, None, ops
+                cfg.head_dim, cfg.max_position_embeddings, windows.local_rope_theta, dev, None, ops
             )
         self.embed_scale = cfg.hidden_size**0.5 if cfg.gemma is not None else None
         self.lm_head = (

@@ -84,20 +84,15 @@ def exact_attention(model: LlamaModel) -> bool:
 
 
 def model_attention(model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> AttentionBackend:
-    """The model's attention: one backend, or for Gemma 3 one per kind of layer."""
+    """The model's attention: one backend, or one per kind of layer (Gemma 3, gpt-oss)."""
     exact = exact_attention(model)
     attention = attention_for(model_attention_spec(model, kv_pool, block_size), model.dtype, exact)
     c = model.cfg
-    if c.gemma is None or model.rope_local is None:
+    if c.layer_windows is None:
         return attention
+    rope = model.rope_local or model.rope
     local = attention_spec(
-        model.rope_local,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        kv_pool,
-        block_size,
-        c.gemma.window,
+        rope, c.num_heads, c.num_kv_heads, c.head_dim, kv_pool, block_size, c.layer_windows.window
     )
     return LayeredBackend(attention, attention_for(local, model.dtype, exact))
 

@@ -124,6 +124,7 @@ class LayerProgram:
             "q/k norms": cfg.qk_norm,
             "mixture of experts": cfg.moe is not None,
             "Gemma 3's layer shape": cfg.gemma is not None,
+            "per-layer windows": cfg.layer_windows is not None,
             "activation quantization": any(
                 getattr(m, "input_quant", None) is not None for m in model.modules()
             ),
