@@ -117,6 +117,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # gpt-oss: attention sinks, a sliding layer then a full one, YaRN, biased experts with the
+    # clamped SwiGLU, softmax over the top-k logits
+    "gpt-oss": (
+        "gpt_oss",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
     "mixtral": (
         "mixtral",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},

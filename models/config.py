@@ -82,7 +82,6 @@ def _check_fields(cfg: dict[str, Any]) -> None:
     model_type = cfg.get("model_type", "llama")
     if model_type not in MODEL_TYPES:
         why = {
-            "gpt_oss": "gpt-oss (attention sinks, MXFP4 experts) is not implemented",
             "phi3small": "Phi-3-small's blocksparse attention is not implemented",
             "phimoe": "PhiMoE's sparsemixer routing is not implemented",
         }.get(str(model_type), f"tandem implements {list(MODEL_TYPES)}")
@@ -200,6 +199,7 @@ class LlamaConfig:
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the expert blocks
     gemma: GemmaShape | None = None  # Gemma 3: its norms, activation and attention scale
     layer_windows: LayerWindows | None = None  # sliding and full layers (Gemma 3, gpt-oss)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax
 
     @property
     def q_size(self) -> int:
@@ -247,6 +247,7 @@ class LlamaConfig:
             layer_windows=LayerWindows.from_hf_dict(cfg)
             if cfg.get("model_type") in LAYERED
             else None,
+            attention_sinks=cfg.get("model_type") == "gpt_oss",
         )
 
     @classmethod

@@ -9,6 +9,7 @@ from torch import nn
 
 from models.attention.backend import paged_attention
 from models.attention.metadata import StepMetadata
+from models.attention.sinks import sink_attention
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.moe import SparseMoE
@@ -56,6 +57,12 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device, ops)
+        self.tp = tp
+        self.sinks: nn.Parameter | None = None  # [Hq_local] gpt-oss's
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False
+            )
 
     def forward(
         self,
@@ -77,7 +84,10 @@ class LlamaAttention(nn.Module):
         else:
             qk = rope(meta.cos, meta.sin, qkv[:, :k_end].view(t, -1, self.head_dim))
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
+        if self.sinks is not None:
+            out = sink_attention(q, k, v, layer_kv, meta, self.scale, self.sinks)
+        else:
+            out = paged_attention(q, k, v, layer_kv, meta, self.scale)  # [T, Hq_local * D]
         y: torch.Tensor = self.o_proj(out)
         return y
 
@@ -350,6 +360,8 @@ def load_layer(
         mlp.down_proj.load(w(prefix + "mlp.down_proj.weight"))
     o_bias = w(prefix + "self_attn.o_proj.bias") if attn.o_proj.bias is not None else None
     attn.o_proj.load(w(prefix + "self_attn.o_proj.weight"), o_bias)
+    if attn.sinks is not None:
+        attn.sinks.data.copy_(attn.tp.narrow(w(prefix + "self_attn.sinks"), 0, "attention heads"))
     if attn.q_norm is not None and attn.k_norm is not None:
         attn.q_norm.weight.data.copy_(norm_weight(w(prefix + "self_attn.q_norm.weight"), cfg))
         attn.k_norm.weight.data.copy_(norm_weight(w(prefix + "self_attn.k_norm.weight"), cfg))

@@ -1,11 +1,12 @@
-"""Mixture-of-experts hyper-parameters of Qwen3-MoE, Qwen2-MoE and Mixtral, from an HF config."""
+"""Mixture-of-experts hyper-parameters of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, from an HF
+config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 
 def _need(cfg: dict[str, Any], name: str) -> int:
@@ -29,6 +30,14 @@ class MoEConfig:
     names: tuple[str, str, str]  # an expert's gate, up and down projections
     # Qwen2-MoE: an MLP every token takes, its output scaled by sigmoid(shared_expert_gate)
     shared_intermediate_size: int | None = None
+    # gpt-oss: softmax over the top-k logits; biased router and experts; the clamped SwiGLU
+    # (up + 1) * gate * sigmoid(alpha * gate); experts stored stacked, gate/up interleaved
+    softmax_after_top_k: bool = False
+    biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    stacked: bool = False
+    router: str = "gate"
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> MoEConfig:
@@ -38,6 +47,22 @@ class MoEConfig:
         top_k = _need(cfg, "num_experts_per_tok")
         if not 0 < top_k <= experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{experts} experts")
+        if model_type == "gpt_oss":
+            return cls(
+                experts,
+                top_k,
+                _need(cfg, "intermediate_size"),
+                False,
+                (True,) * layers,
+                "mlp.",
+                ("gate_up_proj", "gate_up_proj", "down_proj"),
+                softmax_after_top_k=True,
+                biases=True,
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                stacked=True,
+                router="router",
+            )
         if model_type == "mixtral":
             return cls(
                 experts,

@@ -86,15 +86,21 @@ def exact_attention(model: LlamaModel) -> bool:
 def model_attention(model: LlamaModel, kv_pool: torch.Tensor, block_size: int) -> AttentionBackend:
     """The model's attention: one backend, or one per kind of layer (Gemma 3, gpt-oss)."""
     exact = exact_attention(model)
-    attention = attention_for(model_attention_spec(model, kv_pool, block_size), model.dtype, exact)
     c = model.cfg
+
+    def backend(spec: AttentionSpec) -> AttentionBackend:
+        if c.attention_sinks:  # only the gather path's groups attend with sinks
+            return ReferenceBackend(spec, exact=exact, why="attention sinks")
+        return attention_for(spec, model.dtype, exact)
+
+    attention = backend(model_attention_spec(model, kv_pool, block_size))
     if c.layer_windows is None:
         return attention
     rope = model.rope_local or model.rope
     local = attention_spec(
         rope, c.num_heads, c.num_kv_heads, c.head_dim, kv_pool, block_size, c.layer_windows.window
     )
-    return LayeredBackend(attention, attention_for(local, model.dtype, exact))
+    return LayeredBackend(attention, backend(local))
 
 
 def model_backend(

@@ -2,8 +2,9 @@
 3.x rotary scaling (``llama3``) and ``linear``, Llama with attention biases, Qwen2/2.5 (q/k/v
 biases), Qwen3 (per-head q/k norms), Phi-3 (fused projections, its window), Gemma 3 (sliding
 and global layers, each with its own rope), Qwen3-MoE and Mixtral (top-k routed experts),
-Mistral with and without its sliding window, most also over TP = 2; and every config field
-that would change the math in a way tandem does not implement refused at load, naming it."""
+gpt-oss (attention sinks, YaRN, biased experts and their clamped SwiGLU), Qwen2-MoE (a shared
+expert), Mistral with and without its sliding window, most also over TP = 2; and every config
+field that would change the math in a way tandem does not implement refused at load, naming it."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ BASE: dict[str, Any] = {
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"model_type": "gpt_oss"}, "model_type 'gpt_oss'"),
+        ({"model_type": "gpt_oss"}, "gpt_oss config has no num_experts_per_tok"),
         ({"model_type": "qwen3_moe"}, "no num_experts_per_tok"),
         ({"model_type": "mixtral", "num_experts_per_tok": 3, "num_local_experts": 2}, "1..2"),
         ({"model_type": "gemma2"}, "model_type 'gemma2'"),
