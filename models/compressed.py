@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from models.prequantized import PrequantizedCheckpoint, whole_tensor
+from models.quant import Quant
 from models.weights import LazyTensor, Sliceable, safetensors_files
 
 FORMATS = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized")
@@ -120,6 +121,21 @@ class CompressedCheckpoint(PrequantizedCheckpoint):
         )
         self._dense = {n for n in self._raw if not self._compressed_part(n)}
         self._dense |= {m + ".weight" for m in self.quantized}
+
+    def kernel_quant(self) -> Quant:
+        """INT8 for int8 weights per channel, symmetric, weight-only (W8A16); FP8 for fp8
+        weights per channel with inputs per token (FP8_DYNAMIC); else NONE."""
+        kinds = set()
+        for scheme in self.config.config_groups.values():
+            w, a = scheme.weights, scheme.input_activations
+            per_channel = w.strategy == "channel" and w.symmetric
+            if per_channel and (w.type, w.num_bits) == ("int", 8) and a is None:
+                kinds.add(Quant.INT8)
+            elif per_channel and w.type == "float" and a is not None and a.strategy == "token":
+                kinds.add(Quant.FP8)
+            else:
+                kinds.add(Quant.NONE)
+        return kinds.pop() if len(kinds) == 1 else Quant.NONE
 
     def scheme(self, module: str) -> Any | None:
         """The scheme that quantizes HF matmul ``module`` (e.g. ``model.layers.0.mlp.up_proj``)."""

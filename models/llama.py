@@ -286,14 +286,17 @@ class LlamaModel(nn.Module):
             self.lm_head.load(w("lm_head.weight"))
             if isinstance(weights, PrequantizedCheckpoint) and weights.quantizes_input("lm_head"):
                 raise ValueError("an activation-quantized lm_head is not implemented")
-        if quant is not Quant.NONE:
+        # a pre-quantized checkpoint's stored kind is served in kernels; its head stays as stored
+        prequantized = isinstance(weights, PrequantizedCheckpoint)
+        if quant is not Quant.NONE and not prequantized:
             self.lm_head.quantize(quant, keep_table=self.cfg.tie_word_embeddings)
         self.norm.weight.data.copy_(norm_weight(w("model.norm.weight"), self.cfg))
         group = tp_group(self.tp)
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, LlamaDecoderLayer)
             load_layer(layer, w, f"model.layers.{i}.", self.cfg)
-            if isinstance(weights, PrequantizedCheckpoint):
+            if isinstance(weights, PrequantizedCheckpoint) and quant is not Quant.FP8:
+                # (the fp8 kernel quantizes its inputs per token itself)
                 quantize_inputs(layer, weights, f"model.layers.{i}.")
             if quant is not Quant.NONE:
                 quantize_layers(layer, quant, group)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from models.quant import Quant
 from models.weights import Sliceable, open_checkpoint
 
 InputQuantizer = Callable[[torch.Tensor], torch.Tensor]  # [T, in] -> [T, in]
@@ -27,6 +28,12 @@ class PrequantizedCheckpoint(Mapping[str, Sliceable]):
     @abstractmethod
     def input_quant(self, layer_prefix: str, matmul: str) -> InputQuantizer | None:
         """That of tandem matmul ``matmul`` (qkv_proj, o_proj, gate_up_proj, down_proj)."""
+
+    def kernel_quant(self) -> Quant:
+        """The kind tandem's own kernels serve this format in on a GPU (the dequantized weights
+        quantized again per output channel give the stored values back), or NONE: dequantized
+        weights at the model's dtype."""
+        return Quant.NONE
 
 
 def open_weights(folder: Path) -> Mapping[str, Sliceable]:

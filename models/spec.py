@@ -94,14 +94,30 @@ class ModelSpec:
             dtype = DTYPES[self.dtype]
             model = LlamaModel(self.config(), tp=tp, dtype=dtype, device=device, ops=ops)
             weights = open_weights(folder)
-            if isinstance(weights, PrequantizedCheckpoint) and self.quant is not Quant.NONE:
-                raise ValueError(
-                    f"quantization={self.quantization} with a pre-quantized checkpoint: serve it "
-                    "as stored (quantization: none)"
-                )
-            model.load_weights(weights, quant=self.quant, progress=_progress)
+            quant = self.quant
+            if isinstance(weights, PrequantizedCheckpoint):
+                if quant is not Quant.NONE:
+                    raise ValueError(
+                        f"quantization={self.quantization} with a pre-quantized checkpoint: "
+                        "serve it as stored (quantization: none)"
+                    )
+                quant = served_kernel(weights, device)
+            model.load_weights(weights, quant=quant, progress=_progress)
         log.info("loaded %s%s in %.1f s", folder.name, rank, time.perf_counter() - t0)
         return model.eval()
+
+
+def served_kernel(weights: PrequantizedCheckpoint, device: torch.device | str) -> Quant:
+    """On a GPU that has the kernel, the format's own kind; else NONE (dequantized, exact)."""
+    kind = weights.kernel_quant()
+    if kind is Quant.NONE or torch.device(device).type != "cuda":
+        return Quant.NONE
+    try:
+        check_supported(kind, device)
+    except ValueError:  # fp8 below compute capability 8.9: dequantized
+        return Quant.NONE
+    log.info("serving the checkpoint's %s weights in tandem's %s kernels", kind.value, kind.value)
+    return kind
 
 
 def _progress(done: int, total: int) -> None:

@@ -317,3 +317,28 @@ def test_every_familys_bucketed_step_equals_its_ragged_one(
         assert float((got.logits - want.logits).abs().max()) <= 0.1 * float(want.logits.abs().max())
         cached += width
     assert bucketed.bucketed_steps == 3 and bucketed.backend.attention.fallbacks == 0
+
+
+@pytest.mark.parametrize(("scheme", "kind"), [("w8a16", "int8"), ("fp8-dynamic", "fp8")])
+def test_prequantized_checkpoints_serve_in_the_kernels(
+    tmp_path: Path, device: str, scheme: str, kind: str
+) -> None:
+    """On the device a W8A16 / FP8_DYNAMIC checkpoint serves in tandem's int8 / fp8 kernels
+    (a CPU dequantizes): its logits within bf16's reach of the dequantized model's."""
+    from bench.quantized_checkpoints import compressed_checkpoint
+    from models.quant import Quant
+
+    folder = compressed_checkpoint(tmp_path / scheme, "qwen3", scheme)
+    ids = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def logits(dev: str) -> tuple[torch.Tensor, Quant]:
+        model = ModelSpec(str(folder), "bfloat16").load(dev)
+        c = model.cfg
+        pool = new_kv_pool(16, c.num_kv_heads, c.num_layers, BS, c.head_dim, model.dtype, dev)
+        out = LocalRunner(model, pool, BS).run([SeqInput(list(range(8)), 0, ids, list(range(120)))])
+        return out.logits.float().cpu(), model.quant
+
+    got, served = logits(device)
+    want, dense = logits("cpu")
+    assert dense is Quant.NONE and served is (Quant(kind) if device == "cuda" else Quant.NONE)
+    assert float((got - want).abs().max()) <= 0.1 * float(want.abs().max())

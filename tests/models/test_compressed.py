@@ -198,3 +198,36 @@ def test_requantizing_a_prequantized_checkpoint_is_refused(tmp_path: Path) -> No
     folder = compressed_checkpoint(tmp_path / "q", "qwen3", "w8a16")
     with pytest.raises(ValueError, match="pre-quantized checkpoint"):
         ModelSpec(str(folder), quantization="int8").load()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kind"),
+    [("w8a16", "int8"), ("fp8-dynamic", "fp8"), ("w4a16", "none"), ("fp8-static", "none")],
+)
+def test_a_gpu_serves_the_stored_kind_in_tandems_kernels(
+    tmp_path: Path, scheme: str, kind: str
+) -> None:
+    """W8A16 (int8 per channel) and FP8_DYNAMIC (fp8 per channel, inputs per token) are the
+    formats tandem's own int8 and fp8 kernels compute: on a GPU they serve in them; the dense
+    weights quantized again per row give the stored codes back (fp8 exactly, int8 within one
+    step, its scale being stored in bf16); a CPU serves every format dequantized (exact)."""
+    from models.prequantized import PrequantizedCheckpoint, open_weights
+    from models.quant import Quant, quantize, row_absmax
+    from models.spec import served_kernel
+
+    folder = compressed_checkpoint(tmp_path / scheme, "qwen3", scheme)
+    weights = open_weights(folder)
+    assert isinstance(weights, PrequantizedCheckpoint)
+    assert weights.kernel_quant() is Quant(kind)
+    assert served_kernel(weights, "cpu") is Quant.NONE
+    if kind == "none":
+        return
+    name = "model.layers.1.mlp.down_proj"
+    dense = weights[name + ".weight"].narrow(0, 0, 64)
+    again = quantize(dense, Quant(kind), row_absmax(dense))
+    if kind == "fp8":
+        with safe_open(str(next(folder.glob("*.safetensors"))), "pt") as h:
+            assert torch.equal(again.data.float(), h.get_tensor(name + ".weight").float())
+    else:
+        step = again.scale.float().unsqueeze(1)
+        assert (again.data.float() * step - dense).abs().le(step).all()
