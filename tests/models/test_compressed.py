@@ -185,7 +185,7 @@ W4 = {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size
         ),
         ({**BASE, "quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes'"),
         ({**BASE, "quantization_config": {"quant_method": "mxfp4"}}, "'mxfp4'"),
-        ({**BASE, "quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq'"),
+        ({**BASE, "quantization_config": {"quant_method": "eetq"}}, "'eetq'"),
     ],
 )
 def test_what_tandem_does_not_load_is_refused_by_name(config: dict[str, Any], named: str) -> None:
