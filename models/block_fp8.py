@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from models.prequantized import PrequantizedCheckpoint, whole_tensor
-from models.weights import LazyTensor, Sliceable, safetensors_files
+from models.weights import Sliceable, lazy_tensors
 
 FP8_MAX = 448.0
 
@@ -50,15 +50,9 @@ class GroupFp8Input:
 
 class BlockFp8Checkpoint(PrequantizedCheckpoint):
     def __init__(self, folder: Path, qcfg: dict[str, Any]) -> None:
-        from safetensors import safe_open
-
         self.block = check_config(qcfg)
         self.skip = tuple(qcfg.get("modules_to_not_convert") or ())
-        self._raw: dict[str, LazyTensor] = {}
-        for f in safetensors_files(folder):
-            handle = safe_open(str(f), framework="pt")
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                self._raw[name] = LazyTensor(handle, name)
+        self._raw = lazy_tensors(folder)
         suffix = ".weight_scale_inv"
         self.quantized = frozenset(n.removesuffix(suffix) for n in self._raw if n.endswith(suffix))
 

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from models.prequantized import PrequantizedCheckpoint, whole_tensor
 from models.quant import Quant
-from models.weights import LazyTensor, Sliceable, safetensors_files
+from models.weights import Sliceable, lazy_tensors
 
 FORMATS = ("int-quantized", "pack-quantized", "float-quantized", "naive-quantized")
 # the HF matmuls whose input a tandem matmul quantizes (fused parts share their input)
@@ -109,11 +108,7 @@ class CompressedCheckpoint(PrequantizedCheckpoint):
 
     def __init__(self, folder: Path, qcfg: dict[str, Any]) -> None:
         self.config = check_config(qcfg)
-        self._raw: dict[str, LazyTensor] = {}
-        for f in safetensors_files(folder):
-            handle = safe_open(str(f), framework="pt")
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                self._raw[name] = LazyTensor(handle, name)
+        self._raw = lazy_tensors(folder)
         self.quantized = frozenset(
             n.rsplit(".", 1)[0]
             for n in self._raw

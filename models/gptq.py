@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from models.prequantized import PrequantizedCheckpoint, whole_tensor
-from models.weights import LazyTensor, Sliceable, safetensors_files
+from models.weights import Sliceable, lazy_tensors
 
 # AutoAWQ packs column AWQ_PACK[i] of each eight into nibble i; column j is in nibble AWQ_READ[j]
 AWQ_PACK = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -56,17 +56,11 @@ def unpack_columns(packed: torch.Tensor, order: tuple[int, ...] | None) -> torch
 
 class GptqCheckpoint(PrequantizedCheckpoint):
     def __init__(self, folder: Path, qcfg: dict[str, Any]) -> None:
-        from safetensors import safe_open
-
         check_config(qcfg)
         self.awq = qcfg["quant_method"] == "awq"
         self.v1 = not self.awq and qcfg.get("checkpoint_format", "gptq") == "gptq"
         self.group = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
-        self._raw: dict[str, LazyTensor] = {}
-        for f in safetensors_files(folder):
-            handle = safe_open(str(f), framework="pt")
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-                self._raw[name] = LazyTensor(handle, name)
+        self._raw = lazy_tensors(folder)
         self.quantized = frozenset(
             n.removesuffix(".qweight") for n in self._raw if n.endswith(".qweight")
         )

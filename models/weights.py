@@ -41,6 +41,7 @@ class LazyTensor:
         self._name = name
         self._slice = handle.get_slice(name)
         self.shape = torch.Size(self._slice.get_shape())
+        self.dtype: str = self._slice.get_dtype()  # safetensors' name, e.g. "BF16"
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = (slice(None),) * dim + (slice(start, start + length),)
@@ -109,20 +110,26 @@ def check_plain(name: str, dtype: str) -> None:
         )
 
 
+def lazy_tensors(folder: Path) -> dict[str, LazyTensor]:
+    """Every tensor of a folder's safetensors files, read only as far as narrowed."""
+    out: dict[str, LazyTensor] = {}
+    for f in safetensors_files(folder):
+        handle = safe_open(str(f), framework="pt")
+        for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            out[name] = LazyTensor(handle, name)
+    return out
+
+
 def open_checkpoint(folder: Path) -> dict[str, LazyTensor | torch.Tensor]:
-    files = safetensors_files(folder)
-    if not files:
+    if not safetensors_files(folder):
         tensors = load_state_dict(folder)
         for name, t in tensors.items():
             check_plain(name, _TORCH_NAMES.get(t.dtype, str(t.dtype)))
         return dict(tensors)
-    out: dict[str, LazyTensor | torch.Tensor] = {}
-    for f in files:
-        handle = safe_open(str(f), framework="pt")
-        for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-            check_plain(name, handle.get_slice(name).get_dtype())
-            out[name] = LazyTensor(handle, name)
-    return out
+    lazy = lazy_tensors(folder)
+    for name, part in lazy.items():
+        check_plain(name, part.dtype)
+    return dict(lazy)
 
 
 def whole(t: Sliceable) -> torch.Tensor:
