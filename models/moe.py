@@ -1,8 +1,9 @@
 """A mixture-of-experts MLP block (Qwen3-MoE, Qwen2-MoE's shared expert, Mixtral, gpt-oss's
-biases and clamped SwiGLU): a replicated router picks each token's top-k experts; each expert is a SwiGLU MLP split by TP like a dense one (columns of gate/up, rows
-of down), so a rank sums its partial outputs over every expert and reduces once. On a GPU the
-experts are stacked and run as two grouped matmuls (``torch._grouped_mm``) with no host sync, so
-a step captures in a CUDA graph; elsewhere (and quantized) each expert runs over its tokens."""
+biases and clamped SwiGLU): a replicated router picks each token's top-k experts; each expert is
+an MLP split by TP like a dense one (columns of gate/up, rows of down), so a rank sums its partial
+outputs over every expert and reduces once. On a GPU the experts are stacked and run as two
+grouped matmuls (``torch._grouped_mm``) with no host sync, so a step captures in a CUDA graph;
+elsewhere (and quantized) each expert runs over its tokens."""
 
 from __future__ import annotations
 
