@@ -54,11 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bench.gpu_models import memory_bandwidth, random_model, served_backend
 from runtime.runner import synchronize
 
 if TYPE_CHECKING:
     from models.attention.flex_kernel import FlexKernel
-    from models.backend import ModelBackend
 
 
 def _tiny(
@@ -200,22 +200,6 @@ def check_decode_path(target: Path, draft: Path, eagle: Path, dev: str) -> dict[
     return res
 
 
-def _backend(model: Any, pool: torch.Tensor, flex: FlexKernel) -> ModelBackend:
-    """The model's own modules around the attention backend chosen for its device
-    (``runtime.backends.attention_for``, what ``LocalRunner`` picks unless given one), with
-    ``flex`` as the flex backend's kernel on a GPU: one kernel per model, whatever the pool, so
-    its compiled shapes, ``failed`` and ``fallbacks`` are the model's."""
-    from models.attention.flex import FlexBackend
-    from models.backend import TorchBackend
-    from runtime.backends import attention_for, exact_attention, model_attention_spec
-
-    spec = model_attention_spec(model, pool, 16)
-    attention = attention_for(spec, model.dtype, exact_attention(model))
-    if isinstance(attention, FlexBackend):
-        attention = FlexBackend(spec, flex)
-    return TorchBackend(model, attention)
-
-
 def _cached_pool(
     model: Any, batch: int, nb: int, dev: str, flex: FlexKernel
 ) -> tuple[torch.Tensor, list[list[int]]]:
@@ -227,7 +211,7 @@ def _cached_pool(
     c = model.cfg
     pool = new_kv_pool(batch * nb, c.num_kv_heads, c.num_layers, 16, c.head_dim, model.dtype, dev)
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
-    backend = _backend(model, pool, flex)
+    backend = served_backend(model, pool, flex)
     for i in range(0, 1000, 500):
         run_step(backend, pool, [SeqInput(t, i, list(range(500)), [499]) for t in tables])
     return pool, tables
@@ -245,7 +229,7 @@ def step_costs(folder: Path, dev: str) -> dict[str, Any]:
     for batch in (1, 8, 32):
         nb = 66  # 1,056 tokens a sequence: 1,000 cached and up to 41 verified
         pool, tables = _cached_pool(model, batch, nb, dev, flex)
-        runner = LocalRunner(model, pool, 16, _backend(model, pool, flex))
+        runner = LocalRunner(model, pool, 16, served_backend(model, pool, flex))
 
         def timed(k: int, runner: LocalRunner = runner, tables: list[list[int]] = tables) -> float:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
@@ -374,14 +358,16 @@ def graph_steps(
     bucketed: BucketedRunner | None = None
     for batch in batches:
         pool, tables = _cached_pool(model, batch, nb, dev, flex)
-        bucketed = BucketedRunner(model, pool, 16, 64, 8, nb, graphs, _backend(model, pool, flex))
+        bucketed = BucketedRunner(
+            model, pool, 16, 64, 8, nb, graphs, served_backend(model, pool, flex)
+        )
         steps: dict[str, Callable[[list[SeqInput]], Any]] = {"bucketed": bucketed.run}
         if compare:
             spec = model_attention_spec(model, pool, 16)
             gathering = TorchBackend(model, ReferenceBackend(spec, exact_attention(model)))
             gather = BucketedRunner(model, pool, 16, 64, 8, nb, graphs, gathering)
             steps["bucketed_gather"] = gather.run
-            steps["ragged"] = LocalRunner(model, pool, 16, _backend(model, pool, flex)).run
+            steps["ragged"] = LocalRunner(model, pool, 16, served_backend(model, pool, flex)).run
         row: dict[str, Any] = {}
         for k in ks:
             batch_in = [SeqInput(t, 1000, list(range(k + 1)), list(range(k + 1))) for t in tables]
@@ -452,36 +438,6 @@ SMALL_8B = LLAMA_8B | {
 HIGH_BLOCK = 2048  # tables above this block of a block-major 8B pool pass 2**31 elements
 
 
-def memory_bandwidth(dev: str, nbytes: int = 2**30) -> float:
-    """Bytes a second one ``copy_`` moves (read + write), best of 10."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(10):
-        synchronize(dev)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        synchronize(dev)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
-
-
-def random_model(hf: dict[str, Any], dev: str) -> Any:
-    """A bf16 ``LlamaModel`` of config ``hf`` with random weights, built on ``dev``."""
-    from models.config import LlamaConfig
-    from models.llama import LlamaModel
-
-    torch.manual_seed(0)
-    model = LlamaModel(LlamaConfig.from_hf_dict(hf), dtype=torch.bfloat16, device=dev)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.eval()
-
-
 def steps_8b(dev: str, small: bool) -> dict[str, Any]:
     """Section 7 (see the module's docstring)."""
     from models.attention.flex import FlexBackend
@@ -506,7 +462,9 @@ def steps_8b(dev: str, small: bool) -> dict[str, Any]:
     # the int32 guard lifted: agreement with gathering says whether a pool this large needs it
     flex = FlexKernel(max_view_elements=None)
     spec = model_attention_spec(model, pool, 16)
-    inplace = BucketedRunner(model, pool, 16, 64, 8, nb, dev == "cuda", _backend(model, pool, flex))
+    inplace = BucketedRunner(
+        model, pool, 16, 64, 8, nb, dev == "cuda", served_backend(model, pool, flex)
+    )
     gathering = TorchBackend(model, ReferenceBackend(spec, exact_attention(model)))
     gather = BucketedRunner(model, pool, 16, 64, 8, nb, dev == "cuda", gathering)
     kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * pool.element_size()

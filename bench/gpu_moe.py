@@ -56,7 +56,7 @@ SMALL = QWEN3_30B_A3B | {
 
 
 def measure(dev: str, small: bool, repeats: int = 10) -> dict[str, Any]:
-    from bench.gpu_check import _backend, memory_bandwidth, random_model
+    from bench.gpu_models import memory_bandwidth, random_model, served_backend
     from models.attention.flex_kernel import FlexKernel
     from models.kv_layout import new_kv_pool
     from models.moe import SparseMoE
@@ -94,7 +94,7 @@ def measure(dev: str, small: bool, repeats: int = 10) -> dict[str, Any]:
         pool.normal_(0.0, 1.0)
         tables = [list(range(1 + i * nb, 1 + (i + 1) * nb)) for i in range(batch)]
         runner = BucketedRunner(
-            model, pool, 16, 64, 1, nb, dev == "cuda", _backend(model, pool, flex)
+            model, pool, 16, 64, 1, nb, dev == "cuda", served_backend(model, pool, flex)
         )
         step_in = [SeqInput(t, context, [7 + i], [0]) for i, t in enumerate(tables)]
         for _ in range(3):  # the first call captures

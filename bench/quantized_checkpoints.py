@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bench.families import family_checkpoint
+from bench.family_checkpoints import family_checkpoint
 
 GROUP = 32  # group size of the grouped schemes (the tiny models' rows are 64 or 128 wide)
 SCHEMES: dict[str, dict[str, Any]] = {

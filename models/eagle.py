@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from models.attention.metadata import StepMetadata
+from models.checkpoint import open_weights
 from models.config import LlamaConfig
 from models.layers import RMSNorm, RotaryEmbedding, RowOps
 from models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, load_layer, quantize_layers
 from models.parallel import TPContext, WeightKernel, linear
-from models.prequantized import open_weights
 from models.quant import Quant, quantize, row_absmax
 from models.weights import Sliceable, load_state_dict, whole
 

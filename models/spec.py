@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from models.checkpoint import open_weights
 from models.config import DTYPES, LlamaConfig
 from models.host_memory import large_blocks_mapped
 from models.layers import RowOps
 from models.llama import LlamaModel
 from models.parallel import TPContext
-from models.prequantized import PrequantizedCheckpoint, open_weights
+from models.prequantized import PrequantizedCheckpoint
 from models.quant import Quant, check_supported
 from models.weights import safetensors_files
 

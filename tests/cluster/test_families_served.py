@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.families import family_checkpoint, served
+from bench.families import served
+from bench.family_checkpoints import family_checkpoint
 from models.weights import resolve_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # serves the checkpoint on a local Ray

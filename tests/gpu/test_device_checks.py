@@ -286,7 +286,7 @@ def test_every_familys_bucketed_step_equals_its_ragged_one(
     """The new families on the device, in bf16: a MoE's stacked experts in grouped matmuls (no
     host sync) captured in a CUDA graph, gpt-oss's sinks on the gather path, Gemma 3's two
     plans a step, Phi-3's fused projections; decodes and a k = 4 verification."""
-    from bench.families import family_checkpoint
+    from bench.family_checkpoints import family_checkpoint
     from models.moe import SparseMoE
 
     model = ModelSpec(str(family_checkpoint(tmp_path / family, family)), "bfloat16").load(device)

@@ -211,7 +211,8 @@ def test_a_gpu_serves_the_stored_kind_in_tandems_kernels(
     formats tandem's own int8 and fp8 kernels compute: on a GPU they serve in them; the dense
     weights quantized again per row give the stored codes back (fp8 exactly, int8 within one
     step, its scale being stored in bf16); a CPU serves every format dequantized (exact)."""
-    from models.prequantized import PrequantizedCheckpoint, open_weights
+    from models.checkpoint import open_weights
+    from models.prequantized import PrequantizedCheckpoint
     from models.quant import Quant, quantize, row_absmax
     from models.spec import served_kernel
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench.families import FAMILIES, SHAPE
-from bench.families import family_checkpoint as _checkpoint
+from bench.family_checkpoints import FAMILIES, SHAPE
+from bench.family_checkpoints import family_checkpoint as _checkpoint
 from models.config import LlamaConfig
 from models.kv_layout import kv_pool_shape
 from models.spec import ModelSpec

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.quantized_checkpoints import int4_checkpoint
+from models.checkpoint import open_weights
 from models.config import LlamaConfig
-from models.prequantized import open_weights
 from tests.models.test_compressed import IDS, _ours
 
 

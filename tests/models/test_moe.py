@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.families import family_checkpoint
+from bench.family_checkpoints import family_checkpoint
 from models.kv_layout import kv_pool_shape
 from models.llama import LlamaMLP
 from models.moe import Router, SparseMoE
