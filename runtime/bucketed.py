@@ -1,5 +1,6 @@
 """Decodes and chain verifications at fixed shapes, one CUDA graph per bucket on a GPU (TP = 1:
-capturing NCCL all-reduces is unchecked); other steps run ragged."""
+capturing NCCL all-reduces is unchecked; not over quantized experts, which sync the host);
+other steps run ragged."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from models.attention.metadata import BucketInputs
 from models.backend import ModelBackend
 from models.llama import LlamaModel
+from models.moe import SparseMoE
 from models.tree import move_slots
 from runtime.runner import LocalRunner, SeqInput, StepResult, head_outputs, run_step
 from runtime.step_buffers import Bucket, StepBuffers
@@ -41,6 +43,11 @@ class BucketedRunner(LocalRunner):
         super().__init__(model, kv_pool, block_size, backend)
         self.buffers = StepBuffers(max_seqs, max_query, max_blocks, block_size, model.device)
         self.graphs = graphs and model.device.type == "cuda"
+        if self.graphs and any(
+            isinstance(m, SparseMoE) and m.gate_up is None for m in model.modules()
+        ):  # quantized experts run one by one, counting their tokens on the host
+            log.warning("quantized mixture-of-experts layers sync per layer: no CUDA graphs")
+            self.graphs = False
         self._captured: dict[Bucket, _Captured] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.bucketed_steps = 0

@@ -279,20 +279,27 @@ def test_sampled_speculation_is_exact_on_the_device(
     assert _same_distribution(c[:, 1], b[:, 1]) < 0.01
 
 
-@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss", "gemma3", "phi3"])
+@pytest.mark.parametrize(
+    ("family", "quant"),
+    [("qwen3-moe", "none"), ("qwen3-moe", "int8"), ("gpt-oss", "none"), ("gemma3", "none"),
+     ("phi3", "none")],
+)  # fmt: skip
 def test_every_familys_bucketed_step_equals_its_ragged_one(
-    tmp_path: Path, device: str, family: str
+    tmp_path: Path, device: str, family: str, quant: str
 ) -> None:
     """The new families on the device, in bf16: a MoE's stacked experts in grouped matmuls (no
-    host sync) captured in a CUDA graph, gpt-oss's sinks on the gather path, Gemma 3's two
-    plans a step, Phi-3's fused projections; decodes and a k = 4 verification."""
+    host sync) captured in a CUDA graph (int8 experts run one by one, without graphs), gpt-oss's
+    sinks on the gather path, Gemma 3's two plans a step, Phi-3's fused projections; decodes and
+    a k = 4 verification."""
     from bench.family_checkpoints import family_checkpoint
     from models.moe import SparseMoE
 
-    model = ModelSpec(str(family_checkpoint(tmp_path / family, family)), "bfloat16").load(device)
+    folder = family_checkpoint(tmp_path / family, family)
+    model = ModelSpec(str(folder), "bfloat16", quant).load(device)
     c = model.cfg
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    assert all((m.gate_up is not None) == (device == "cuda") for m in blocks)
+    stacked = device == "cuda" and quant == "none"
+    assert all((m.gate_up is not None) == stacked for m in blocks)
     nb, batch = 20, 4
 
     def pool() -> torch.Tensor:
@@ -302,6 +309,7 @@ def test_every_familys_bucketed_step_equals_its_ragged_one(
 
     ragged = LocalRunner(model, pool(), BS)
     bucketed = BucketedRunner(model, pool(), BS, batch, 8, nb, graphs=True)
+    assert bucketed.graphs == (device == "cuda" and not (blocks and quant != "none"))
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     g = torch.Generator().manual_seed(3)
     prompt = [
