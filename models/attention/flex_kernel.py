@@ -27,9 +27,9 @@ INT32_ELEMENTS = 2**31 - 1
 
 class FlexKernel:
     """One model's compiled kernel. Short queries (decodes, verifications, small trees) over
-    fewer than ``min_context_tokens`` gather, where an H200 measured gathering faster (1.98 ms
-    against 2.35 at batch 1, 1k tokens each); so does a CUDA pool whose layer view spans more
-    than ``max_view_elements`` (None: any)."""
+    fewer than ``min_context_tokens`` gather, where gathering measured faster on a GPU
+    (BENCHMARKS.md, GPU section); so does a CUDA pool whose layer view spans more than
+    ``max_view_elements`` (None: any)."""
 
     def __init__(
         self, min_context_tokens: int = 32768, max_view_elements: int | None = INT32_ELEMENTS
