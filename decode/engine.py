@@ -30,6 +30,7 @@ from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
 from runtime.shard import BucketSpec, ShardSpec
+from serving.grammars import ReplicaGrammars
 from speculation.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class DecodeEngine:
         )
         drafter_kv = self.drafter is not None and self.drafter.uses_kv
         self.choices = Choices(self.allocator, cfg.block_size, drafter_kv)
+        self.grammars = ReplicaGrammars(cfg.target)
         self.running: dict[str, Request] = {}
         self._outbox: list[StepOutput] = []
         self.target_tokens_fed = 0
@@ -131,6 +133,11 @@ class DecodeEngine:
                 self._handoff_ended(failed=True)
                 self._finish(req, FinishReason.ERROR, str(e))
                 return
+        try:  # a no-op when the server prepared it off this thread, as it does
+            self.grammars.attach(req)
+        except ValueError as e:
+            self._finish(req, FinishReason.ERROR, f"invalid grammar: {e}")
+            return
         refused = self.admission.refusal(req)
         if refused is not None:
             self._finish(req, FinishReason.ERROR, refused)
@@ -365,6 +372,10 @@ class DecodeEngine:
     def _ended(self, r: Request, last: int) -> FinishReason | None:
         if last in r.sampling.stop_token_ids:
             return FinishReason.STOP
+        if r.grammar is not None:
+            r.grammar.sync(r.output_token_ids)
+            if r.grammar.stopped:  # complete: nothing but an end token could follow
+                return FinishReason.STOP
         if (
             len(r.output_token_ids) >= r.sampling.max_tokens
             or r.num_tokens >= self.cfg.max_model_len
@@ -481,6 +492,7 @@ class DecodeEngine:
         )
 
     def close(self) -> None:
+        self.grammars.close()
         self.shard.close()
 
 

@@ -88,6 +88,7 @@ class DecodeServer:
         for rid in ids:
             self._queues[rid] = q
         choice = {rid: i for i, rid in enumerate(ids)}
+        await self.engine.grammars.prepare(req)
         self.loop.submit(req, handoff)
         ended: set[str] = set()
         try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.processing import Span, process_spans
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
 from models.logprobs import TokenLogprob, token_logprobs
@@ -166,8 +168,9 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
         return []
     logits = out.logits  # [rows, V]
     dev = logits.device
-    greedy = [s for s in chains if s.req.sampling.greedy]
-    sampled = [s for s in chains if not s.req.sampling.greedy]
+    # a processed greedy chain takes the sampled path: its one-hot rows come after processing
+    greedy = [s for s in chains if s.req.sampling.greedy and not s.req.sampling.processes]
+    sampled = [s for s in chains if s not in greedy]
     counts: list[torch.Tensor] = []  # [3, B] per group: accepted, has final, final token
     for group in (greedy, sampled):
         if not group:
@@ -193,7 +196,12 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
             counts.append(torch.stack([g.num_accepted, g.has_final.long(), g.final_token]))
             continue
         members = [s.req for s in group]
-        p = probs_from_logits(logits[rows], _positions(members, ws)[0])  # [sum w_i, V]
+        first = itertools.accumulate(ws, initial=0)
+        spans = [
+            Span(s.req, f, s.tested[: s.width - 1]) for s, f in zip(group, first, strict=False)
+        ]
+        scored = process_spans(logits[rows], spans)  # [sum w_i, V]
+        p = probs_from_logits(scored, _positions(members, ws)[0])  # [sum w_i, V]
         u = torch.from_numpy(uniforms(*_positions(members, ts), Stream.ACCEPT))  # [sum t_i]
         ver = rejection_sample(p, ws, drafts, ts, _draft_probs(group, p), u)
         final = _draw_finals(ver.final_dist, ver.num_accepted, members, ws)
@@ -242,7 +250,8 @@ def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | No
 
 def _seq_input(s: SeqStep) -> SeqInput:
     r, n = s.req, len(s.pending)
-    only = r.sampling.greedy and r.sampling.logprobs is None
+    sp = r.sampling
+    only = sp.greedy and sp.logprobs is None and not sp.processes
     logit_rows = list(range(n - 1, n - 1 + s.width))
     tokens = [*s.pending, *s.fed_drafts]
     if s.proposal.parents is None:

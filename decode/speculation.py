@@ -94,7 +94,8 @@ class SpeculationPolicy:
         r.acceptance_estimate = est + IDLE_EMA * (self.prior - est)
 
     def draft_width(self, r: Request) -> int:
-        return self.tree_width if r.sampling.greedy else 1
+        # a tree's nodes would each need their own processed row: chains only
+        return self.tree_width if r.sampling.greedy and not r.sampling.processes else 1
 
     @property
     def adaptive(self) -> bool:

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field, replace
 
+from models.grammar import GrammarState
 from models.sampling import SamplingParams, choice_seed
 
 
@@ -70,6 +71,8 @@ class Request:
     choice: int = 0
     # partitions prefix caches and affinity routing: requests see cached KV only of their salt
     cache_salt: str = ""
+    # where its output is in its grammar; attached by the replica running it, never shipped
+    grammar: GrammarState | None = None
 
     def choices(self) -> list[Request]:
         sp = self.sampling
@@ -80,6 +83,7 @@ class Request:
                 sampling=replace(sp, n=1, seed=choice_seed(sp.seed, i)),
                 arrival_time=self.arrival_time,
                 choice=i,
+                grammar=self.grammar.fresh() if self.grammar is not None else None,
             )
             for i in range(1, sp.n)
         ]

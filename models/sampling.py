@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from models.grammar import GrammarSpec
+
 MASK63 = (1 << 63) - 1
 
 
@@ -28,6 +30,14 @@ class SamplingParams:
     # each token's log-probability and this many alternatives (None: none)
     logprobs: int | None = None
     n: int = 1
+    # the logits processors (models/logits_processing.py), applied alike to target and draft
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # stop ids are barred until this many tokens are out
+    min_p: float = 0.0  # stateless: applied after the temperature, with top-k and top-p
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +46,18 @@ class SamplingParams:
     @property
     def truncates(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether its logits depend on the tokens before each position (beyond the model)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.grammar is not None
+        )
 
 
 class Stream:
@@ -89,12 +111,18 @@ def uniforms(
 
 def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits: [N, V] float32 -> [N, V]: one-hot at the argmax where greedy, else softmax(x / T)
+    without the tokens under min_p times the likeliest one's probability (vLLM's order),
     truncated to top-k, then to the smallest set reaching top-p, renormalized."""
     _n, v = logits.shape
     dev = logits.device
     greedy = torch.tensor([p.greedy for p in params], device=dev)
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+    if any(p.min_p > 0.0 and not p.greedy for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [N, 1]
+        probs = torch.where(probs < floor, 0.0, probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(p.truncates and not p.greedy for p in params):
         top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)

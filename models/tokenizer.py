@@ -87,6 +87,11 @@ class Tokenizer:
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
 
     @property
+    def hf(self) -> Any:
+        """The transformers tokenizer (constrained-decoding libraries read its vocabulary)."""
+        return self._tok
+
+    @property
     def backend(self) -> Any:
         backend = getattr(self._tok, "backend_tokenizer", None)
         if backend is None:

@@ -77,6 +77,7 @@ class PrefillServer:
         def done(result: KVHandoff | BaseException) -> None:  # runs on the worker thread
             loop.call_soon_threadsafe(_settle, fut, result)
 
+        await self.worker.grammars.prepare(req)
         self.worker.submit(req, done)
         self._kick()
         try:

@@ -19,6 +19,7 @@ from kvtransfer.allocator import BlockAllocator, block_hashes
 from kvtransfer.handoff import KVHandoff, kv_compat
 from kvtransfer.leases import Lease, LeaseTable
 from models.host_memory import release_free_heap
+from models.logits_processing import ProcessRow, process_logits
 from models.logprobs import token_logprobs
 from models.request import FinishReason, Request
 from models.sampling import Stream, probs_from_logits, sample_token
@@ -32,6 +33,7 @@ from prefill.stats import PrefillStats
 from runtime.build import build_shard
 from runtime.runner import SeqInput
 from runtime.shard import ShardSpec
+from serving.grammars import ReplicaGrammars
 
 log = logging.getLogger(__name__)
 ACTIVE_POLL_S = 0.0002
@@ -74,6 +76,7 @@ class PrefillWorker:
         self.compat = kv_compat(
             cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
         )
+        self.grammars = ReplicaGrammars(cfg.target)
         self._queue: list[PromptState] = []
         self._inbox: queue.SimpleQueue[PromptState | str] = queue.SimpleQueue()
         self._completed: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -95,6 +98,11 @@ class PrefillWorker:
         caching = self.cfg.enable_prefix_caching
         bs, salt = self.cfg.block_size, req.cache_salt.encode()
         hashes = block_hashes(req.prompt_token_ids, bs, salt) if caching else []
+        try:  # a no-op when the server prepared it off this thread, as it does
+            self.grammars.attach(req)
+        except ValueError as e:
+            on_done(e)
+            return
         self._inbox.put(PromptState(req, on_done, hashes))
 
     def cancel(self, request_id: str) -> None:
@@ -219,7 +227,7 @@ class PrefillWorker:
         try:
             logits = torch.cat(p.target_logits)  # [W, V]
             probs = probs_from_logits(logits, [sp] * len(p.positions))
-            first = sample_token(probs[-1], sp, 0, Stream.SAMPLE)
+            first = sample_token(_first_probs(req, logits[-1:], probs[-1]), sp, 0, Stream.SAMPLE)
             first_logprob = (
                 None
                 if sp.logprobs is None
@@ -237,6 +245,9 @@ class PrefillWorker:
             self.allocator.register(block, h, tokens)
         self._stats.prefills += 1
         finish = FinishReason.STOP if first in sp.stop_token_ids else None
+        if req.grammar is not None:
+            req.grammar.sync([first])
+            finish = FinishReason.STOP if req.grammar.stopped else finish
         if finish is None and sp.max_tokens <= 1:
             finish = FinishReason.LENGTH
         issued = time.time()
@@ -343,7 +354,19 @@ class PrefillWorker:
 
     def close(self) -> None:
         self._finalizer()
+        self.grammars.close()
         self.shard.close()
+
+
+def _first_probs(req: Request, last: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """[V] the first token's distribution: ``probs`` unless its logits (last: [1, V]) are
+    processed, as decode processes every later position."""
+    sp = req.sampling
+    if not sp.processes:
+        return probs
+    allowed = req.grammar.masks((), ())[0] if req.grammar is not None else None
+    row = ProcessRow(sp, req.prompt_token_ids, (), allowed)
+    return probs_from_logits(process_logits(last, [row]), [sp])[0]
 
 
 def _progress_loop(ref: weakref.ref[PrefillWorker], stop: threading.Event) -> None:

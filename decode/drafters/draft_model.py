@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.processing import Span, process_spans
 from models.request import Request
 from models.sampling import Stream, sample_logits
 from runtime.runner import ModelRunner, SeqInput
@@ -47,7 +48,9 @@ class DraftModelDrafter(Drafter):
             out = self.runner.run(batch)
             params = [reqs[i].sampling for i in live]
             positions = [len(reqs[i].output_token_ids) + j for i in live]
-            drawn, q = sample_logits(out.logits, params, positions, Stream.DRAFT)  # [B_j]
+            spans = [Span(reqs[i], row, tuple(tokens[i]), j) for row, i in enumerate(live)]
+            logits = process_spans(out.logits, spans)
+            drawn, q = sample_logits(logits, params, positions, Stream.DRAFT)  # [B_j]
             rows = iter(range(q.shape[0] if q is not None else 0))
             for row, (i, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
                 r = reqs[i]

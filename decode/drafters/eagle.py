@@ -9,6 +9,7 @@ import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle_tree import grow_trees
+from decode.processing import Span, process_spans
 from models.request import Request
 from models.sampling import Stream, sample_logits
 from runtime.runner import EagleRunner, SeqInput, StepResult
@@ -48,7 +49,10 @@ class EagleDrafter(Drafter):
         tree = [
             row
             for row, i in enumerate(live)
-            if self.tree_width > 1 and reqs[i].sampling.greedy and widths[i] > 1
+            if self.tree_width > 1
+            and reqs[i].sampling.greedy
+            and not reqs[i].sampling.processes
+            and widths[i] > 1
         ]
         chain = sorted(set(range(len(live))) - set(tree))
         if tree:
@@ -119,6 +123,8 @@ class EagleDrafter(Drafter):
                 hidden, logits = step.hidden, step.logits
             params = [reqs[b].sampling for b in live]
             positions = [len(reqs[b].output_token_ids) + j for b in live]
+            spans = [Span(reqs[b], row, tuple(tokens[b]), j) for row, b in enumerate(live)]
+            logits = process_spans(logits, spans)
             drawn, q = sample_logits(logits, params, positions, Stream.DRAFT)  # [B_j]
             rows = iter(range(q.shape[0] if q is not None else 0))
             for row, (b, token) in enumerate(zip(live, drawn.tolist(), strict=True)):
