@@ -12,8 +12,9 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.chat_output import ChatOutput, ChatPiece, ChatPlan
 from cluster.errors import APIError, generation_error, install_error_handlers
-from cluster.generation import Delta, Final, Generation, GenerationError
+from cluster.generation import Delta, Final, Generation, GenerationError, TextOptions
 from cluster.guard import TENANT, Admission, AdmissionGuard
 from cluster.protocol import (
     ChatCompletionRequest,
@@ -21,7 +22,7 @@ from cluster.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from cluster.service import OpenAIService
+from cluster.service import ChatRender, OpenAIService
 from decode.outputs import SpecUsage
 from models.logprobs import TokenLogprob
 from models.request import Request
@@ -63,8 +64,18 @@ def _sse(obj: dict[str, Any]) -> str:
 class _Shape:
     """How one endpoint shapes its bodies: completions and chat differ only here."""
 
-    def __init__(self, chat: bool, rid: str, model: str, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        rid: str,
+        model: str,
+        tokenizer: Tokenizer,
+        plan: ChatPlan | None = None,
+        n: int = 1,
+    ) -> None:
         self.chat = chat
+        self.plan = plan if plan is not None else ChatPlan()
+        self.outputs = [ChatOutput(self.plan) for _ in range(n)]  # per choice
         self.id = ("chatcmpl-" if chat else "cmpl-") + rid
         self.model = model
         self.created = int(time.time())
@@ -123,11 +134,23 @@ class _Shape:
         for f, text in zip(finals, texts, strict=True):
             logprobs = self.logprobs(lps[f.index] if lps is not None else None, f.index)
             if self.chat:
+                out = self.outputs[f.index]
+                first, last = out.push(text), out.finish()
+                content = first.content + last.content
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": content if content or not out.calls else None,
+                }
+                reasoning = first.reasoning + last.reasoning
+                if self.plan.reasoning or reasoning:
+                    message["reasoning_content"] = reasoning or None
+                if out.calls:
+                    message["tool_calls"] = out.calls
                 choices.append(
                     {
                         "index": f.index,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": f.finish_reason,
+                        "message": message,
+                        "finish_reason": out.finish_reason(f.finish_reason),
                         "logprobs": logprobs,
                     }
                 )
@@ -145,6 +168,30 @@ class _Shape:
             "usage": usage_body(finals),
         }
 
+    def chat_chunks(
+        self, index: int, text: str, lps: Sequence[TokenLogprob] | None, end: bool
+    ) -> list[dict[str, Any]]:
+        """A chat choice's chunks for ``text`` (and, at its ``end``, what its output held)."""
+        out = self.outputs[index]
+        piece = out.push(text)
+        if end:
+            last = out.finish()
+            piece = ChatPiece(
+                piece.content + last.content,
+                piece.reasoning + last.reasoning,
+                piece.tool_calls + last.tool_calls,
+            )
+        chunks = []
+        if piece.reasoning:
+            chunks.append(
+                self.chunk(index, None, None, delta={"reasoning_content": piece.reasoning})
+            )
+        if piece.content or lps:
+            chunks.append(self.chunk(index, piece.content, None, lps=lps))
+        for entry in piece.tool_calls:
+            chunks.append(self.chunk(index, None, None, delta={"tool_calls": [entry]}))
+        return chunks
+
     def chunk(
         self,
         index: int,
@@ -152,11 +199,16 @@ class _Shape:
         finish: str | None,
         role: bool = False,
         lps: Sequence[TokenLogprob] | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            delta = dict(delta or {})
+            if role:
+                delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if finish is not None:
+                finish = self.outputs[index].finish_reason(finish)
             choice: dict[str, Any] = {
                 "index": index,
                 "delta": delta,
@@ -184,7 +236,13 @@ def _in_order(finals: Sequence[Final]) -> list[Final]:
 
 
 async def _respond(
-    gen: Generation, req: Request, stops: list[str], shape: _Shape, stream: bool, usage: bool
+    gen: Generation,
+    req: Request,
+    stops: list[str],
+    shape: _Shape,
+    stream: bool,
+    usage: bool,
+    text: TextOptions | None = None,
 ) -> Any:
     wants = req.sampling.logprobs is not None
     n = req.sampling.n
@@ -193,7 +251,7 @@ async def _respond(
         parts: list[list[str]] = [[] for _ in range(n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
         try:
-            async for item in gen.run(req, stops):
+            async for item in gen.run(req, stops, text):
                 if isinstance(item, Final):
                     finals.append(item)
                     continue
@@ -206,7 +264,7 @@ async def _respond(
         texts = ["".join(p) for p in parts]
         return JSONResponse(shape.whole(texts, _in_order(finals), lps if wants else None))
 
-    items = gen.run(req, stops)
+    items = gen.run(req, stops, text)
     # Surface failures that happen before the first token as a proper HTTP error.
     try:
         first = await anext(items)
@@ -223,6 +281,9 @@ async def _respond(
                 if isinstance(item, Final):
                     finals.append(item)
                     ending = None if shape.chat else ""
+                    if shape.chat:
+                        for c in shape.chat_chunks(item.index, "", None, end=True):
+                            yield _sse(c)
                     yield _sse(shape.chunk(item.index, ending, item.finish_reason))
                     if len(finals) == n:
                         if usage:
@@ -230,7 +291,11 @@ async def _respond(
                         break
                 else:
                     lps = item.logprobs if wants else None
-                    yield _sse(shape.chunk(item.index, item.text, None, lps=lps))
+                    if shape.chat:
+                        for c in shape.chat_chunks(item.index, item.text, lps, end=False):
+                            yield _sse(c)
+                    else:
+                        yield _sse(shape.chunk(item.index, item.text, None, lps=lps))
                 item = await anext(items, None)
         except GenerationError as e:
             yield _sse(generation_error(e).body())
@@ -293,9 +358,8 @@ def build_api(
         if body.model is not None:
             service.check_model(body.model)
         if body.messages is not None:
-            ids = await service.off_loop(
-                service.chat_prompt, body.messages, body.add_generation_prompt
-            )
+            how = ChatRender(add_generation_prompt=body.add_generation_prompt)
+            ids = await service.off_loop(service.chat_prompt, body.messages, how)
         else:
             assert body.prompt is not None
             ids = await service.off_loop(
@@ -321,17 +385,34 @@ def build_api(
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Any:
         service.check_model(body.model)
         ids = await service.off_loop(service.completion_prompt, body)
-        req = service.build_request(body, ids, body.max_tokens, "prompt", _tenant(http))
+        grammar = body.grammar_format
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        await service.check_grammar(grammar, param)
+        req = service.build_request(body, ids, body.max_tokens, "prompt", _tenant(http), grammar)
         shape = _Shape(False, req.request_id, settings.model_name, service.tokenizer)
-        return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
+        text = service.text_options(body)
+        return await _respond(
+            gen, req, body.stop_strings, shape, body.stream, body.include_usage, text
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
         service.check_model(body.model)
-        ids = await service.off_loop(service.chat_prompt, body.messages)
+        grammar, param = service.chat_grammar(body)
+        await service.check_grammar(grammar, param)
+        how = service.chat_render(body)
+        prompt = await service.off_loop(service.chat_text, body.messages, how)
+        ids = await service.off_loop(service.encode_chat, prompt, how.add_special_tokens)
         tenant = _tenant(http)
-        req = service.build_request(body, ids, body.requested_max_tokens, "messages", tenant)
-        shape = _Shape(True, req.request_id, settings.model_name, service.tokenizer)
-        return await _respond(gen, req, body.stop_strings, shape, body.stream, body.include_usage)
+        req = service.build_request(
+            body, ids, body.requested_max_tokens, "messages", tenant, grammar
+        )
+        plan = service.chat_plan(body, prompt)
+        n = req.sampling.n
+        shape = _Shape(True, req.request_id, settings.model_name, service.tokenizer, plan, n)
+        text = service.text_options(body, plan)
+        return await _respond(
+            gen, req, body.stop_strings, shape, body.stream, body.include_usage, text
+        )
 
     return app

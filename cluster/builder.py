@@ -279,6 +279,9 @@ def build_app(cfg: TandemConfig) -> Application:
         log_requests=cfg.logging.requests,
         request_timeout_s=cfg.limits.request_timeout_s,
         shared_cache=cfg.auth.shared_cache,
+        chat_template=_template_text(cfg.model.chat_template),
+        tool_parser=cfg.model.tool_parser,
+        reasoning_parser=cfg.model.reasoning_parser,
     )
     where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(
@@ -291,6 +294,16 @@ def build_app(cfg: TandemConfig) -> Application:
     )(OpenAIIngress)
     app: Application = ingress.bind(settings, prefill, decode)
     return app
+
+
+def _template_text(path: str | None) -> str | None:
+    """Read once at build time: every ingress replica serves the same template."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"model.chat_template: cannot read {path}: {e}") from e
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.generation import GenerationError
-from cluster.protocol import INVALID_TEXT, UNSUPPORTED
+from cluster.protocol_base import INVALID_TEXT, UNSUPPORTED
 
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 

@@ -65,9 +65,18 @@ class _Tokens:
     choice: int = 0
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """The first stop string in ``text``: (where it starts, which)."""
+    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    return min(hits, key=lambda h: h[0]) if hits else None
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How tokens become the client's text (vLLM's request fields of these names)."""
+
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -213,18 +222,22 @@ class Generation:
                 if not finished:
                     stream.cancel()
 
-    async def run(self, req: Request, stops: Sequence[str]) -> AsyncGenerator[Delta | Final, None]:
+    async def run(
+        self, req: Request, stops: Sequence[str], text: TextOptions | None = None
+    ) -> AsyncGenerator[Delta | Final, None]:
         """Yield text deltas and one :class:`Final` per choice; the last Final ends the iteration.
         Raises :class:`GenerationError`."""
         n = req.sampling.n
         prompt = len(req.prompt_token_ids)
+        how = text if text is not None else TextOptions()
         choices = [
             _ChoiceText(
                 i,
                 prompt,
-                IncrementalDetokenizer(self.tokenizer),
+                IncrementalDetokenizer(self.tokenizer, how.skip_special_tokens),
                 stops,
                 self.metrics.start() if self.metrics is not None else None,
+                how.include_stop_str_in_output,
             )
             for i in range(n)
         ]
@@ -296,7 +309,9 @@ class _ChoiceText:
         detok: IncrementalDetokenizer,
         stops: Sequence[str],
         clock: RequestClock | None,
+        include_stop: bool = False,
     ) -> None:
+        self.include_stop = include_stop
         self.index = index
         self.prompt_tokens = prompt_tokens
         self.detok = detok
@@ -322,8 +337,9 @@ class _ChoiceText:
         if done:
             self.pending += self.detok.flush()
         out: list[Delta | Final] = []
-        cut = _find_stop(self.pending, self.stops)
-        if cut is not None:
+        hit = _find_stop(self.pending, self.stops)
+        if hit is not None:
+            cut = hit[0] + (len(hit[1]) if self.include_stop else 0)
             if cut or self.held:
                 out.append(Delta(self.pending[:cut], self.held, self.index))
             return [*out, self._end(FinishReason.STOP.value)]

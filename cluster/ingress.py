@@ -36,6 +36,8 @@ class OpenAIIngress:
         self.settings = settings
         self.replica = str(serve.get_replica_context().replica_id.unique_id)
         self.tokenizer = Tokenizer(Path(settings.model_folder))
+        if settings.chat_template is not None:
+            self.tokenizer.set_chat_template(settings.chat_template)
         self.service = OpenAIService(settings, self.tokenizer)
         self.prefill = prefill
         self.decode = decode

@@ -37,6 +37,23 @@ class ModelConfig(_Frozen):
         "auto", description=f"Weights and KV cache dtype of the target. {DTYPE_HELP}"
     )
     quantization: Quantization = Field("none", description=QUANTIZATION_HELP)
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file served instead of the checkpoint's (as vLLM's "
+        "--chat-template); deploy/templates/ holds one that renders tools for the embedded "
+        "model. Relative paths are read from the working directory.",
+    )
+    tool_parser: Literal["auto", "none", "hermes", "llama3_json", "mistral", "gpt_oss"] = Field(
+        "auto",
+        description="How tool calls are read out of the model's text for tool_choice 'auto': "
+        "auto detects the format from the chat template; none refuses 'auto' with tools "
+        "('required' and a named function work with any model).",
+    )
+    reasoning_parser: Literal["auto", "none", "think"] = Field(
+        "auto",
+        description="Split reasoning into 'reasoning_content': think reads <think>...</think> "
+        "(Qwen3, DeepSeek-R1); auto uses it where the chat template has </think>.",
+    )
 
 
 class DraftConfig(_Frozen):

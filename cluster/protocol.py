@@ -5,12 +5,10 @@ reason (:data:`REFUSED`) unless at its "off" value; see :data:`CHAT_FIELDS`."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     StrictInt,
     ValidationInfo,
@@ -19,51 +17,63 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from cluster.body_checks import MAX_DEPTH, BodyError, check_body, json_depth
+from cluster.body_checks import MAX_DEPTH, json_depth
+from cluster.formats import ResponseFormat, StructuredOutputs, response_format_grammar
+from cluster.protocol_base import (
+    MAX_COUNT,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    UNSUPPORTED,
+    Body,
+    Refusal,
+    RequestBody,
+    field_error,
+    refuse,
+)
+from cluster.tools import MAX_TOOLS, FunctionTool, ToolChoice, ToolUse
+from models.grammar import GrammarSpec
 from models.logprobs import MAX_TOP_LOGPROBS
 
-MAX_SEED = 2**63 - 1
-MAX_COUNT = 2**31 - 1
-MAX_STOP_CHARS = 1024  # the bound of every count a client sends (n, max_tokens, top_k, ...)
-UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field (see cluster.errors)
-INVALID_TEXT = "invalid_body"  # a lone surrogate or too deep a nesting, with its path
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a declared field is not served, and the values that leave it off (accepted)."""
-
-    reason: str
-    off: tuple[Any, ...] = (None,)
-
-
-_TOOLS = "tool calling is not implemented"
+_FUNCTIONS = "the deprecated function-calling fields are not supported; use tools"
+_VLLM = "not implemented by this server"
 REFUSED: dict[str, Refusal] = {
     "best_of": Refusal("only one candidate per request is implemented", (None, 1)),
-    "presence_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
-    "frequency_penalty": Refusal("penalties are not implemented; leave it at 0", (None, 0)),
-    "logit_bias": Refusal("logit bias is not implemented", (None, {})),
-    "min_p": Refusal("min-p sampling is not implemented; use top_p or top_k", (None, 0)),
-    "repetition_penalty": Refusal("penalties are not implemented; leave it at 1", (None, 1)),
-    "min_tokens": Refusal("a minimum output length is not implemented", (None, 0)),
     "echo": Refusal("echoing the prompt is not implemented", (None, False)),
     "suffix": Refusal("insertion (a suffix after the completion) is not implemented", (None, "")),
-    "tools": Refusal(_TOOLS, (None, [])),
-    "tool_choice": Refusal(_TOOLS, (None, "none", "auto")),
-    "functions": Refusal(_TOOLS, (None, [])),
-    "function_call": Refusal(_TOOLS, (None, "none", "auto")),
-    "response_format": Refusal(
-        "structured outputs are not implemented; only free text",
-        (None, {"type": "text"}),
-    ),
+    "functions": Refusal(_FUNCTIONS, (None, [])),
+    "function_call": Refusal(_FUNCTIONS, (None, "none", "auto")),
     "audio": Refusal("this server produces text only"),
     "modalities": Refusal("this server produces text only", (None, ["text"])),
-    "reasoning_effort": Refusal("the served model has no reasoning-effort setting"),
+    "reasoning_effort": Refusal(
+        "the served model has no reasoning-effort setting; switch thinking with "
+        "chat_template_kwargs where its template has one"
+    ),
     "verbosity": Refusal("the served model has no verbosity setting"),
     "web_search_options": Refusal("web search is not available"),
     "moderation": Refusal("moderation is not available on this server"),
     "store": Refusal("this server stores no completions", (None, False)),
     "include_obfuscation": Refusal("stream obfuscation is not implemented", (None, False)),
+    # vLLM's request extensions this server does not implement
+    "use_beam_search": Refusal(f"beam search is {_VLLM}", (None, False)),
+    "length_penalty": Refusal(f"beam search (its length penalty) is {_VLLM}", (None, 1)),
+    "truncate_prompt_tokens": Refusal(f"prompt truncation is {_VLLM}; send a shorter prompt"),
+    "prompt_logprobs": Refusal(f"prompt log-probabilities are {_VLLM}"),
+    "bad_words": Refusal(f"banned words are {_VLLM}; use logit_bias", (None, [])),
+    "return_tokens_as_token_ids": Refusal(f"token-id strings are {_VLLM}", (None, False)),
+    "return_token_ids": Refusal(f"returning token ids is {_VLLM}; use /tokenize", (None, False)),
+    "spaces_between_special_tokens": Refusal(
+        "special tokens are joined as the tokenizer decodes them", (None, True)
+    ),
+    "priority": Refusal(f"request priorities are {_VLLM}; one queue serves all", (None, 0)),
+    "logits_processors": Refusal(f"custom logits processors are {_VLLM}"),
+    "vllm_xargs": Refusal(f"extra engine arguments are {_VLLM}"),
+    "kv_transfer_params": Refusal("KV transfer is tandem's own business, not the client's"),
+    "request_id": Refusal(f"a client-chosen request id is {_VLLM}"),
+    "documents": Refusal(f"documents for RAG templates are {_VLLM}"),
+    "chat_template": Refusal(
+        "a per-request chat template is not accepted; the server's (model.chat_template) applies"
+    ),
+    "mm_processor_kwargs": Refusal("this server serves a text-only model"),
 }
 
 # Accepted and ignored: none of them can change which tokens come out or how they are sent.
@@ -76,51 +86,10 @@ INERT: dict[str, str] = {
     "prompt_cache_options": "a caching hint; prefix caching is automatic",
     "prompt_cache_retention": "a caching hint; prefix caching is automatic",
     "prediction": "a hint of the expected output; it cannot change the output",
-    "parallel_tool_calls": "meaningful only with tools, which are refused when given",
 }
 
 
-def _is_off(value: Any, rule: Refusal) -> bool:
-    """Whether ``value`` is one of the rule's off values (``True`` is not ``1`` here)."""
-    return any(value is off or (value == off and type(value) is not bool) for off in rule.off)
-
-
-def refuse(name: str, value: Any, rule: Refusal) -> Any:
-    """``value`` if it leaves the field off, else the refusal naming ``name``."""
-    if _is_off(value, rule):
-        return value
-    raise PydanticCustomError(
-        UNSUPPORTED,
-        "'{name}' is not supported: {reason}",
-        {
-            "name": name,
-            "reason": rule.reason,
-        },
-    )
-
-
-class _Body(BaseModel):
-    """A request body or part of one: unknown fields are refused by name."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Request(_Body):
-    """A whole request body: checked for text no tokenizer takes and for deep nesting first."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _checked(cls, data: Any) -> Any:
-        try:
-            check_body(data)
-        except BodyError as e:
-            raise PydanticCustomError(
-                INVALID_TEXT, "{reason}", {"reason": str(e), "path": e.path}
-            ) from None
-        return data
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = Field(False, description="Send a final chunk carrying usage.")
     include_obfuscation: Any = Field(None, description="Refused when true.")
 
@@ -131,16 +100,26 @@ class StreamOptions(_Body):
 
 
 _COMMON_REFUSED = (
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
+    "use_beam_search",
+    "length_penalty",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "bad_words",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "spaces_between_special_tokens",
+    "priority",
+    "logits_processors",
+    "vllm_xargs",
+    "kv_transfer_params",
+    "request_id",
 )
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's own limit is lower
+MAX_TOKEN_LISTS = 1024  # stop_token_ids, allowed_token_ids
+MAX_REPETITION_PENALTY = 10.0
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str = Field(..., description="Model id, as listed by GET /v1/models.")
@@ -166,13 +145,51 @@ class SamplingFields(_Request):
         description="Independent choices to generate for the prompt (default 1; one prefill, "
         "the choices share the prompt's KV on decode). Capped by limits.max_choices.",
     )
-    # refused unless off (see REFUSED); min_p, repetition_penalty, min_tokens are vLLM's
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from each token already in the output."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id (as a string) -> added to its logit."
+    )
+    # vLLM's sampling extensions, with vLLM's meaning
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=MAX_REPETITION_PENALTY,
+        description="Divides positive (multiplies negative) logits of prompt and output tokens.",
+    )
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens under min_p x the top.")
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT, description="No stop token before this many.")
+    stop_token_ids: list[int] | None = Field(
+        None, max_length=MAX_TOKEN_LISTS, description="Token ids that end the output."
+    )
+    allowed_token_ids: list[int] | None = Field(
+        None, min_length=1, max_length=MAX_TOKEN_LISTS, description="Sample only these ids."
+    )
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="Partitions the prefix cache further."
+    )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # refused unless off (see REFUSED)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    request_id: Any = None
     # inert (see INERT)
     user: Any = None
     metadata: Any = None
@@ -184,6 +201,36 @@ class SamplingFields(_Request):
     @classmethod
     def _refused(cls, v: Any, info: ValidationInfo) -> Any:
         return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, not {key[:32]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values lie in [-100, 100], not {bias}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_format(self) -> SamplingFields:
+        both = response_format_grammar(self.response_format) is not None
+        if self.structured_outputs is not None and both:
+            raise field_error(
+                "structured_outputs", "give response_format or structured_outputs, not both"
+            )
+        return self
+
+    @property
+    def grammar_format(self) -> GrammarSpec | None:
+        """The grammar ``response_format`` or ``structured_outputs`` asks for, if any."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.grammar_spec()
+        return response_format_grammar(self.response_format)
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -256,20 +303,20 @@ class CompletionRequest(SamplingFields):
         return v
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
     prompt_cache_breakpoint: Any = None  # inert: a caching hint
 
 
-class RefusalPart(_Body):
+class RefusalPart(Body):
     """An assistant's earlier refusal, replayed in the history; rendered as its text."""
 
     type: Literal["refusal"]
     refusal: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str = Field(..., min_length=1)
     arguments: str = Field(..., description="The arguments as JSON text, as the model wrote it.")
 
@@ -288,7 +335,7 @@ class FunctionCall(_Body):
             return self.arguments
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -298,7 +345,7 @@ _PART_TYPES = ("text", "refusal")
 _MEDIA = "this server serves a text-only model; '{kind}' content parts are not supported"
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     """One message of the history, in any role a client replays.
 
     Which fields a role may carry follows the OpenAI API; whether the model's chat template can
@@ -365,11 +412,8 @@ class ChatMessage(_Body):
 _CHAT_REFUSED = (
     "best_of",
     "echo",
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
-    "response_format",
     "audio",
     "modalities",
     "reasoning_effort",
@@ -377,6 +421,13 @@ _CHAT_REFUSED = (
     "web_search_options",
     "moderation",
     "store",
+    "documents",
+    "chat_template",
+    "mm_processor_kwargs",
+)
+# variables a request may not set through chat_template_kwargs: the server sets them
+_TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message"}
 )
 
 
@@ -390,11 +441,23 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Alternatives reported per token."
     )
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="More than one call per turn.")
+    # vLLM's chat extensions
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (e.g. enable_thinking)."
+    )
+    continue_final_message: bool = Field(
+        False, description="Continue the last (assistant) message instead of starting one."
+    )
+    add_generation_prompt: bool = Field(True, description="Open an assistant turn.")
+    add_special_tokens: bool = Field(False, description="Let the tokenizer add BOS and the like.")
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
@@ -408,12 +471,60 @@ class ChatCompletionRequest(SamplingFields):
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
     prediction: Any = None
-    parallel_tool_calls: Any = None
 
     @field_validator(*_CHAT_REFUSED)
     @classmethod
     def _refused_here(cls, v: Any, info: ValidationInfo) -> Any:
         return refuse(str(info.field_name), v, REFUSED[str(info.field_name)])
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = sorted(set(v or {}) & _TEMPLATE_RESERVED)
+        if clash:
+            raise ValueError(f"'{clash[0]}' is set by the server, not by chat_template_kwargs")
+        return v
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or () if t.function is not None]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "tools: function names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise field_error("tool_choice", "tool_choice needs tools")
+        if not isinstance(choice, str) and choice is not None:
+            name = choice.function.name if choice.function is not None else None
+            if name not in names:
+                raise field_error(
+                    "tool_choice", f"tool_choice names {name!r}, which is not among the tools"
+                )
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                raise field_error(
+                    "continue_final_message",
+                    "continue_final_message and add_generation_prompt exclude each other",
+                )
+            self.add_generation_prompt = False
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise field_error(
+                "continue_final_message", "continue_final_message needs an assistant message last"
+            )
+        return self
+
+    @property
+    def tool_use(self) -> ToolUse | None:
+        """What the tools ask of generation (None: no tools, or tool_choice "none")."""
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        if not self.tools or choice == "none":
+            return None
+        parallel = self.parallel_tool_calls is not False
+        if choice == "auto":
+            return ToolUse("parser", parallel=parallel)
+        if choice == "required":
+            return ToolUse("required", parallel=parallel)
+        assert not isinstance(choice, str) and choice.function is not None
+        return ToolUse("named", choice.function.name, parallel)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -448,7 +559,7 @@ CHAT_FIELDS = _fields(ChatCompletionRequest, _COMMON_REFUSED + _CHAT_REFUSED)
 COMPLETION_FIELDS = _fields(CompletionRequest, _COMMON_REFUSED + _COMPLETION_REFUSED)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize``, in vLLM's shape: a ``prompt`` or chat ``messages``.
 
     ``add_special_tokens`` defaults to what ``/v1/completions`` does with a text prompt (none
@@ -468,7 +579,7 @@ class TokenizeRequest(_Request):
         return self
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize``, in vLLM's shape."""
 
     model: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -11,9 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from cluster.chat_output import ChatPlan
 from cluster.errors import APIError
+from cluster.generation import TextOptions
 from cluster.guard import GuardPolicy
-from cluster.protocol import ChatMessage, CompletionRequest, SamplingFields
+from cluster.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
+from cluster.reasoning import detect_reasoning, opens_thinking
+from cluster.tool_parsers import detect_tool_parser, keeps_special_tokens
+from cluster.tools import tool_grammar
+from models.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from models.request import Request
 from models.sampling import SamplingParams
 from models.tokenizer import Tokenizer
@@ -42,22 +54,46 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     return d
 
 
-def chat_prompt(
-    tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-) -> list[int]:
-    """The prompt's token ids under the model's chat template; tool calls or results the
+@dataclass(frozen=True)
+class ChatRender:
+    """How a history becomes a prompt, beyond its messages."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI tool objects, passed to the template
+    kwargs: tuple[tuple[str, Any], ...] = ()  # vLLM's chat_template_kwargs
+    add_special_tokens: bool = False
+
+
+def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], how: ChatRender) -> str:
+    """The prompt's text under the model's chat template; tool calls, results or tools the
     template would drop (found by a probe rendering) are a 400, not a silently shorter prompt."""
     try:
-        if any(m.tool_calls or m.role == "tool" for m in messages):
-            _check_renders(tokenizer, messages)
-        return tokenizer.apply_chat_template(
-            [_template_message(m) for m in messages], add_generation_prompt
+        if any(m.tool_calls or m.role == "tool" for m in messages) or how.tools:
+            _check_renders(tokenizer, messages, how)
+        return tokenizer.render_chat(
+            [_template_message(m) for m in messages],
+            how.add_generation_prompt,
+            how.tools or None,
+            how.continue_final_message,
+            dict(how.kwargs),
         )
     except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
         raise APIError(400, str(e), param="messages") from e
 
 
-def _check_renders(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> None:
+def chat_prompt(
+    tokenizer: Tokenizer, messages: Sequence[ChatMessage], how: ChatRender | None = None
+) -> list[int]:
+    how = how if how is not None else ChatRender()
+    text = render_chat(tokenizer, messages, how)
+    try:
+        return tokenizer.encode(text, how.add_special_tokens)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="messages") from e
+
+
+def _check_renders(tokenizer: Tokenizer, messages: Sequence[ChatMessage], how: ChatRender) -> None:
     probe: list[dict[str, Any]] = []
     wanted: list[tuple[str, str, str]] = []  # (marker, param, what)
     for i, m in enumerate(messages):
@@ -71,13 +107,17 @@ def _check_renders(tokenizer: Tokenizer, messages: Sequence[ChatMessage]) -> Non
             call["function"] = {"name": name, "arguments": {"probe": arg}}
             wanted += [(marker, f"messages.{i}.tool_calls", "tool calls") for marker in (name, arg)]
         probe.append(d)
-    text = tokenizer.render_chat(probe)
+    tools = None
+    if how.tools:
+        tools = [{"type": "function", "function": {"name": "tandemprobetool", "parameters": {}}}]
+        wanted.append(("tandemprobetool", "tools", "tools"))
+    text = tokenizer.render_chat(probe, True, tools, False, dict(how.kwargs))
     for marker, param, what in wanted:
         if marker not in text:
             raise APIError(
                 400,
                 f"this model's chat template does not render {what}: '{param}' would be "
-                "dropped from the prompt",
+                "dropped from the prompt (serve a template that does: model.chat_template)",
                 param=param,
                 code="unsupported_parameter",
             )
@@ -107,6 +147,9 @@ class ServiceSettings:
     max_choices: int = 16
     request_timeout_s: float = 600.0  # limits.request_timeout_s
     shared_cache: bool = False  # auth.shared_cache: one prefix cache across API keys
+    chat_template: str | None = None  # model.chat_template's text, served instead
+    tool_parser: str = "auto"  # model.tool_parser
+    reasoning_parser: str = "auto"  # model.reasoning_parser
 
 
 class OpenAIService:
@@ -115,6 +158,8 @@ class OpenAIService:
         self.tokenizer = tokenizer
         # tokenizing and template rendering: a huge prompt must not stall the replica's streams
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tandem-tokenize")
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the tokenizer threads, the event loop free meanwhile."""
@@ -140,6 +185,72 @@ class OpenAIService:
         self.check_token_ids(ids, "prompt")
         return ids
 
+    @property
+    def tool_parser(self) -> str | None:
+        p = self.settings.tool_parser
+        if p == "auto":
+            return detect_tool_parser(self.tokenizer.chat_template)
+        return None if p == "none" else p
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        p = self.settings.reasoning_parser
+        if p == "auto":
+            return detect_reasoning(self.tokenizer.chat_template)
+        return None if p == "none" else p
+
+    def chat_render(self, body: ChatCompletionRequest) -> ChatRender:
+        tools = tuple(t.model_dump(exclude_none=True) for t in body.tools or ())
+        return ChatRender(
+            body.add_generation_prompt,
+            body.continue_final_message,
+            tools,
+            tuple(sorted((body.chat_template_kwargs or {}).items())),
+            body.add_special_tokens,
+        )
+
+    def chat_grammar(self, body: ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
+        """The grammar a chat request samples under, and the field it comes from."""
+        use = body.tool_use
+        fmt = body.grammar_format
+        forced = use is not None and use.mode != "parser"
+        if forced and fmt is not None:
+            raise APIError(
+                400,
+                "a forced tool call (tool_choice 'required' or a named function) cannot also "
+                "follow response_format or structured_outputs",
+                param="tool_choice",
+            )
+        if use is not None and use.mode == "parser" and self.tool_parser is None:
+            raise APIError(
+                400,
+                "tool_choice 'auto' needs a tool-call parser, and this model's chat template "
+                "shows no format tandem reads (set model.tool_parser), or use tool_choice "
+                "'required' or a named function",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        if forced and use is not None:
+            return tool_grammar(use, list(body.tools or ())), "tools"
+        param = "structured_outputs" if body.structured_outputs is not None else "response_format"
+        return fmt, param
+
+    def chat_plan(self, body: ChatCompletionRequest, prompt_text: str) -> ChatPlan:
+        reasoning = self.reasoning_parser is not None
+        use = body.tool_use
+        return ChatPlan(
+            reasoning=reasoning,
+            starts_inside=reasoning and opens_thinking(prompt_text),
+            tools=use,
+            parser=self.tool_parser if use is not None and use.mode == "parser" else None,
+        )
+
+    @staticmethod
+    def text_options(body: SamplingFields, plan: ChatPlan | None = None) -> TextOptions:
+        # a parser whose markers are special tokens reads the text with them
+        keep = plan is not None and plan.parser is not None and keeps_special_tokens(plan.parser)
+        return TextOptions(body.include_stop_str_in_output, body.skip_special_tokens and not keep)
+
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -151,9 +262,18 @@ class OpenAIService:
             )
 
     def chat_prompt(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self, messages: Sequence[ChatMessage], how: ChatRender | None = None
     ) -> list[int]:
-        return chat_prompt(self.tokenizer, messages, add_generation_prompt)
+        return chat_prompt(self.tokenizer, messages, how)
+
+    def chat_text(self, messages: Sequence[ChatMessage], how: ChatRender) -> str:
+        return render_chat(self.tokenizer, messages, how)
+
+    def encode_chat(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens)
+        except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
+            raise APIError(400, str(e), param="messages") from e
 
     def build_request(
         self,
@@ -162,6 +282,7 @@ class OpenAIService:
         requested_max_tokens: int | None,
         prompt_param: str,
         tenant: str = "",
+        grammar: GrammarSpec | None = None,
     ) -> Request:
         """``tenant``: the API key's name; its requests share cached prompt KV only with each
         other unless ``auth.shared_cache`` is set."""
@@ -232,23 +353,65 @@ class OpenAIService:
                 f"top_k is {body.top_k}; it may be at most the vocabulary size, {vocab}",
                 param="top_k",
             )
+        if body.min_tokens > max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens is {body.min_tokens}, more than the {max_tokens} max_tokens allows",
+                param="min_tokens",
+            )
+        bias = body.logit_bias_pairs
+        self.check_token_ids([t for t, _ in bias], "logit_bias")
+        self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(body.allowed_token_ids or [], "allowed_token_ids")
         # below the floor, logits / temperature overflow float32: the limit of sampling is greedy
         greedy = body.temperature < TEMPERATURE_FLOOR
+        eos = () if body.ignore_eos else s.eos_token_ids
         sampling = SamplingParams(
             temperature=0.0 if greedy else body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
             max_tokens=max_tokens,
             seed=body.seed if body.seed is not None else secrets.randbits(63),
-            stop_token_ids=() if body.ignore_eos else s.eos_token_ids,
+            stop_token_ids=tuple(dict.fromkeys((*eos, *(body.stop_token_ids or ())))),
             seeded=body.seed is not None,
             logprobs=body.requested_logprobs,
             n=body.num_choices,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=body.min_tokens,
+            min_p=body.min_p,
+            allowed_token_ids=tuple(body.allowed_token_ids or ()),
+            grammar=grammar,
         )
+        salt = "" if s.shared_cache else tenant
+        if body.cache_salt is not None:
+            salt = f"{salt}\x00{body.cache_salt}"
         return Request(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=prompt_ids,
             sampling=sampling,
             arrival_time=time.time(),
-            cache_salt="" if s.shared_cache else tenant,
+            cache_salt=salt,
         )
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Validates grammars at the ingress (built on first use, on a tokenizer thread)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                tok = self.tokenizer
+                self._grammars = GrammarCompiler(
+                    tok.hf, tok.vocab_size, self.settings.eos_token_ids
+                )
+            return self._grammars
+
+    async def check_grammar(self, spec: GrammarSpec | None, param: str) -> None:
+        """A grammar llguidance refuses is a 400 naming ``param``, before any replica sees it."""
+        if spec is None:
+            return
+        try:
+            await self.off_loop(self.grammars.compile, spec)
+        except GrammarError as e:
+            raise APIError(400, f"invalid {param}: {e}", param=param) from e

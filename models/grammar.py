@@ -19,6 +19,8 @@ from typing import Any, Literal
 import torch
 
 GrammarKind = Literal["json_schema", "regex", "lark", "choice"]
+# whitespace between JSON tokens, bounded: an unbounded run would let a model pad forever
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 
 
 class GrammarError(ValueError):
@@ -36,7 +38,11 @@ def _llguidance_source(spec: GrammarSpec) -> str:
 
     if spec.kind == "json_schema":
         try:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(spec.source))
+            return str(
+                llguidance.LLMatcher.grammar_from_json_schema(
+                    spec.source, defaults={"whitespace_pattern": JSON_WHITESPACE}
+                )
+            )
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {e}") from e
     if spec.kind == "regex":

@@ -33,8 +33,8 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, rows: Sequence[ProcessRow]) -> torch.Tensor:
     """logits: [N, V] -> [N, V] float32, vLLM's order: penalties (repetition over prompt and
-    output, frequency and presence over output), logit bias, then the bans (grammar; stop ids
-    under min_tokens, unless the grammar would then allow nothing)."""
+    output, frequency and presence over output), logit bias, then the bans (grammar; ids not in
+    allowed_token_ids; stop ids under min_tokens, unless nothing would then be allowed)."""
     x = logits.float().clone()
     n, v = x.shape
     dev = x.device
@@ -50,6 +50,13 @@ def process_logits(logits: torch.Tensor, rows: Sequence[ProcessRow]) -> torch.Te
     if grammar:
         masks = torch.stack([m for _, m in grammar]).to(dev)  # [G, W]
         allowed[torch.tensor([i for i, _ in grammar], device=dev)] = allowed_tokens(masks, v)
+    only = [(i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids if t < v]
+    if only:
+        i, t = zip(*only, strict=True)
+        keep = torch.zeros(n, v, dtype=torch.bool, device=dev)
+        keep[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = True
+        listed = torch.tensor([bool(r.params.allowed_token_ids) for r in rows], device=dev)
+        allowed &= keep | ~listed.unsqueeze(1)
     early = [
         (i, t)
         for i, r in enumerate(rows)

@@ -37,6 +37,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # stop ids are barred until this many tokens are out
     min_p: float = 0.0  # stateless: applied after the temperature, with top-k and top-p
+    allowed_token_ids: tuple[int, ...] = ()  # (): every id
     grammar: GrammarSpec | None = None
 
     @property
@@ -56,6 +57,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or bool(self.allowed_token_ids)
             or self.grammar is not None
         )
 

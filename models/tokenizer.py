@@ -32,16 +32,27 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        """Raises ValueError when there is no template or it refuses the messages."""
+        """Raises ValueError when there is no template or it refuses the messages; ``extra``:
+        more template variables (vLLM's chat_template_kwargs)."""
         from jinja2 import TemplateError
 
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
         try:
             text = self._tok.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(extra or {}),
             )
         except TemplateError as e:
             raise ValueError(f"the model's chat template refused the messages: {e}") from e
@@ -51,6 +62,15 @@ class Tokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+    def set_chat_template(self, template: str) -> None:
+        """Serve with this template instead of the checkpoint's (``model.chat_template``)."""
+        self._tok.chat_template = template
+
+    @property
+    def chat_template(self) -> str:
+        t = getattr(self._tok, "chat_template", None)
+        return t if isinstance(t, str) else ""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -109,14 +129,15 @@ class IncrementalDetokenizer:
     """Token ids to text deltas without splitting UTF-8 characters, at a constant cost per token;
     ``flush``, once at the end, emits what the stream held back."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self._parts: list[str] = []
         self._backend = tokenizer.backend
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     @property
     def emitted(self) -> str:
@@ -132,7 +153,7 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        text, emitted = self.tokenizer.decode(self.ids), self.emitted
+        text, emitted = self.tokenizer.decode(self.ids, self.skip_special_tokens), self.emitted
         delta = text[len(emitted) :] if text.startswith(emitted) else ""
         if delta:
             self._parts.append(delta)

@@ -45,22 +45,13 @@ from models.tokenizer import Tokenizer
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 
-# A value that turns each refused field on (as the SDK would send it).
+# A value that turns each refused field on (as the SDK, or a vLLM client, would send it).
 ON: dict[str, Any] = {
     "best_of": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
-    "logit_bias": {"42": 5},
-    "min_p": 0.1,
-    "repetition_penalty": 1.1,
-    "min_tokens": 4,
     "echo": True,
     "suffix": " the end",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "required",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": {"name": "f"},
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "reasoning_effort": "low",
@@ -68,25 +59,63 @@ ON: dict[str, Any] = {
     "web_search_options": {},
     "moderation": {"model": "omni-moderation-latest"},
     "store": True,
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "truncate_prompt_tokens": 16,
+    "prompt_logprobs": 1,
+    "bad_words": ["x"],
+    "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
+    "spaces_between_special_tokens": False,
+    "priority": 1,
+    "logits_processors": ["mod.Cls"],
+    "vllm_xargs": {"a": 1},
+    "kv_transfer_params": {"do_remote_decode": True},
+    "request_id": "r-1",
+    "documents": [{"title": "t", "text": "x"}],
+    "chat_template": "{{ messages }}",
+    "mm_processor_kwargs": {"a": 1},
 }
 # The same fields at the value that leaves them off: accepted.
 OFF: dict[str, Any] = {
     "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0,
-    "logit_bias": {},
-    "min_p": 0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
     "echo": False,
     "suffix": "",
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "auto",
-    "response_format": {"type": "text"},
     "modalities": ["text"],
     "store": False,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "bad_words": [],
+    "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "spaces_between_special_tokens": True,
+    "priority": 0,
+}
+# Implemented since the agent API: each is accepted at a value that is on.
+IMPLEMENTED: dict[str, Any] = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "logit_bias": {"42": 5},
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "min_tokens": 4,
+    "stop_token_ids": [7],
+    "allowed_token_ids": [7, 8],
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "cache_salt": "team-a",
+    "response_format": {"type": "json_object"},
+    "structured_outputs": {"choice": ["yes", "no"]},
+}
+CHAT_IMPLEMENTED: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "chat_template_kwargs": {"enable_thinking": False},
+    "add_generation_prompt": False,
+    "add_special_tokens": True,
 }
 INERT_VALUES: dict[str, Any] = {
     "user": "u-1",
@@ -97,7 +126,6 @@ INERT_VALUES: dict[str, Any] = {
     "prompt_cache_options": {"mode": "implicit"},
     "prompt_cache_retention": "24h",
     "prediction": {"type": "content", "content": "hello"},
-    "parallel_tool_calls": False,
 }
 
 
@@ -155,6 +183,19 @@ def test_refused_fields_are_refused_by_name_and_accepted_when_off(
     assert _error(model, {**base, "best_of": True}).param == "best_of"
     assert _error(model, {**base, "n": True}).param == "n"
     assert _error(model, {**base, "n": 0}).param == "n"
+
+
+def test_implemented_extensions_are_accepted_when_on() -> None:
+    for name, value in IMPLEMENTED.items():
+        ChatCompletionRequest.model_validate({**CHAT, name: value})
+        CompletionRequest.model_validate({**COMPLETION, name: value})
+    ChatCompletionRequest.model_validate({**CHAT, **CHAT_IMPLEMENTED})
+    for name in (*IMPLEMENTED, *CHAT_IMPLEMENTED):
+        assert CHAT_FIELDS[name] == "implemented", name
+    for name in IMPLEMENTED:
+        assert COMPLETION_FIELDS[name] == "implemented", name
+    err = _error(ChatCompletionRequest, {**CHAT, "presence_penalty": 3})
+    assert err.param == "presence_penalty" and "2" in err.message
 
 
 def test_inert_fields_are_accepted_and_unknown_ones_refused() -> None:
