@@ -10,10 +10,12 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from cluster.chat_output import ChatOutput, ChatPiece, ChatPlan
-from cluster.errors import APIError, generation_error, install_error_handlers
+from cluster.errors import APIError, generation_error, install_error_handlers, validation_error
 from cluster.generation import Delta, Final, Generation, GenerationError, TextOptions
 from cluster.guard import TENANT, Admission, AdmissionGuard
 from cluster.protocol import (
@@ -22,6 +24,8 @@ from cluster.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from cluster.responses_api import ResponseShape, respond_responses
+from cluster.responses_protocol import ResponsesRequest
 from cluster.service import ChatRender, OpenAIService
 from decode.outputs import SpecUsage
 from models.logprobs import TokenLogprob
@@ -395,24 +399,39 @@ def build_api(
             gen, req, body.stop_strings, shape, body.stream, body.include_usage, text
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
+    async def chat_request(
+        body: ChatCompletionRequest, http: HTTPRequest
+    ) -> tuple[Request, ChatPlan, TextOptions]:
         service.check_model(body.model)
         grammar, param = service.chat_grammar(body)
         await service.check_grammar(grammar, param)
         how = service.chat_render(body)
         prompt = await service.off_loop(service.chat_text, body.messages, how)
         ids = await service.off_loop(service.encode_chat, prompt, how.add_special_tokens)
-        tenant = _tenant(http)
         req = service.build_request(
-            body, ids, body.requested_max_tokens, "messages", tenant, grammar
+            body, ids, body.requested_max_tokens, "messages", _tenant(http), grammar
         )
         plan = service.chat_plan(body, prompt)
+        return req, plan, service.text_options(body, plan)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest) -> Any:
+        req, plan, text = await chat_request(body, http)
         n = req.sampling.n
         shape = _Shape(True, req.request_id, settings.model_name, service.tokenizer, plan, n)
-        text = service.text_options(body, plan)
         return await _respond(
             gen, req, body.stop_strings, shape, body.stream, body.include_usage, text
         )
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, http: HTTPRequest) -> Any:
+        """Stateless: the conversation comes whole in ``input`` (docs/api.md)."""
+        try:
+            chat = body.to_chat()
+        except ValidationError as e:
+            raise validation_error(RequestValidationError(e.errors())) from e
+        req, plan, text = await chat_request(chat, http)
+        shape = ResponseShape(body, settings.model_name, plan)
+        return await respond_responses(gen, req, shape, body.stream, text)
 
     return app

@@ -46,7 +46,7 @@ class ThinkStream:
                     self.pending = self.pending[cut:]
                     return reasoning, content
                 reasoning += self.pending[:i]
-                self.pending, self.state = self.pending[i + len(CLOSE) :].lstrip("\n"), "after"
+                self.pending, self.state = self.pending[i + len(CLOSE) :], "after"
                 continue
             content += self.pending
             self.pending = ""

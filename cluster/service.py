@@ -213,14 +213,8 @@ class OpenAIService:
         """The grammar a chat request samples under, and the field it comes from."""
         use = body.tool_use
         fmt = body.grammar_format
+        # a forced call's turn has no text answer for response_format to shape: the call wins
         forced = use is not None and use.mode != "parser"
-        if forced and fmt is not None:
-            raise APIError(
-                400,
-                "a forced tool call (tool_choice 'required' or a named function) cannot also "
-                "follow response_format or structured_outputs",
-                param="tool_choice",
-            )
         if use is not None and use.mode == "parser" and self.tool_parser is None:
             raise APIError(
                 400,

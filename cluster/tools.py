@@ -94,7 +94,7 @@ def tool_grammar(use: ToolUse, tools: list[FunctionTool]) -> GrammarSpec | None:
     fns = [t.function for t in tools if t.function is not None]
     if use.mode == "named":
         fn = next(f for f in fns if f.name == use.name)
-        return GrammarSpec("json_schema", json.dumps(fn.parameters_schema))
+        return GrammarSpec("json_schema", json.dumps(fn.parameters_schema), compact=True)
     if use.mode != "required":
         return None
     one = [
@@ -109,7 +109,7 @@ def tool_grammar(use: ToolUse, tools: list[FunctionTool]) -> GrammarSpec | None:
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one}}
     if not use.parallel:
         schema["maxItems"] = 1
-    return GrammarSpec("json_schema", json.dumps(schema))
+    return GrammarSpec("json_schema", json.dumps(schema), compact=True)
 
 
 def call_id() -> str:

@@ -20,7 +20,12 @@ import torch
 
 GrammarKind = Literal["json_schema", "regex", "lark", "choice"]
 # whitespace between JSON tokens, bounded: an unbounded run would let a model pad forever
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+FLEXIBLE: dict[str, Any] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,24}"}
+COMPACT: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GrammarError(ValueError):
@@ -31,6 +36,7 @@ class GrammarError(ValueError):
 class GrammarSpec:
     kind: GrammarKind
     source: str  # a JSON schema (as JSON text), a regex, a Lark grammar, or a JSON list of strings
+    compact: bool = False  # JSON as json.dumps writes it (forced tool calls), no free whitespace
 
 
 def _llguidance_source(spec: GrammarSpec) -> str:
@@ -40,7 +46,8 @@ def _llguidance_source(spec: GrammarSpec) -> str:
         try:
             return str(
                 llguidance.LLMatcher.grammar_from_json_schema(
-                    spec.source, defaults={"whitespace_pattern": JSON_WHITESPACE}
+                    spec.source,
+                    defaults=COMPACT if spec.compact else FLEXIBLE,  # type: ignore[arg-type]
                 )
             )
         except ValueError as e:

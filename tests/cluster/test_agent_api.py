@@ -69,6 +69,13 @@ def client(app: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app}/v1", api_key="none", max_retries=0)
 
 
+class Answer(BaseModel):
+    """An agent's final answer: short and bounded, so a random model's turn ends by itself."""
+
+    summary: Literal["sunny", "rainy", "noon"]
+    confident: bool
+
+
 class Pet(BaseModel):
     name: str = Field(max_length=10)
     kind: Literal["cat", "dog", "owl"]
@@ -218,7 +225,7 @@ def test_reasoning_is_split_off_whole_and_streamed(client: openai.OpenAI) -> Non
     msg = got.choices[0].message
     reasoning = getattr(msg, "reasoning_content", None)
     assert reasoning and "<think>" not in reasoning and "</think>" not in (msg.content or "")
-    assert msg.content and msg.content.isalpha()
+    assert msg.content and msg.content.strip().isalpha()
     parts, content = "", ""
     for chunk in client.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
@@ -290,8 +297,8 @@ def test_vllm_sampling_extensions_reach_the_sampler(app: str) -> None:
         ({"use_beam_search": True}, "use_beam_search"),
         ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools.0.type"),
         (
-            {"tool_choice": "required", "tools": TOOLS, "response_format": {"type": "json_object"}},
-            "tool_choice",
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+            "structured_outputs",
         ),
     ],
 )
@@ -311,7 +318,8 @@ def test_mistakes_are_400s_naming_the_field(app: str, extra: dict[str, Any], par
 @pytest.mark.timeout(300)
 def test_agents_sdk_runs_a_two_tool_loop(app: str) -> None:
     """The OpenAI Agents SDK's chat-completions model class: the first turn must call a tool
-    (required), the SDK runs it and sends the result back, the next turn (auto) answers."""
+    (required), the SDK runs it and sends the result back, the next turn (auto) answers in the
+    agent's output type (a JSON schema the server enforces)."""
     from agents import (
         Agent,
         ModelSettings,
@@ -344,6 +352,7 @@ def test_agents_sdk_runs_a_two_tool_loop(app: str) -> None:
         instructions="Use the tools.",
         tools=[get_weather, get_time],
         model=model,
+        output_type=Answer,
         model_settings=ModelSettings(
             tool_choice="required", max_tokens=160, temperature=0.8, extra_body={"seed": 2}
         ),
@@ -352,4 +361,120 @@ def test_agents_sdk_runs_a_two_tool_loop(app: str) -> None:
     assert ran and {name for name, _ in ran} <= {"get_weather", "get_time"}
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert len(outputs) == len(ran)  # every call ran and its result went back
-    assert isinstance(result.final_output, str)
+    assert isinstance(result.final_output, Answer)  # the next turn answered, as the schema says
+
+
+RESP_TOOLS = [
+    {"type": "function", "name": "get_weather", "parameters": WEATHER},
+    {"type": "function", "name": "get_time", "parameters": TIME},
+]
+
+
+@pytest.mark.timeout(300)
+def test_responses_api_whole_and_streamed(client: openai.OpenAI) -> None:
+    got = client.responses.parse(
+        model="tiny",
+        input="Describe a pet.",
+        text_format=Pet,
+        max_output_tokens=120,
+        extra_body={"seed": 1},
+    )
+    assert got.status == "completed" and isinstance(got.output_parsed, Pet)
+    calls = client.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": "Weather and time?"}],
+        tools=RESP_TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        max_output_tokens=300,
+        extra_body={"seed": 2},
+    )
+    fc = [i for i in calls.output if i.type == "function_call"]
+    assert fc and all(i.call_id.startswith("call_") for i in fc)
+    for i in fc:
+        jsonschema.validate(json.loads(i.arguments), SCHEMAS[i.name])
+    # the conversation goes on statelessly: the calls and their outputs replayed in input
+    follow = client.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "Weather and time?"},
+            *[
+                {
+                    "type": "function_call",
+                    "call_id": i.call_id,
+                    "name": i.name,
+                    "arguments": i.arguments,
+                }
+                for i in fc
+            ],
+            *[{"type": "function_call_output", "call_id": i.call_id, "output": "fine"} for i in fc],
+        ],
+        tools=RESP_TOOLS,  # type: ignore[arg-type]
+        max_output_tokens=12,
+        extra_body={"seed": 3},
+    )
+    assert follow.output and follow.usage is not None and follow.usage.input_tokens > 0
+    kinds, text = [], ""
+    last: Any = None
+    for event in client.responses.create(
+        model="tiny",
+        input="Say something.",
+        max_output_tokens=12,
+        stream=True,
+        extra_body={"seed": 4},
+    ):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        last = event
+    assert kinds[0] == "response.created"
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert last.response.output_text == text and last.response.usage.output_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+@pytest.mark.timeout(300)
+def test_agents_sdk_responses_model_runs_a_tool_loop(app: str) -> None:
+    """The Agents SDK's default model class speaks /v1/responses."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @function_tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        ran.append(zone)
+        return "12:00"
+
+    @function_tool
+    def get_date(zone: Literal["UTC", "CET"]) -> str:
+        """The date in a zone."""
+        ran.append(zone)
+        return "Monday"
+
+    model = OpenAIResponsesModel(
+        model="tiny", openai_client=openai.AsyncOpenAI(base_url=f"{app}/v1", api_key="none")
+    )
+    agent = Agent(
+        name="helper",
+        instructions="Use the tools.",
+        tools=[get_time, get_date],
+        model=model,
+        output_type=Answer,
+        model_settings=ModelSettings(
+            tool_choice="required", max_tokens=120, extra_body={"seed": 5}
+        ),
+    )
+    result = Runner.run_sync(agent, "What time is it?", max_turns=4)
+    assert ran
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert len(outputs) == len(ran) and isinstance(result.final_output, Answer)
