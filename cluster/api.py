@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from cluster.chat_output import ChatOutput, ChatPiece, ChatPlan
@@ -27,6 +27,7 @@ from cluster.protocol import (
 from cluster.responses_api import ResponseShape, respond_responses
 from cluster.responses_protocol import ResponsesRequest
 from cluster.service import ChatRender, OpenAIService
+from cluster.vllm_metrics import scrape_local_exporter, translate
 from decode.outputs import SpecUsage
 from models.logprobs import TokenLogprob
 from models.request import Request
@@ -35,16 +36,26 @@ from models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def usage_body(finals: Sequence[Final]) -> dict[str, Any]:
-    """A request's ``usage``: its prompt once, and every choice's tokens and speculation."""
-    prompt = finals[0].prompt_tokens
-    completion = sum(f.completion_tokens for f in finals)
-    spec = SpecUsage(
+def total_spec(finals: Sequence[Final]) -> SpecUsage:
+    """The request's speculation, every choice summed."""
+    width = max((len(f.spec.histogram) for f in finals), default=0)
+    hist = [
+        sum(f.spec.histogram[j] for f in finals if j < len(f.spec.histogram)) for j in range(width)
+    ]
+    return SpecUsage(
         sum(f.spec.num_steps for f in finals),
         sum(f.spec.draft_tokens for f in finals),
         sum(f.spec.accepted_tokens for f in finals),
         sum(f.spec.emitted_tokens for f in finals),
+        tuple(hist),
     )
+
+
+def usage_body(finals: Sequence[Final]) -> dict[str, Any]:
+    """A request's ``usage``: its prompt once, and every choice's tokens and speculation."""
+    prompt = finals[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finals)
+    spec = total_spec(finals)
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -59,6 +70,24 @@ def usage_body(finals: Sequence[Final]) -> dict[str, Any]:
             "mean_accepted_length": spec.emitted_tokens / spec.num_steps,
         }
     return usage
+
+
+def metrics_body(finals: Sequence[Final]) -> dict[str, Any]:
+    """vLLM's per-request ``metrics.speculative_decoding`` (its PR 48915's summary shape)."""
+    spec = total_spec(finals)
+    if not spec.draft_tokens:
+        return {}
+    return {
+        "speculative_decoding": {
+            "mean_acceptance_length": spec.emitted_tokens / spec.num_steps,
+            "draft_acceptance_rate": spec.accepted_tokens / spec.draft_tokens,
+            "acceptance_histogram": list(spec.histogram),
+            "num_spec_steps": spec.num_steps,
+            "num_accepted_draft_tokens": spec.accepted_tokens,
+            "num_draft_tokens": spec.draft_tokens,
+            "num_spec_tokens": max(len(spec.histogram) - 1, 0),
+        }
+    }
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -167,10 +196,12 @@ class _Shape:
                         "logprobs": logprobs,
                     }
                 )
-        return self._base("chat.completion" if self.chat else "text_completion") | {
+        body = self._base("chat.completion" if self.chat else "text_completion") | {
             "choices": choices,
             "usage": usage_body(finals),
         }
+        metrics = metrics_body(finals)
+        return body | {"metrics": metrics} if metrics else body
 
     def chat_chunks(
         self, index: int, text: str, lps: Sequence[TokenLogprob] | None, end: bool
@@ -232,7 +263,9 @@ class _Shape:
 
     def usage_chunk(self, finals: Sequence[Final]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._base(obj) | {"choices": [], "usage": usage_body(finals)}
+        metrics = metrics_body(finals)
+        body = self._base(obj) | {"choices": [], "usage": usage_body(finals)}
+        return body | {"metrics": metrics} if metrics else body
 
 
 def _in_order(finals: Sequence[Final]) -> list[Final]:
@@ -347,6 +380,12 @@ def build_api(
         "owned_by": "tandem",
         "max_model_len": settings.max_model_len,
     }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        """vLLM's metric names, from this node's exporter (cluster/vllm_metrics.py)."""
+        text = translate(await scrape_local_exporter())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

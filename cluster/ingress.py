@@ -46,7 +46,7 @@ class OpenAIIngress:
             prefill,
             decode,
             settings.retries,
-            RequestMetrics("ingress"),
+            RequestMetrics("ingress", settings.model_name),
             log_requests=settings.log_requests,
             timeout_s=settings.request_timeout_s,
         )

@@ -335,10 +335,7 @@ class DecodeEngine:
             self._end_source(r)
             return
         if em.num_drafted:
-            r.stats.num_steps += 1
-            r.stats.num_draft_tokens += em.num_drafted
-            r.stats.num_accepted_tokens += em.num_accepted
-            r.stats.num_emitted_tokens += len(em.tokens)
+            r.stats.record_step(em.num_drafted, em.num_accepted, len(em.tokens))
             if self.speculation is not None:
                 self.speculation.learn(r, em.num_drafted, em.num_accepted)
         decoding = bool(r.output_token_ids)  # not the first token, which is never drafted
@@ -498,4 +495,10 @@ class DecodeEngine:
 
 def _usage(r: Request) -> SpecUsage:
     s = r.stats
-    return SpecUsage(s.num_steps, s.num_draft_tokens, s.num_accepted_tokens, s.num_emitted_tokens)
+    return SpecUsage(
+        s.num_steps,
+        s.num_draft_tokens,
+        s.num_accepted_tokens,
+        s.num_emitted_tokens,
+        tuple(s.histogram),
+    )

@@ -19,12 +19,12 @@ class SpecTotals:
 
 
 class SpecMetrics:
-    def __init__(self, deployment: str) -> None:
+    def __init__(self, deployment: str, model_name: str = "") -> None:
         from ray.util.metrics import Counter, Gauge
 
-        tags = ("deployment",)
-        pos = ("deployment", "position")
-        self.tags = {"deployment": deployment}
+        tags = ("deployment", "model_name")
+        pos = ("deployment", "model_name", "position")
+        self.tags = {"deployment": deployment, "model_name": model_name}
         self.totals = SpecTotals()
         self._drafts = Counter("tandem_spec_drafts", "Steps that verified draft tokens", tags)
         self._draft = Counter("tandem_spec_draft_tokens", "Draft tokens verified", tags)

@@ -15,6 +15,8 @@ class SpecUsage:
     draft_tokens: int  # a draft tree counts its depth, not its nodes
     accepted_tokens: int
     emitted_tokens: int
+    # steps that accepted exactly j drafts, for j = 0 .. the most a step drafted (vLLM's)
+    histogram: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

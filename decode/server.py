@@ -46,8 +46,8 @@ class DecodeServer:
         kv_metrics = KVMetrics("decode")
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         self._aloop: asyncio.AbstractEventLoop | None = None
-        self.metrics = SpecMetrics("decode")
-        self.gauges = ReplicaGauges("decode")
+        self.metrics = SpecMetrics("decode", cfg.model_name)
+        self.gauges = ReplicaGauges("decode", cfg.model_name)
         # built on the engine thread, so every torch op runs on one thread (decode.loop)
         self.loop = EngineLoop(lambda: DecodeEngine(cfg, kv_metrics), self._deliver)
         self.engine = self.loop.start()

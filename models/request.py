@@ -31,6 +31,15 @@ class AcceptanceStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)  # steps by how many drafts they accepted
+
+    def record_step(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.num_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += emitted
+        self.histogram += [0] * (drafted + 1 - len(self.histogram))
+        self.histogram[accepted] += 1
 
     @property
     def acceptance_rate(self) -> float | None:

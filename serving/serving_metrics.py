@@ -1,4 +1,6 @@
-"""The standard serving metrics, under vLLM's names and meanings (``tandem_`` prefixed)."""
+"""The standard serving metrics, under vLLM's names and meanings (``tandem_`` prefixed), each
+labelled with the served ``model_name`` as vLLM's are (``cluster/vllm_metrics.py`` also serves
+them under vLLM's own names)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ def _replica() -> str:
 
 
 class RequestMetrics:
-    def __init__(self, deployment: str = "ingress") -> None:
+    def __init__(self, deployment: str = "ingress", model_name: str = "") -> None:
         from ray.util.metrics import Counter, Histogram
 
-        tags = ("deployment", "replica")
-        self.tags = {"deployment": deployment, "replica": _replica()}
+        tags = ("deployment", "replica", "model_name")
+        self.tags = {"deployment": deployment, "replica": _replica(), "model_name": model_name}
 
         def hist(name: str, doc: str) -> Histogram:
             h = Histogram(name, doc, boundaries=list(LATENCY_BUCKETS), tag_keys=tags)
@@ -93,11 +95,11 @@ class RequestClock:
 
 
 class ReplicaGauges:
-    def __init__(self, deployment: str) -> None:
+    def __init__(self, deployment: str, model_name: str = "") -> None:
         from ray.util.metrics import Gauge, Histogram
 
-        tags = ("deployment", "replica")
-        self.tags = {"deployment": deployment, "replica": _replica()}
+        tags = ("deployment", "replica", "model_name")
+        self.tags = {"deployment": deployment, "replica": _replica(), "model_name": model_name}
         self.running = Gauge("tandem_num_requests_running", "Requests decoding", tags)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued or pulling KV", tags)
         self.kv_usage = Gauge("tandem_kv_cache_usage_perc", "KV blocks in use (0 to 1)", tags)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from cluster.config import TandemConfig
 from tests.cluster.conftest import running_app
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.ray
 TEMPLATE = Path(__file__).parents[2] / "deploy" / "templates" / "chatml_tools.jinja"
@@ -478,3 +479,41 @@ def test_agents_sdk_responses_model_runs_a_tool_loop(app: str) -> None:
     assert ran
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert len(outputs) == len(ran) and isinstance(result.final_output, Answer)
+
+
+@pytest.mark.timeout(300)
+def test_vllm_shapes_and_metric_names(app: str) -> None:
+    """vLLM's per-request speculation metrics in the response, and its metric names, labelled
+    with the model, on the API port's /metrics."""
+    body = {"model": "tiny", "prompt": [40, 41, 42, 40, 41, 42, 40, 41], "max_tokens": 24}
+    r = httpx.post(f"{app}/v1/completions", json=body | {"temperature": 0}, timeout=60).json()
+    spec = r["metrics"]["speculative_decoding"]
+    usage = r["usage"]["speculative"]
+    assert spec["num_draft_tokens"] == usage["draft_tokens"] > 0
+    assert spec["num_accepted_draft_tokens"] == usage["accepted_tokens"]
+    assert sum(spec["acceptance_histogram"]) == spec["num_spec_steps"] == usage["num_steps"]
+    assert (
+        sum(j * c for j, c in enumerate(spec["acceptance_histogram"])) == usage["accepted_tokens"]
+    )
+    # k = 3: a step tests up to k + 1 drafts (the last against the bonus row)
+    assert len(spec["acceptance_histogram"]) == spec["num_spec_tokens"] + 1 <= 5
+
+    def exported() -> dict[str, float] | None:
+        text = httpx.get(f"{app}/metrics", timeout=30).text
+        got: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and 'model_name="tiny"' in line:
+                name = line.split("{")[0]
+                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        want = (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:num_requests_running",
+        )
+        return got if all(w in got for w in want) else None
+
+    got = wait_until(exported, 120, "vLLM-named metrics on /metrics", interval_s=1)
+    assert got["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert got["vllm:generation_tokens_total"] >= 24
