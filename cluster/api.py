@@ -173,6 +173,8 @@ class _Shape:
                 message: dict[str, Any] = {
                     "role": "assistant",
                     "content": content if content or not out.calls else None,
+                    "refusal": None,
+                    "annotations": [],
                 }
                 reasoning = first.reasoning + last.reasoning
                 if self.plan.reasoning or reasoning:

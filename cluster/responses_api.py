@@ -64,6 +64,7 @@ class ResponseShape:
             "id": self.id,
             "object": "response",
             "created_at": self.created,
+            "completed_at": int(time.time()) if final is not None else None,
             "status": status,
             "model": self.model,
             "output": list(self.items),
@@ -93,6 +94,14 @@ class ResponseShape:
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "truncation": "disabled",
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "top_logprobs": 0,
+            "max_tool_calls": None,
+            "background": False,
+            "service_tier": "default",
+            "safety_identifier": b.safety_identifier,
+            "prompt_cache_key": b.prompt_cache_key,
         }
 
     @staticmethod

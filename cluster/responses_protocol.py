@@ -64,6 +64,7 @@ class MessageItem(Body):
     content: str | list[Annotated[InputText | RefusalText, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
+    phase: str | None = None  # inert: an assistant turn's label (commentary, final_answer)
 
     @field_validator("content", mode="before")
     @classmethod

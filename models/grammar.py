@@ -118,6 +118,8 @@ class GrammarState:
         self.vocab_size = vocab_size
         self.words = int(lt.get_bitmask_shape(1, vocab_size)[1])
         self.consumed = 0
+        # masks after the output and each draft prefix asked this step: [words] int32 each
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
 
     def fresh(self) -> GrammarState:
         """The same grammar at its start (for another choice of the request)."""
@@ -125,9 +127,12 @@ class GrammarState:
 
     def sync(self, output: Sequence[int]) -> None:
         """Consume the output tokens it has not seen (emitted ones are never rolled back)."""
+        if len(output) == self.consumed:
+            return
         for t in output[self.consumed :]:
             self._m.consume_token(int(t))
         self.consumed = len(output)
+        self._masks.clear()
 
     @property
     def stopped(self) -> bool:
@@ -148,7 +153,13 @@ class GrammarState:
         out = torch.full((len(ahead) + 1, self.words), -1, dtype=torch.int32)
         taken = 0
         for j in range(len(ahead) + 1):
-            lt.fill_next_token_bitmask(self._m, out, j)
+            key = tuple(ahead[:j])
+            row = self._masks.get(key)
+            if row is None:  # a draft round and its verification ask the same prefixes
+                lt.fill_next_token_bitmask(self._m, out, j)
+                self._masks[key] = out[j].clone()
+            else:
+                out[j] = row
             if j == len(ahead) or self._m.try_consume_tokens([int(ahead[j])]) != 1:
                 break
             taken += 1

@@ -334,10 +334,10 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(client: openai
     the inert ones are accepted, and the server keeps serving."""
     msgs: Any = [{"role": "user", "content": "Hi"}]
     for name, value in [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("response_format", {"type": "json_object"}),
-        ("logit_bias", {"42": 5}),
-        ("presence_penalty", 0.5),
+        ("reasoning_effort", "low"),
+        ("web_search_options", {}),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("store", True),
     ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(
