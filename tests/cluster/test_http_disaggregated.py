@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -493,3 +494,36 @@ def test_logprobs_are_the_targets_through_the_api(
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(messages=msgs, top_logprobs=2, **kw)
     assert e.value.param == "top_logprobs"
+
+
+def test_grammars_and_processors_cross_the_handoff(client: openai.OpenAI, base: str) -> None:
+    """Prefill samples the first token under the grammar and the processors; decode goes on
+    from it (its own grammar state advanced past it): the whole output is valid."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    msgs: Any = [{"role": "user", "content": "Plan a trip as JSON."}]
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=64,
+            seed=seed,
+            temperature=0.8,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "trip", "schema": schema},
+            },
+            presence_penalty=0.5,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        got = json.loads(r.choices[0].message.content or "")
+        assert got["city"] in ("Paris", "Rome") and isinstance(got["days"], int)
+    first = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=1, temperature=0, logit_bias={"1234": 100}
+    )  # the one token, sampled on prefill
+    want = httpx.post(f"{base}/detokenize", json={"tokens": [1234]}, timeout=30).json()["prompt"]
+    assert first.choices[0].text == want
