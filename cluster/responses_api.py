@@ -83,7 +83,7 @@ class ResponseShape:
             else "auto"
             if b.tool_choice is None
             else b.tool_choice.model_dump(exclude_none=True),
-            "tools": [t.model_dump(exclude_none=True) for t in b.tools or ()],
+            "tools": [t.model_dump() for t in b.tools or ()],  # every field, null where unset
             "text": {
                 "format": fmt.model_dump(by_alias=True, exclude_none=True)
                 if fmt
