@@ -195,6 +195,9 @@ def engine_configs(
         max_num_batched_tokens=cfg.decode.max_num_batched_tokens,
         max_model_len=m.max_model_len,
         transport=cfg.kv.transport,
+        kv_fabric=cfg.kv.fabric,
+        path_check=cfg.kv.path_check,
+        min_path_gbps=cfg.kv.min_path_gbps,
         pull_timeout_s=cfg.kv.pull_timeout_s,
         quarantine_timeout_s=cfg.kv.quarantine_timeout_s,
         max_queue_wait_s=cfg.decode.max_queue_wait_s,
@@ -230,6 +233,9 @@ def engine_configs(
         max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
         enable_prefix_caching=cfg.prefill.enable_prefix_caching,
         transport=cfg.kv.transport,
+        kv_fabric=cfg.kv.fabric,
+        path_check=cfg.kv.path_check,
+        min_path_gbps=cfg.kv.min_path_gbps,
     )
     return engine, worker
 

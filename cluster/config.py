@@ -379,6 +379,26 @@ class KVConfig(_Frozen):
         "store (a slower fallback); or auto: NIXL when its start-up self-check passes, else the "
         "fallback (logged, and shown in /health).",
     )
+    fabric: Literal["auto", "efa", "ib", "tcpx", "tcp"] = Field(
+        "auto",
+        description="The network KV crosses between nodes, which sets NIXL's backend and its "
+        "environment (kvtransfer/fabric.py): efa (AWS p4d/p5: LIBFABRIC with the EFA "
+        "provider), ib (InfiniBand or RoCE: UCX verbs, GPU memory registration), tcpx (GCP A3: "
+        "no NIXL backend exists, so UCX over TCP, said in the log), tcp; auto detects the "
+        "node's devices. Variables the operator set are left alone.",
+    )
+    path_check: bool = Field(
+        True,
+        description="At start-up each replica measures its KV path: another process reads "
+        "64 MiB from it over NIXL, and /health shows the bandwidth and the transport UCX chose "
+        "(a TCP path shows as emulated reads).",
+    )
+    min_path_gbps: float = Field(
+        0.0,
+        ge=0,
+        description="Below this the path check reports the pool degraded in /health, naming the "
+        "transport (0: never). Set it on a cluster to what the fabric should give (e.g. 5).",
+    )
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute",
         description="When a KV pull fails (prefill replica gone, lease expired, timeout): "

@@ -16,6 +16,9 @@ class DecodeEngineConfig:
     device: str = "cpu"
     tp_size: int = 1
     transport: str = "auto"
+    kv_fabric: str = "auto"  # kv.fabric
+    path_check: bool = False  # kv.path_check (the app turns it on)
+    min_path_gbps: float = 0.0  # kv.min_path_gbps
     num_blocks: int = 1024  # with gpu_memory_utilization: the least the pool may hold
     gpu_memory_utilization: float | None = None  # size the pool from GPU memory
     block_size: int = 16

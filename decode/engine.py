@@ -56,6 +56,9 @@ class DecodeEngine:
                 num_threads=cfg.num_threads,
                 switch_interval_s=cfg.switch_interval_s,
                 transport=cfg.transport,
+                fabric=cfg.kv_fabric,
+                path_check=cfg.path_check,
+                min_path_gbps=cfg.min_path_gbps,
                 buckets=BucketSpec(
                     max_seqs=cfg.max_batch_size,
                     max_query=cfg.draft.num_speculative_tokens + 1,
@@ -79,7 +82,7 @@ class DecodeEngine:
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
         self.compat = kv_compat(
-            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
+            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.wire
         )
         self.speculation = (
             build_speculation(cfg, self.drafter, self.target, self.allocator)

@@ -117,6 +117,7 @@ class DecodeServer:
         out["switch_interval_s"] = sys.getswitchinterval()
         out.update(self.engine.target.describe())
         out["transport"] = self.engine.transport.name
+        out["kv_path"] = self.engine.shard.kv_path()
         out["transport_fallback"] = self.engine.shard.fallback_reason
         out["transfer"] = asdict(self.engine.transport.counters)
         out["speculation"] = self.metrics.snapshot()

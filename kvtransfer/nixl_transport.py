@@ -56,10 +56,12 @@ class NixlTransport(KVTransport):
         rank: int = 0,
         tp_size: int = 1,
         progress_thread: bool = False,
+        backend: str = "UCX",
     ) -> None:
         super().__init__()
         from nixl._api import nixl_agent, nixl_agent_config
 
+        self.backend = backend  # NIXL's plugin, chosen by kv.fabric (kvtransfer/fabric.py)
         self.rank = rank
         self.tp_size = tp_size
         self._partial: dict[str, _Partial] = {}  # source side: reads reported per request
@@ -71,7 +73,8 @@ class NixlTransport(KVTransport):
             os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"  # before the agent's UCX reads it
             log.info("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y: VRAM reads may take cuda_ipc without NVLink")
         self.agent = nixl_agent(
-            self.agent_name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
+            self.agent_name,
+            nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend]),
         )
         tensors = [(name, pool.memory(name)) for name in pool.tensors]
         self._registrations = [self.agent.register_memory(t) for _, t in tensors]
@@ -96,6 +99,10 @@ class NixlTransport(KVTransport):
         self._notices: list[str] = []
         self._metadata: bytes = self.agent.get_agent_metadata()
         log.info("NIXL agent %s registered %d bytes of KV", self.agent_name, pool.nbytes)
+
+    @property
+    def wire(self) -> str:
+        return f"nixl/{self.backend.lower()}"
 
     def sources(self) -> tuple[KVSource, ...]:
         return (self.source(),)

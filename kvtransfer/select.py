@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from kvtransfer.fabric import Fabric
 from kvtransfer.handoff import KVCompat, KVHandoff
 from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
 from kvtransfer.transport import KVTransport, PullState
@@ -12,14 +13,15 @@ from kvtransfer.transport import KVTransport, PullState
 log = logging.getLogger(__name__)
 
 
-def nixl_self_check(device: str) -> str | None:
+def nixl_self_check(device: str, backend: str = "UCX") -> str | None:
     try:
         from kvtransfer.nixl_transport import NixlTransport
 
         spec = KVPoolSpec(2, 4, (KVGroupSpec("target", 1, 1, 8, "float32"),))
         a, b = KVPool(spec, device), KVPool(spec, device)
         a.tensor("target").normal_()
-        src, dst = NixlTransport(a, "check"), NixlTransport(b, "check")
+        src = NixlTransport(a, "check", backend=backend)
+        dst = NixlTransport(b, "check", backend=backend)
         compat = KVCompat("check", "float32", 4, "check", 1, "none", "nixl")
         h = KVHandoff("self-check", src.sources(), (1,), ("target",), 4, 0, compat, 5.0)
         pull = dst.start_pull(h, [0])
@@ -39,17 +41,26 @@ def nixl_self_check(device: str) -> str | None:
 
 
 def make_transport(
-    choice: str, pool: KVPool, role: str, rank: int = 0, tp_size: int = 1
+    choice: str,
+    pool: KVPool,
+    role: str,
+    rank: int = 0,
+    tp_size: int = 1,
+    fabric: Fabric | None = None,
 ) -> tuple[KVTransport, str | None]:
+    """``fabric``: resolved by the caller, its environment applied (default: plain UCX)."""
     if choice == "object_store":
         from kvtransfer.object_store_transport import ObjectStoreTransport
 
         return ObjectStoreTransport(pool, role), "configured: kv.transport=object_store"
-    reason = nixl_self_check(str(pool.device))
+    backend = fabric.backend if fabric is not None else "UCX"
+    reason = nixl_self_check(str(pool.device), backend)
     if reason is None:
         from kvtransfer.nixl_transport import NixlTransport
 
-        return NixlTransport(pool, role, rank=rank, tp_size=tp_size), None
+        if fabric is not None:
+            log.info("%s KV fabric: %s", role, fabric.describe())
+        return NixlTransport(pool, role, rank=rank, tp_size=tp_size, backend=backend), None
     if choice == "nixl":
         raise RuntimeError(f"kv.transport=nixl but NIXL does not work here: {reason}")
     if tp_size > 1:

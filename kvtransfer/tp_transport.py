@@ -133,6 +133,10 @@ class GroupTransport(KVTransport):
         self._last_remote = 0.0
         self._pending: dict[str, dict[int, str]] = {}
 
+    @property
+    def wire(self) -> str:
+        return self.local.wire
+
     def _call(self, refs: list[Any], call: str) -> list[Any]:
         return _ranks(refs, call, self.call_timeout_s)
 

@@ -51,6 +51,11 @@ class KVTransport(ABC):
     def __init__(self) -> None:
         self.counters = TransferCounters()
 
+    @property
+    def wire(self) -> str:
+        """What a peer must speak: part of the KV compatibility record."""
+        return self.name
+
     @abstractmethod
     def sources(self) -> tuple[KVSource, ...]:
         """Every rank's registered pool, in rank order, for handoffs."""

@@ -17,6 +17,9 @@ class PrefillWorkerConfig:
     transport: str = (
         "auto"  # KV transport: auto (NIXL, else the object store) | nixl | object_store
     )
+    kv_fabric: str = "auto"  # kv.fabric
+    path_check: bool = False  # kv.path_check (the app turns it on)
+    min_path_gbps: float = 0.0  # kv.min_path_gbps
     num_blocks: int = 512  # with gpu_memory_utilization: the least the pool may hold
     gpu_memory_utilization: float | None = None  # size the pool from GPU memory
     block_size: int = 16

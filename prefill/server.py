@@ -110,6 +110,7 @@ class PrefillServer:
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
         out["transport"] = self.worker.transport.name
+        out["kv_path"] = self.worker.shard.kv_path()
         out["transport_fallback"] = self.worker.shard.fallback_reason
         out["transfer"] = asdict(self.worker.transport.counters)
         return out

@@ -59,6 +59,9 @@ class PrefillWorker:
                 num_threads=cfg.num_threads,
                 switch_interval_s=cfg.switch_interval_s,
                 transport=cfg.transport,
+                fabric=cfg.kv_fabric,
+                path_check=cfg.path_check,
+                min_path_gbps=cfg.min_path_gbps,
                 memory_utilization=cfg.gpu_memory_utilization,
                 profile_tokens=cfg.max_num_batched_tokens,
                 profile_seqs=1,
@@ -74,7 +77,7 @@ class PrefillWorker:
         self.leases = LeaseTable()
         self._cooling: deque[tuple[float, tuple[int, ...]]] = deque()  # (monotonic end, blocks)
         self.compat = kv_compat(
-            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.name
+            cfg.target, cfg.block_size, cfg.tp_size, cfg.draft.identity(), self.transport.wire
         )
         self.grammars = ReplicaGrammars(cfg.target)
         self._queue: list[PromptState] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from kvtransfer.path_check import PathProbe
 from kvtransfer.select import make_transport
 from runtime.kv_sizing import size_pool
 from runtime.shard import (
@@ -40,6 +41,10 @@ def build_shard(spec: ShardSpec) -> Shard:
     pool = rank_pool(spec, 0)
     target = target_runner(spec, model, pool)
     draft = load_draft(spec, pool, drafter)
-    transport, why = make_transport(spec.transport, pool, spec.role)
+    fabric = spec.resolve_fabric()
+    transport, why = make_transport(spec.transport, pool, spec.role, fabric=fabric)
     log.info("%s shard: %s", spec.role, target.describe())
-    return Shard(target, draft, pool, transport, tp_size=1, fallback_reason=why)
+    probe = None
+    if spec.path_check and why is None:  # NIXL is up: measure where its reads really go
+        probe = PathProbe(fabric, spec.device, spec.min_path_gbps, spec.role)
+    return Shard(target, draft, pool, transport, 1, why, fabric=fabric, path=probe)

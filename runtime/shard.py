@@ -7,9 +7,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from kvtransfer.fabric import Fabric
+from kvtransfer.fabric import apply as apply_fabric
+from kvtransfer.fabric import resolve as resolve_fabric
+from kvtransfer.path_check import PathProbe
 from kvtransfer.pool import KVPool, pool_spec_for
 from kvtransfer.transport import KVTransport
 from models.backend import ModelBackend
@@ -40,6 +45,9 @@ class ShardSpec:
     # GIL switch interval per rank (None: the interpreter's); the step thread waits this long
     switch_interval_s: float | None = None
     transport: str = "auto"  # "auto" | "nixl" | "object_store" (kvtransfer.select)
+    fabric: str = "auto"  # kv.fabric (kvtransfer/fabric.py)
+    path_check: bool = False  # measure the KV path to another process at start-up
+    min_path_gbps: float = 0.0  # below it the path check reports the replica degraded
     buckets: BucketSpec | None = None  # the target's bucketed steps (None: ragged only)
     # a GPU pool from this share of device memory, at least num_blocks (runtime.kv_sizing);
     # profiled at its largest steps: a prompt chunk of profile_tokens, and profile_seqs
@@ -48,6 +56,12 @@ class ShardSpec:
     profile_tokens: int = 2048
     profile_seqs: int = 64
     profile_query: int = 1
+
+    def resolve_fabric(self) -> Fabric:
+        """This process's fabric, its environment set before any NIXL agent starts."""
+        fabric = resolve_fabric(self.fabric, self.device.startswith("cuda"))
+        apply_fabric(fabric)
+        return fabric
 
     def configure_process(self) -> None:
         if self.num_threads > 0:
@@ -73,6 +87,15 @@ class Shard:
     tp_size: int
     fallback_reason: str | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    fabric: Fabric | None = None
+    path: PathProbe | None = None  # the start-up check of the KV path (kv.path_check)
+
+    def kv_path(self) -> dict[str, Any]:
+        """For /health: the fabric and what the path check measured."""
+        out: dict[str, Any] = {"fabric": self.fabric.describe() if self.fabric else None}
+        if self.path is not None:
+            out |= self.path.snapshot()
+        return out
 
     def close(self) -> None:
         for close in self.closers:

@@ -19,6 +19,7 @@ from torch.distributed.distributed_c10d import PrefixStore
 from kvtransfer.handoff import KVHandoff, KVSource
 from kvtransfer.memory import process_memory
 from kvtransfer.nixl_transport import NixlTransport
+from kvtransfer.path_check import PathProbe
 from kvtransfer.tp_transport import GroupTransport, RankPulls
 from models.parallel import TPContext
 from runtime.ports import free_port
@@ -101,7 +102,10 @@ class RankWorker:
         tp = TPContext(rank, spec.tp_size, self.groups.compute)
         self.pool = rank_pool(spec, rank)
         self.runner = rank_target(spec, self.pool, tp)
-        transport = NixlTransport(self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size)
+        fabric = spec.resolve_fabric()
+        transport = NixlTransport(
+            self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size, backend=fabric.backend
+        )
         self.pulls = RankPulls(transport)
         self.channel = StepChannel(self.groups.steps)
 
@@ -182,10 +186,16 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
     local = rank_target(spec, pool, TPContext(0, spec.tp_size, groups.compute))
     ray.get([a.source.remote() for a in actors])  # every rank loaded (or its error raised)
     draft = load_draft(spec, pool)
-    rank0 = NixlTransport(pool, role=spec.role, rank=0, tp_size=spec.tp_size)
+    fabric = spec.resolve_fabric()
+    rank0 = NixlTransport(
+        pool, role=spec.role, rank=0, tp_size=spec.tp_size, backend=fabric.backend
+    )
     transport = GroupTransport(rank0, actors)
     runner = TPRunner(local, StepChannel(groups.steps))
-    shard = Shard(runner, draft, pool, transport, spec.tp_size)
+    probe = (
+        PathProbe(fabric, spec.device, spec.min_path_gbps, spec.role) if spec.path_check else None
+    )
+    shard = Shard(runner, draft, pool, transport, spec.tp_size, fabric=fabric, path=probe)
     shard.closers.append(runner.stop)
     shard.closers.append(lambda: _kill(actors))
     log.info("%s shard over %d ranks: %s", spec.role, spec.tp_size, runner.describe())

@@ -130,6 +130,7 @@ SUMMARY = (
     "quarantined_blocks",
     "transport",
     "transport_fallback",
+    "kv_path",
     "preemptions",
     "stalled",
     "drafter",
@@ -166,6 +167,10 @@ def pool_health(pool: str, entries: dict[str, dict[str, Any]], max_failed: float
             f"({fraction:.0%}, over kv.degraded_fraction {max_failed:.0%}); prompts are being "
             "recomputed on decode"
         )
+    for rid, s in replicas.items():
+        path = s.get("kv_path") or {}
+        if path.get("degraded"):
+            why.append(f"{pool}: replica {rid}: {path['degraded']}")
     collapsed = tuple(rid for rid, s in replicas.items() if s.get("acceptance_collapse"))
     if collapsed:
         rid = collapsed[0]

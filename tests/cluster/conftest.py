@@ -26,6 +26,8 @@ def running_app_ports(cfg: TandemConfig) -> Iterator[tuple[str, int]]:
     overrides: dict[str, object] = {"http.port": free_port(), "grpc.port": free_port()}
     if cfg.auth.api_keys_file is None:  # a test's app on loopback, open unless it sets keys
         overrides["auth.required"] = False
+    if "path_check" not in cfg.kv.model_fields_set:  # a process per replica: where asked only
+        overrides["kv.path_check"] = False
     cfg = cfg.with_overrides(**overrides)
     start_ray(cfg, num_cpus=2)
     try:

@@ -31,6 +31,7 @@ CFG = TandemConfig.model_validate(
         "prefill": {"num_blocks": 256, "num_threads": 2},
         "decode": {"num_blocks": 512, "num_threads": 2},
         "limits": {"max_model_len": 2048},
+        "kv": {"path_check": True},
     }
 )
 
@@ -57,6 +58,18 @@ def test_models_and_health(client: openai.OpenAI, base: str) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = _health(base)
     assert h["status"] == "ok" and h["mode"] == "disaggregated" and h["kv_transport"] == "nixl"
+
+    def measured() -> dict[str, Any] | None:
+        pools = _health(base)["pools"]
+        paths = [r["kv_path"] for p in pools.values() for r in p["replicas"].values()]
+        return pools if paths and all("gbps" in p for p in paths) else None
+
+    pools = wait_until(measured, 120, "every replica's KV path check")
+    for pool in pools.values():
+        for r in pool["replicas"].values():
+            path = r["kv_path"]  # the transport UCX chose for reads, and what they gave
+            assert path["gbps"] > 0 and path["transports"] and not path["emulated"], path
+            assert path["fabric"].startswith("tcp") and path["degraded"] is None
 
 
 def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
