@@ -1,5 +1,5 @@
-"""Is speculation as good disaggregated as colocated? The same ShareGPT conversations, rendered
-to about 1k, 4k and 7k prompt tokens (the embedded model's window is 8k), are served greedily by
+"""Is speculation as good disaggregated as colocated? The same ShareGPT chat histories, at
+about 1k, 4k and 7k prompt tokens (the embedded model's window is 8k), are served greedily by
 the in-process engines: colocated (decode computes the prompt) and disaggregated (prefill computes
 it and the target KV, the draft KV and the EAGLE feature travel over NIXL to decode), with the
 shipped EAGLE head behind n-gram lookup and with the head alone, k = 4 fixed. Reported per
@@ -38,27 +38,29 @@ ROLES = {"human": "user", "gpt": "assistant"}
 
 
 def _prompts(tok: Tokenizer, length: int, count: int) -> list[list[int]]:
-    """Conversations whose history renders to within 15 % under ``length`` tokens, ending
-    with a user turn."""
+    """Chat histories of consecutive ShareGPT conversations (one long session), cut at a user
+    turn within 15 % under ``length`` tokens."""
     out: list[list[int]] = []
+    msgs: list[dict[str, str]] = []
     for conv in iter_conversations():
-        msgs: list[dict[str, str]] = []
-        best: list[int] | None = None
         for speaker, text in conv.turns:
-            if speaker not in ROLES:
-                break
-            msgs.append({"role": ROLES[speaker], "content": text})
-            if msgs[-1]["role"] != "user":
+            role = ROLES.get(speaker)
+            if role is None or (msgs and msgs[-1]["role"] == role):
+                continue  # keep the roles alternating across conversations
+            if not msgs and role != "user":
+                continue
+            msgs.append({"role": role, "content": text})
+            if role != "user":
                 continue
             ids = tok.apply_chat_template(msgs)
             if len(ids) > length:
-                break
-            best = ids
-        if best is not None and len(best) >= 0.85 * length:
-            out.append(best)
-            if len(out) == count:
-                return out
-    raise RuntimeError(f"found only {len(out)} conversations near {length} tokens")
+                msgs = []  # overshot: start another session
+            elif len(ids) >= 0.85 * length:
+                out.append(ids)
+                msgs = []
+                if len(out) == count:
+                    return out
+    raise RuntimeError(f"found only {len(out)} histories near {length} tokens")
 
 
 def _serve(

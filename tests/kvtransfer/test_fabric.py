@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.fabric import Fabric, apply, detect, resolve
+from kvtransfer.fabric import apply, detect, resolve
 from kvtransfer.path_check import measure, read_transports
 
 
@@ -71,15 +71,19 @@ def test_ucx_proto_info_is_read() -> None:
 
 
 @pytest.mark.slow
-def test_the_path_check_measures_another_process_and_flags_tcp() -> None:
+def test_the_path_check_measures_another_process_and_flags_tcp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Between two processes on this machine UCX reads over shared memory (CMA) in one-sided
-    reads; with TCP forced (as a cluster without its fabric set up would fall back), the check
-    reports the reads emulated over TCP, and a floor above what TCP gives flags it."""
-    ok = measure(resolve("tcp", gpu=False), nbytes=16 << 20)
+    reads; with TCP forced (as on a node whose fabric was never set up), the check reports the
+    reads emulated over TCP, and a floor above what TCP gives flags it."""
+    monkeypatch.delenv("UCX_TLS", raising=False)  # an engine built earlier may have set it
+    fabric = resolve("tcp", gpu=False)
+    ok = measure(fabric, nbytes=16 << 20)
     assert ok.error is None and ok.gbps is not None and ok.gbps > 0, ok
     assert ok.transports and not ok.emulated and not any("tcp" in t for t in ok.transports)
-    forced = Fabric("tcp", "UCX", (("UCX_TLS", "tcp"),), "forced for the test")
-    slow = measure(forced, nbytes=16 << 20)
+    monkeypatch.setenv("UCX_TLS", "tcp")  # the operator's setting wins over the fabric's
+    slow = measure(fabric, nbytes=16 << 20)
     assert slow.error is None and slow.emulated and any("tcp" in t for t in slow.transports)
     assert ok.degraded(0.0) is None and slow.degraded(0.0) is None  # no floor: reported only
     why = slow.degraded(1000.0)
