@@ -20,6 +20,13 @@ from models.grammar import GrammarSpec
 MAX_TOOLS = 128
 
 
+def function_kind(kind: str, refusal: str) -> str:
+    """``kind`` if it is "function", else the refusal (a 400 naming the field)."""
+    if kind != "function":
+        raise PydanticCustomError(UNSUPPORTED, refusal, {"kind": kind})
+    return kind
+
+
 class FunctionDef(Body):
     name: str = Field(..., pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
@@ -46,13 +53,7 @@ class FunctionTool(Body):
     @field_validator("type")
     @classmethod
     def _function_only(cls, v: str) -> str:
-        if v != "function":
-            raise PydanticCustomError(
-                UNSUPPORTED,
-                "'{kind}' tools are not supported: only function tools",
-                {"kind": v},
-            )
-        return v
+        return function_kind(v, "'{kind}' tools are not supported: only function tools")
 
 
 class NamedFunction(Body):
@@ -68,13 +69,7 @@ class NamedToolChoice(Body):
     @field_validator("type")
     @classmethod
     def _function_only(cls, v: str) -> str:
-        if v != "function":
-            raise PydanticCustomError(
-                UNSUPPORTED,
-                "tool_choice of type '{kind}' is not supported: name a function",
-                {"kind": v},
-            )
-        return v
+        return function_kind(v, "tool_choice of type '{kind}' is not supported: name a function")
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
