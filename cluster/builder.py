@@ -288,6 +288,7 @@ def build_app(cfg: TandemConfig) -> Application:
         chat_template=_template_text(cfg.model.chat_template),
         tool_parser=cfg.model.tool_parser,
         reasoning_parser=cfg.model.reasoning_parser,
+        path_check=cfg.kv.path_check and worker is not None,
     )
     where = {"resources": {cfg.http.ingress_resource: 0.01}} if cfg.http.ingress_resource else {}
     ingress = serve.deployment(

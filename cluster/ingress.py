@@ -4,6 +4,7 @@ and decode."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from cluster.api import build_api
 from cluster.generation import Generation
 from cluster.grpc_api import GrpcAPI
 from cluster.guard import Admission, AdmissionState
+from cluster.kv_path_check import CrossPoolPathCheck
 from cluster.service import OpenAIService, ServiceSettings
 from models.tokenizer import Tokenizer
 from serving.health_board import pool_health
@@ -54,6 +56,15 @@ class OpenAIIngress:
         self._health_task: tuple[float, asyncio.Future[dict[str, Any]]] | None = None
         self.admission = Admission(settings.guard, AdmissionState())
         self.grpc = GrpcAPI(self.service, self.generation, self.admission, self.health)
+        self.path_check = (
+            CrossPoolPathCheck(prefill, decode) if settings.path_check and prefill else None
+        )
+        with contextlib.suppress(RuntimeError):  # no loop yet: the first /health starts it
+            self._start_path_check()
+
+    def _start_path_check(self) -> None:
+        if self.path_check is not None:
+            self.path_check.start()
 
     # Ray Serve's gRPC proxy calls the ingress method named like the RPC
     async def Generate(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:  # noqa: N802
@@ -93,6 +104,10 @@ class OpenAIIngress:
             body["prefill"] = await asyncio.wait_for(self.prefill.stats.remote(), HEALTH_TIMEOUT_S)
             body["kv_transport"] = body["prefill"]["transport"]
             pools["prefill"] = self.prefill
+        cross: dict[str, Any] = {}
+        if self.path_check is not None:
+            self._start_path_check()
+            body["kv_path_cross_pool"] = cross = self.path_check.snapshot()
         body["pools"] = {}
         degraded = []
         for name, handle in pools.items():
@@ -105,6 +120,8 @@ class OpenAIIngress:
             body["pools"][name] = ph.to_dict()
             if ph.degraded:
                 degraded.append(ph.degraded)
+        if cross.get("degraded"):
+            degraded.append(f"prefill -> decode: {cross['degraded']}")
         body["retries"] = self.generation.retried.snapshot()
         body["dropped_handoffs"] = self.generation.dropped_handoffs
         if degraded:

@@ -150,6 +150,7 @@ class ServiceSettings:
     chat_template: str | None = None  # model.chat_template's text, served instead
     tool_parser: str = "auto"  # model.tool_parser
     reasoning_parser: str = "auto"  # model.reasoning_parser
+    path_check: bool = False  # kv.path_check: a prefill replica's probe read by a decode one
 
 
 class OpenAIService:

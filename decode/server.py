@@ -18,6 +18,7 @@ from decode.stream import coalesced
 from kvtransfer.handoff import KVHandoff
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
+from kvtransfer.path_check import read_from
 from models.host_memory import onednn_cache_capacity
 from models.request import Request, choice_id
 from serving.autoscaling_metrics import (
@@ -28,6 +29,7 @@ from serving.autoscaling_metrics import (
     STREAMS,
 )
 from serving.health_board import BoardPublisher, pool_board
+from serving.replica_identity import node_id, replica_id
 from serving.replica_logs import route_to_serve
 from serving.serving_metrics import ReplicaGauges
 from serving.shared_priors import drafter_version, seed_from_pool
@@ -63,6 +65,7 @@ class DecodeServer:
             seed_from_pool(spec, self.drafter_version) if spec and in_serve else 0.0
         )
         self._publisher = BoardPublisher.start(self.snapshot)
+        self.replica = replica_id()
 
     def _deliver(self, out: StepOutput) -> None:
         """Runs on the engine thread: hand the output to the request's asyncio queue."""
@@ -133,6 +136,21 @@ class DecodeServer:
             [c.temperature_bin, c.probe_bin, c.drafted, c.accepted] for c in cells
         ]
         return out
+
+    async def read_kv_path(self, payload: bytes, source: dict[str, str]) -> dict[str, Any]:
+        """The cross-pool path check's reading end: pull a prefill replica's probe into a
+        process on this node (never the engine's agent) and report the path."""
+        fabric = self.engine.shard.fabric
+        if fabric is None:
+            raise ValueError(f"this replica's KV transport is {self.engine.transport.name}")
+        report = await asyncio.to_thread(read_from, payload, fabric, self.cfg.device)
+        to = {"replica": self.replica, "node": node_id()}
+        return report.to_dict() | {
+            "from": source,
+            "to": to,
+            "crosses_nodes": source["node"] != to["node"],
+            "degraded": report.degraded(self.cfg.min_path_gbps),
+        }
 
     async def record_routing_stats(self) -> dict[str, Any]:
         return self.engine.routing_stats().to_dict()

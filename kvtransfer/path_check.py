@@ -74,32 +74,64 @@ def read_transports(proto_info: str) -> tuple[tuple[str, ...], bool]:
     return tuple(found), emulated
 
 
-def measure(fabric: Fabric, device: str = "cpu", nbytes: int = CHECK_BYTES) -> PathReport:
-    """Serve ``nbytes`` of KV from a pool here to a reader in another process."""
-    from kvtransfer.nixl_transport import NixlTransport
-    from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+class ProbeSource:
+    """``nbytes`` of KV in a pool of its own, registered with NIXL and served (its agent driven
+    from a thread: TCP reads need the target's progress) until ``close``."""
 
-    blocks = 64
-    heads = max(1, nbytes // (blocks * 16 * 2 * 128 * 4))
-    spec = KVPoolSpec(blocks, 16, (KVGroupSpec("target", 1, heads, 128, "float32"),))
-    pool = KVPool(spec, device)
-    src = NixlTransport(pool, "pathcheck", backend=fabric.backend)
+    def __init__(self, fabric: Fabric, device: str = "cpu", nbytes: int = CHECK_BYTES) -> None:
+        from kvtransfer.nixl_transport import NixlTransport
+        from kvtransfer.pool import KVGroupSpec, KVPool, KVPoolSpec
+
+        blocks = 64
+        heads = max(1, nbytes // (blocks * 16 * 2 * 128 * 4))
+        self.spec = KVPoolSpec(blocks, 16, (KVGroupSpec("target", 1, heads, 128, "float32"),))
+        self.fabric = fabric
+        self._pool = KVPool(self.spec, device)
+        self._src = NixlTransport(self._pool, f"pathcheck-{os.getpid()}", backend=fabric.backend)
+        self._stop = threading.Event()
+        self._driver = threading.Thread(target=self._drive, name="tandem-kv-path-source")
+        self._driver.start()
+
+    def _drive(self) -> None:
+        while not self._stop.wait(0.0002):
+            self._src.completed()
+
+    def payload(self) -> bytes:
+        """What a reader anywhere needs to pull the pool: the agent's metadata and layout."""
+        return pickle.dumps((self._src.sources(), self.spec, self.fabric.backend))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._driver.join()
+        self._src.close()
+
+
+def read_from(
+    payload: bytes, fabric: Fabric, device: str = "cpu", timeout_s: float = 120
+) -> PathReport:
+    """Pull a ``ProbeSource``'s pool into a process started here with the fabric's settings
+    and ``UCX_PROTO_INFO`` on, timed, and report what UCX chose."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sources.pkl"
-        path.write_bytes(pickle.dumps((src.sources(), spec, device, fabric.backend)))
+        path.write_bytes(payload)
         env = dict(os.environ, UCX_PROTO_INFO="y")
         for key, value in fabric.env:
             env.setdefault(key, value)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtransfer.path_check", str(path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=lambda: os.nice(10),  # noqa: PLW1509 - only lowers its priority
-        )
-        out = _serve_until_done(src, proc)
-    src.close()
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "kvtransfer.path_check", str(path), device],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+                preexec_fn=lambda: os.nice(10),
+            )
+            out = done.stdout
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out += f"\nthe reader ran past {timeout_s:g} s"
     transports, emulated = read_transports(out)
     result = _last_json(out)
     if result is None:
@@ -116,21 +148,13 @@ def measure(fabric: Fabric, device: str = "cpu", nbytes: int = CHECK_BYTES) -> P
     )
 
 
-def _serve_until_done(src: Any, proc: subprocess.Popen[str], timeout_s: float = 120) -> str:
-    """Drive this side's agent (TCP reads need the target's progress) until the reader ends."""
-    chunks: list[str] = []
-    reader = threading.Thread(
-        target=lambda: chunks.append(proc.stdout.read() if proc.stdout else "")
-    )
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        src.completed()
-        time.sleep(0.0002)
-    if proc.poll() is None:
-        proc.kill()
-    reader.join(timeout=10)
-    return "".join(chunks)
+def measure(fabric: Fabric, device: str = "cpu", nbytes: int = CHECK_BYTES) -> PathReport:
+    """Serve ``nbytes`` of KV from a pool here to a reader in another process."""
+    source = ProbeSource(fabric, device, nbytes)
+    try:
+        return read_from(source.payload(), fabric, device)
+    finally:
+        source.close()
 
 
 def _last_json(out: str) -> dict[str, Any] | None:
@@ -144,14 +168,14 @@ def _last_json(out: str) -> dict[str, Any] | None:
     return None
 
 
-def _read(path: str) -> dict[str, Any]:
+def _read(path: str, device: str) -> dict[str, Any]:
     """The reader's side (another process): pull every block ROUNDS times, timed."""
     from kvtransfer.handoff import KVCompat, KVHandoff
     from kvtransfer.nixl_transport import NixlTransport
     from kvtransfer.pool import KVPool
     from kvtransfer.transport import PullState
 
-    sources, spec, device, backend = pickle.loads(Path(path).read_bytes())
+    sources, spec, backend = pickle.loads(Path(path).read_bytes())
     pool = KVPool(spec, device)
     dst = NixlTransport(pool, "pathread", backend=backend)
     compat = KVCompat("check", "float32", spec.block_size, "check", 1, "none", "nixl")
@@ -175,7 +199,7 @@ def _read(path: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_read(sys.argv[1])), flush=True)
+    print(json.dumps(_read(sys.argv[1], sys.argv[2])), flush=True)
 
 
 class PathProbe:

@@ -10,17 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
-from ray import serve
-from ray.serve.exceptions import RayServeException
-
 from kvtransfer.handoff import KVHandoff, LeaseRelease
 from kvtransfer.memory import process_memory
 from kvtransfer.metrics import KVMetrics
+from kvtransfer.path_check import ProbeSource
 from models.host_memory import onednn_cache_capacity
 from models.request import Request
 from prefill.config import PrefillWorkerConfig
 from prefill.worker import PrefillWorker
 from serving.health_board import BoardPublisher, pool_board
+from serving.replica_identity import node_id, replica_id
 from serving.replica_logs import route_to_serve
 
 
@@ -41,7 +40,7 @@ class PrefillServer:
         self._stepper: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
         self._publisher = BoardPublisher.start(self.snapshot)
-        self.replica = _replica_id()
+        self.replica = replica_id()
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
@@ -88,6 +87,20 @@ class PrefillServer:
             raise
         return replace(handoff, source_replica=self.replica)
 
+    async def check_kv_path(self, decode: Any) -> dict[str, Any]:
+        """The cross-pool path check: serve a probe of a handoff's size from this replica's
+        node while a replica of ``decode`` (its handle) reads it, as its pulls will."""
+        fabric = self.worker.shard.fabric
+        if fabric is None:
+            raise ValueError(f"this replica's KV transport is {self.worker.transport.name}")
+        source = await asyncio.to_thread(ProbeSource, fabric, self.worker.cfg.device)
+        try:
+            here = {"replica": self.replica, "node": node_id()}
+            report: dict[str, Any] = await decode.read_kv_path.remote(source.payload(), here)
+        finally:
+            await asyncio.to_thread(source.close)
+        return report
+
     async def release(self, release: LeaseRelease) -> None:
         """Free a handoff's blocks at once: the ingress dropped it before any decode read it
         (or the reader is gone); the prefill router sends this to ``release.replica``."""
@@ -124,13 +137,6 @@ class PrefillServer:
                 task.cancel()
         with contextlib.suppress(Exception):
             self._exec.shutdown(wait=False)
-
-
-def _replica_id() -> str:
-    try:
-        return str(serve.get_replica_context().replica_id.unique_id)
-    except RayServeException:  # built outside a Serve replica (tests, benchmarks)
-        return ""
 
 
 def _settle(fut: asyncio.Future[KVHandoff], result: KVHandoff | BaseException) -> None:

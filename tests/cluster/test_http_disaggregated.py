@@ -70,6 +70,16 @@ def test_models_and_health(client: openai.OpenAI, base: str) -> None:
             path = r["kv_path"]  # the transport UCX chose for reads, and what they gave
             assert path["gbps"] > 0 and path["transports"] and not path["emulated"], path
             assert path["fabric"].startswith("tcp") and path["degraded"] is None
+    # and the path between the pools: a prefill replica's probe, read from a decode replica
+    cross = wait_until(
+        lambda: (c := _health(base)["kv_path_cross_pool"]).get("state") != "measuring" and c,
+        120,
+        "the cross-pool KV path check",
+    )
+    assert cross.get("error") is None and cross["gbps"] > 0 and cross["transports"], cross
+    assert cross["from"]["replica"] in pools["prefill"]["replicas"], cross
+    assert cross["to"]["replica"] in pools["decode"]["replicas"], cross
+    assert cross["crosses_nodes"] is False and cross["degraded"] is None  # one node here
 
 
 def test_replicas_apply_process_settings_and_prefill_gives_heap_back_when_idle(
