@@ -57,7 +57,9 @@ def resolve(choice: str, gpu: bool, root: Path = Path("/")) -> Fabric:
         env = [("FI_PROVIDER", "efa")] + ([("FI_EFA_USE_DEVICE_RDMA", "1")] if gpu else [])
         return Fabric(name, "LIBFABRIC", tuple(env), why)
     if name == "ib":
-        env = [("UCX_TLS", "rc,ud,sm,self" + (cuda + ",gdr_copy" if gpu else ""))]
+        # tcp last: a peer on no RDMA network with this node (GCP's A3 High beside A3 Ultra)
+        # still connects, and the cross-pool path check names the TCP it took
+        env = [("UCX_TLS", "rc,ud,sm,self" + (cuda + ",gdr_copy" if gpu else "") + ",tcp")]
         if gpu:
             env.append(("UCX_IB_GPU_DIRECT_RDMA", "yes"))
         return Fabric(name, "UCX", tuple(env), why)

@@ -111,3 +111,24 @@ def test_setup_installs_the_project_and_fetches_the_apps_models(cloud: str) -> N
     fetched = {c.split()[2] for c in commands if c.startswith("hf download ")}
     for cfg in _apps(DEPLOY / "ray-up" / f"{cloud}.yaml"):
         assert _hub_models(cfg) <= fetched
+
+
+def test_aws_gpu_nodes_are_wired_for_efa() -> None:
+    """KV crosses the pools over EFA: every interface of each GPU node type in one subnet and
+    security group (EFA stays within a subnet), the devices and unlimited memlock handed to the
+    container, and libfabric installed in it for NIXL's LIBFABRIC backend."""
+    types = load_yaml(DEPLOY / "ray-up" / "aws.yaml")["available_node_types"]
+    gpu_types = [t for t in types.values() if t["resources"].get("GPU")]
+    assert len(gpu_types) == 2
+    for t in gpu_types:
+        nics = t["node_config"]["NetworkInterfaces"]
+        assert sorted(n["NetworkCardIndex"] for n in nics) == list(range(32))
+        kinds = {n["NetworkCardIndex"]: n["InterfaceType"] for n in nics}
+        assert kinds.pop(0) == "efa" and set(kinds.values()) == {"efa-only"}
+        assert (
+            len({n["SubnetId"] for n in nics}) == 1 and len({tuple(n["Groups"]) for n in nics}) == 1
+        )
+        assert t["node_config"]["Placement"]["GroupName"]
+        run = t["docker"]["worker_run_options"]
+        assert "--device=/dev/infiniband" in run and "--ulimit memlock=-1:-1" in " ".join(run)
+        assert any("install_fabrics.sh --efa" in c for c in t["worker_setup_commands"])
