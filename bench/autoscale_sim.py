@@ -1,4 +1,5 @@
-"""Decode autoscaling over a day: Serve's request-count rule against the goodput policy.
+"""Decode autoscaling over a day: Serve's request-count rule and Dynamo's speculation-aware SLA
+planner against the goodput policy.
 
 A day of arrivals (``bench/autoscalesim/load.py``: a diurnal rate with slow random bursts, the
 mix going from copy-heavy to creative and back) on a pool of decode replicas of a profile
@@ -11,12 +12,15 @@ downscale delays, look-back averaging, and the same replica start-up time:
 - ``requests``: Serve's default, ``ceil(streams / target_ongoing_requests)``;
 - ``goodput``: ``cluster.capacity_policy.decide`` on each replica's streams and
   ``capacity_streams`` (``speculation.capacity``), ``downscale_utilization = target - --band``;
-- ``goodput_tokens``: a what-if, the same ``decide`` on delivered tokens/s over the tokens/s
-  predicted at capacity (metrics the replicas report, a policy the tree does not have).
+- ``dynamo``: Dynamo's SLA planner as its speculation support (PR #10435) runs it: forward time
+  by concurrency profiled once at the day's middle mix, the inter-token latency divided by the
+  pool's scraped mean accept length, corrected by observed over expected latency; its knob is
+  the ITL target (``bench/autoscalesim/pool.py``).
 
 Each policy runs at its deployment default (``deploy/apps/gpu-disaggregated.yaml``: 48
-ongoing requests; utilization 0.8 / 0.5) and with its one knob tuned: the setting with the
-fewest replica-hours whose day keeps ``--goal`` of its arrivals within the SLOs.
+ongoing requests; utilization 0.8 / 0.5; Dynamo's ITL target at the SLO) and with its one knob
+tuned: the setting with the fewest replica-hours whose day keeps ``--goal`` of its arrivals
+within the SLOs (goodput's at each of ``--tune-bands``, its downscale band, too).
 
 At the H200 profile the TPOT SLO defaults to 16 ms, the router simulator's (BENCHMARKS.md): at
 the profile's own 20 ms no batch up to ``max_batch`` misses it at any mix, so capacity in
@@ -94,6 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--look-back", type=float, default=30.0, help="seconds Serve averages metrics over")
     add("--goal", type=float, default=0.99, help="attainment the tuned knobs must reach")
     add("--band", type=float, default=0.3, help="goodput: target minus downscale utilization")
+    add("--tune-bands", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3], help="tried bands")
     add("--requests-target", type=float, default=48.0, help="untuned target_ongoing_requests")
     add("--utilization", type=float, default=0.8, help="untuned goodput target_utilization")
     add("--seed", type=int, default=0, help="the day's bursts (the day tuned on)")
@@ -128,7 +133,7 @@ def world_for(
     load = day_load(cfg)
     ttft_slo_s = args.ttft_slo or p.ttft_slo_s
     rate_rps = load.rate * peak_rps(args, cfg, curves)  # [steps]
-    return World(cfg.step_s, rate_rps, load.level, curves, ttft_slo_s), load
+    return World(cfg.step_s, rate_rps, load.level, curves, ttft_slo_s, tpot_slo_of(args, p)), load
 
 
 def peak_rps(args: argparse.Namespace, cfg: DayConfig, curves: tuple[ReplicaCurve, ...]) -> float:
@@ -149,22 +154,42 @@ def scaling_of(args: argparse.Namespace) -> Scaling:
 
 
 def tune_all(w: World, s: Scaling, args: argparse.Namespace, max_batch: int) -> dict[Rule, Tuned]:
-    """Each rule's knob searched for the fewest replica-hours that reach ``--goal``."""
-    lo = round(args.band + 0.1, 2)  # a downscale utilization of at least 0.1
+    """Each rule's knob searched for the fewest replica-hours that reach ``--goal``; goodput's
+    at each of ``--tune-bands`` (its second knob: how far under the target it downscales)."""
+    slo = w.tpot_slo_s
     spans = {
         Rule.REQUESTS: (8.0, float(max_batch), 11, 1.0),
-        Rule.GOODPUT: (lo, 1.1, 15, 0.005),
+        Rule.DYNAMO: (0.4 * slo, 1.2 * slo, 17, 0.0001),
+        Rule.DYNAMO_PROFILED: (0.4 * slo, 1.2 * slo, 17, 0.0001),
     }
-    return {
+    out = {
         rule: tune(_day_at(w, s, rule, args.band), *span, args.goal) for rule, span in spans.items()
     }
+    per_band = [
+        tune(_day_at(w, s, Rule.GOODPUT, band), round(band + 0.1, 2), 1.1, 15, 0.005, args.goal)
+        for band in args.tune_bands
+    ]
+    reached = [t for t in per_band if t.reached] or per_band
+    out[Rule.GOODPUT] = min(reached, key=lambda t: t.best.replica_hours)
+    return out
+
+
+def policy_at(w: World, rule: Rule, knob: float, band: float) -> Policy:
+    """``rule`` at ``knob``; Dynamo's with its profile: the middle mix's forward times, made
+    non-decreasing (the guard drafts less in larger batches, so a forward there can be cheaper:
+    a profile run at one plan would not see that, and the dips would give its knob cliffs)."""
+    mid = w.curves[len(w.curves) // 2]
+    if rule not in (Rule.DYNAMO, Rule.DYNAMO_PROFILED):
+        return Policy(rule, knob, band)
+    steps = np.maximum.accumulate(mid.step_s)  # [most + 1]
+    return Policy(rule, knob, band, 48.0, tuple(steps.tolist()), tuple(mid.accept_length.tolist()))
 
 
 def _day_at(w: World, s: Scaling, rule: Rule, band: float) -> Callable[[float], DayRun]:
     """The day as a function of ``rule``'s knob."""
 
     def day(knob: float) -> DayRun:
-        return simulate(w, Policy(rule, knob, band), s)
+        return simulate(w, policy_at(w, rule, knob, band), s)
 
     return day
 
@@ -187,7 +212,7 @@ def held_out(
 
 def summary(r: DayRun) -> dict[str, Any]:
     out: dict[str, Any] = {"knob": round(r.policy.knob, 4)}
-    if r.policy.rule is not Rule.REQUESTS:
+    if r.policy.rule is Rule.GOODPUT:
         out["downscale_utilization"] = round(r.policy.knob - r.policy.band, 4)
     return {
         **out,
@@ -227,18 +252,19 @@ def timeline(w: World, load: DayLoad, runs: dict[str, DayRun]) -> dict[str, Any]
 
 
 def _held_out_ratios(policies: dict[str, Any]) -> list[dict[str, float]]:
-    """Per held-out day, the goodput rule's replica-hours over the requests rule's."""
-    base = policies[Rule.REQUESTS]["held_out"]
+    """Per held-out day, the goodput rule's replica-hours over each other rule's."""
+    ours = policies[Rule.GOODPUT]["held_out"]
     return [
         {
             "seed": day["seed"],
             **{
-                f"{rule}_over_requests": policies[rule]["held_out"][i]["replica_hours"]
-                / day["replica_hours"]
-                for rule in (Rule.GOODPUT,)
+                f"goodput_over_{rule}": day["replica_hours"]
+                / policies[rule]["held_out"][i]["replica_hours"]
+                for rule in (Rule.REQUESTS, Rule.DYNAMO, Rule.DYNAMO_PROFILED)
             },
+            **{f"{rule}_attainment": policies[rule]["held_out"][i]["attainment"] for rule in Rule},
         }
-        for i, day in enumerate(base)
+        for i, day in enumerate(ours)
     ]
 
 
@@ -251,10 +277,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     s = scaling_of(args)
     print(f"replica curves: {time.perf_counter() - t0:.1f} s", flush=True)
     defaults = {
-        rule: simulate(w, Policy(rule, knob, args.band), s)
+        rule: simulate(w, policy_at(w, rule, knob, args.band), s)
         for rule, knob in (
             (Rule.REQUESTS, args.requests_target),
             (Rule.GOODPUT, args.utilization),
+            (Rule.DYNAMO, tpot_slo_of(args, p)),
+            (Rule.DYNAMO_PROFILED, tpot_slo_of(args, p)),
         )
     }
     tuned = tune_all(w, s, args, p.max_batch)
@@ -297,6 +325,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "policies": policies,
         "ratios": {
             "goodput_over_requests": hours[Rule.GOODPUT] / hours[Rule.REQUESTS],
+            "goodput_over_dynamo": hours[Rule.GOODPUT] / hours[Rule.DYNAMO],
+            "goodput_over_dynamo_profiled": hours[Rule.GOODPUT] / hours[Rule.DYNAMO_PROFILED],
+            "goodput_over_demand": hours[Rule.GOODPUT] / oracle_hours,
             "defaults_goodput_over_requests": defaults[Rule.GOODPUT].replica_hours
             / defaults[Rule.REQUESTS].replica_hours,
             "held_out": _held_out_ratios(policies),

@@ -16,7 +16,14 @@ Each interval of ``step_s``, given the arrival rate and the mix's replica curve 
   over ``look_back_s`` as Serve's controller averages them;
 - **policies**: ``requests`` is Serve's default rule, ``ceil(streams / target_ongoing_requests)``;
   ``goodput`` is ``cluster.capacity_policy.decide`` (tokens/s delivered over tokens/s
-  predicted at capacity) with ``downscale_utilization`` ``band`` below its target. Serve then
+  predicted at capacity) with ``downscale_utilization`` ``band`` below its target; ``dynamo``
+  is Dynamo's SLA planner with its speculation support (ai-dynamo/dynamo PR #10435): a profile
+  of the forward's time by concurrency, taken once on a representative mix; the pool's mean
+  accept length, scraped; the inter-token latency a forward gives divided by it; the observed
+  over the profiled latency as its correction factor; the replicas whose throughput at the
+  largest concurrency within its ITL target (its knob) carries the arrivals' tokens/s;
+  ``dynamo_profiled`` is that planner with the latency per token taken from a profile run with
+  speculation on (no scraped accept length). Serve then
   applies its upscale and downscale delays (``serve_delays``: a change applies once the policy
   has wanted one in the same direction for the delay) and the pool's bounds, the same for all.
 
@@ -32,7 +39,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -48,6 +55,8 @@ IntArray = npt.NDArray[np.int64]
 class Rule(StrEnum):
     REQUESTS = "requests"  # Serve's default: streams over target_ongoing_requests
     GOODPUT = "goodput"  # cluster.capacity_policy: delivered over predicted tokens/s
+    DYNAMO = "dynamo"  # Dynamo's SLA planner: profiled forward time over the mean accept length
+    DYNAMO_PROFILED = "dynamo_profiled"  # the same, latency per token profiled with speculation
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,9 @@ class Report:
     capacity_streams: float  # predicted within the SLO at its mix
     goodput_tok_s: float  # delivered
     capacity_tok_s: float  # predicted at capacity (goodput plus headroom)
+    accept_length: float = 1.0  # mean tokens a stream emits a verifying forward
+    itl_s: float = 0.0  # mean inter-token latency: the step over the accept length
+    arrival_tok_s: float = 0.0  # the frontend's arrivals times their mean output, its share
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,11 @@ class Policy:
     """An autoscaling rule and its one knob."""
 
     rule: Rule
-    knob: float  # requests: target_ongoing_requests; goodput: target_utilization
+    knob: float  # requests: target_ongoing_requests; goodput: target_utilization; dynamo: ITL s
     band: float = 0.3  # goodput: downscale_utilization is the knob minus this
     fallback_streams: float = 48.0  # goodput: per replica while none reports capacity
+    profile_step_s: tuple[float, ...] = ()  # dynamo: its profiled forward time by concurrency
+    profile_accept: tuple[float, ...] = ()  # dynamo_profiled: the profile's accept lengths
 
     def desired(self, running: int, r: Report) -> int:
         """Replicas wanted when each of ``running`` replicas reports ``r``.
@@ -79,6 +93,8 @@ class Policy:
         checks the two agree)."""
         if self.rule is Rule.REQUESTS:
             return math.ceil(running * r.streams / self.knob)
+        if self.rule in (Rule.DYNAMO, Rule.DYNAMO_PROFILED):
+            return self._dynamo(running, r)
         return decide(
             running,
             {"pool": running * r.goodput_tok_s},
@@ -88,6 +104,25 @@ class Policy:
             self.knob - self.band,
             self.fallback_streams,
         ).replicas
+
+    def _dynamo(self, running: int, r: Report) -> int:
+        """The SLA planner's decode replicas: the largest profiled concurrency whose
+        inter-token latency, corrected by observed over expected, is within the ITL target; the
+        arrivals' tokens/s over what a replica emits there. ``dynamo`` divides the profiled
+        forward by the scraped accept length; ``dynamo_profiled`` took the latency per token
+        from a profile run with speculation on, as its planner does without PR #10435."""
+        prof = np.asarray(self.profile_step_s)  # [most + 1] seconds a forward at n
+        if self.rule is Rule.DYNAMO:
+            itl = prof / r.accept_length  # [most + 1]
+        else:
+            itl = np.maximum.accumulate(prof / np.asarray(self.profile_accept))
+        n_obs = min(max(r.streams, 1.0), len(prof) - 1)
+        expected = float(np.interp(n_obs, np.arange(len(prof)), itl))
+        correction = r.itl_s / expected if r.itl_s > 0 else 1.0
+        ok = np.flatnonzero(itl[1:] * correction <= self.knob) + 1
+        n = int(ok[-1]) if ok.size else 1
+        per_replica_tok_s = float(n / (itl[n] * correction))
+        return math.ceil(running * r.arrival_tok_s / per_replica_tok_s)
 
 
 @dataclass(frozen=True)
@@ -136,6 +171,7 @@ class World:
     level: IntArray  # [steps] index into curves
     curves: tuple[ReplicaCurve, ...]  # per mix level
     ttft_slo_s: float
+    tpot_slo_s: float
 
     @property
     def steps(self) -> int:
@@ -170,7 +206,17 @@ def serve_interval(
         late = backlog / most_rps > w.ttft_slo_s
         served, attained = most_rps, 0.0 if late else float(curve.attainment[-1])
     tok_s = served / running * curve.output_tokens
-    return Interval(Report(n, curve.reported, tok_s, curve.reported_tok_s), backlog, attained)
+    accepted = curve.at(curve.accept_length, n)
+    report = Report(
+        n,
+        curve.reported,
+        tok_s,
+        curve.reported_tok_s,
+        accepted,
+        curve.at(curve.step_s, n) / accepted,
+        rps / running * curve.output_tokens,
+    )
+    return Interval(report, backlog, attained)
 
 
 @dataclass(frozen=True)
@@ -221,12 +267,8 @@ def simulate(w: World, policy: Policy, s: Scaling) -> DayRun:
 def _mean(reports: deque[Report]) -> Report:
     """The reports' mean, field by field (Serve averages each metric over the look-back)."""
     n = len(reports)
-    return Report(
-        sum(r.streams for r in reports) / n,
-        sum(r.capacity_streams for r in reports) / n,
-        sum(r.goodput_tok_s for r in reports) / n,
-        sum(r.capacity_tok_s for r in reports) / n,
-    )
+    fields = zip(*(astuple(r) for r in reports), strict=True)
+    return Report(*(sum(values) / n for values in fields))
 
 
 def _steady_replicas(w: World, policy: Policy, s: Scaling) -> int:

@@ -67,6 +67,8 @@ class ReplicaCurve:
     reported: int  # capacity_within_slo's prediction for a replica holding that batch
     reported_tok_s: float  # and its prediction of the tokens/s it emits at capacity
     output_tokens: float  # mean output tokens of an arriving request
+    step_s: FloatArray  # [most + 1] its step at n streams, draft rounds included
+    accept_length: FloatArray  # [most + 1] mean tokens a stream emits a step at n (1: none)
 
     @property
     def most(self) -> int:
@@ -82,6 +84,11 @@ class ReplicaCurve:
         """Mean streams it holds to complete ``rps`` requests/s (at most ``most``)."""
         n = np.arange(self.most + 1, dtype=np.float64)  # [most + 1]
         return float(np.interp(rps, self.throughput_rps, n))
+
+    def at(self, values: FloatArray, streams: float) -> float:
+        """``values`` ([most + 1], by streams) at a fractional ``streams``."""
+        n = np.arange(self.most + 1, dtype=np.float64)  # [most + 1]
+        return float(np.interp(streams, n, values))
 
     def attainment_at(self, streams: float) -> float:
         n = np.arange(self.most + 1, dtype=np.float64)  # [most + 1]
@@ -107,6 +114,7 @@ def replica_curve(p: Profile, shares: Sequence[float], slo_s: float, spread: flo
     throughput = np.zeros(most + 1)  # [most + 1]
     within = np.ones((len(mix), most + 1), dtype=np.bool_)  # [classes, most + 1]
     members_at = [np.zeros(len(mix), dtype=np.int64)]  # [most + 1] of [classes]
+    step_s, accept_length = np.zeros(most + 1), np.ones(most + 1)  # [most + 1]
     for n in range(1, most + 1):
         members = _apportion(share * out / tokens, n)
         step = _step(p, alpha, members, slo_s)
@@ -116,6 +124,8 @@ def replica_curve(p: Profile, shares: Sequence[float], slo_s: float, spread: flo
         within[:, n] = np.where(held, step.seconds / step.fewest_tokens <= slo_s, within[:, n - 1])
         throughput[n] = n / float(share @ (out * step.seconds / tokens))
         members_at.append(members)
+        step_s[n], accept_length[n] = step.seconds, float(members @ step.mean_tokens) / n
+    step_s[0], accept_length[0] = step_s[1], accept_length[1]  # an idle replica's next step
     missed = np.flatnonzero(~within[share > 0].all(axis=0))  # stream counts some class misses
     capacity = int(missed[0]) - 1 if missed.size else most
     if capacity < 1:
@@ -134,6 +144,8 @@ def replica_curve(p: Profile, shares: Sequence[float], slo_s: float, spread: flo
         reported=predicted.streams,
         reported_tok_s=predicted.capacity_goodput_tok_s,
         output_tokens=float(share @ out),
+        step_s=step_s,
+        accept_length=accept_length,
     )
 
 

@@ -6,6 +6,7 @@ report holds what the comparison needs."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -118,10 +119,12 @@ def test_tuned_rules_reach_the_goal_and_the_report_is_complete(report: dict[str,
             assert r["peak_replicas"] <= report["scaling"]["max_replicas"]
         assert len(pol["tuned"]["hourly_attainment"]) == HOURS
         assert len(pol["held_out"]) == 1
+    assert set(report["policies"]) == {"requests", "goodput", "dynamo", "dynamo_profiled"}
     hours = {k: v["tuned"]["replica_hours"] for k, v in report["policies"].items()}
-    assert report["ratios"]["goodput_over_requests"] == pytest.approx(
-        hours["goodput"] / hours["requests"]
-    )
+    for peer in ("requests", "dynamo", "dynamo_profiled"):
+        assert report["ratios"][f"goodput_over_{peer}"] == pytest.approx(
+            hours["goodput"] / hours[peer]
+        )
     assert 0 < report["demand_replica_hours"] < min(hours.values())
     assert report["policies"]["requests"]["default"]["knob"] == 48
     assert report["policies"]["goodput"]["default"]["downscale_utilization"] == pytest.approx(0.5)
@@ -137,3 +140,23 @@ def test_the_replica_curve_agrees_with_the_capacity_prediction_at_pure_mixes(
     for level in (levels[0], levels[-1]):
         assert abs(level["capacity_streams"] - level["reported_streams"]) <= 2
     assert levels[-1]["capacity_rps"] < levels[0]["capacity_rps"]  # creative: fewer requests/s
+
+
+def test_dynamo_sizes_the_arrivals_by_its_profile_over_the_accept_length() -> None:
+    """Its largest concurrency within the ITL target (forward over accept length, times the
+    observed / expected correction) sets a replica's tokens/s; the arrivals' set the count."""
+    prof = tuple(0.010 + 0.0001 * n for n in range(101))  # [n] a forward at n streams
+    policy = Policy(Rule.DYNAMO, 0.0075, profile_step_s=prof)
+    # accept length 2, latency as profiled: n = 50 (15 ms / 2), 50 * 2 / 15 ms a replica
+    exact = Report(20, 0, 0, 0, accept_length=2.0, itl_s=prof[20] / 2, arrival_tok_s=1000.0)
+    assert policy.desired(10, exact) == math.ceil(10_000 / (50 * 2 / prof[50]))
+    slow = Report(20, 0, 0, 0, accept_length=2.0, itl_s=prof[20], arrival_tok_s=1000.0)
+    assert policy.desired(10, slow) > 50  # twice the profile: nothing fits, one stream each
+    # one scalar: an accept length measured light is applied to a full batch
+    light = Report(5, 0, 0, 0, accept_length=4.0, itl_s=prof[5] / 4, arrival_tok_s=1000.0)
+    assert policy.desired(10, light) < policy.desired(10, exact)
+    profiled = Policy(
+        Rule.DYNAMO_PROFILED, 0.0075, profile_step_s=prof, profile_accept=(2.0,) * 101
+    )
+    as_profiled = Report(5, 0, 0, 0, accept_length=4.0, itl_s=prof[5] / 2, arrival_tok_s=1000.0)
+    assert profiled.desired(10, as_profiled) == policy.desired(10, exact)  # its 2, not the 4
