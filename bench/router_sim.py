@@ -8,7 +8,9 @@ with an 8B draft at TP=4 on paper, see ``bench/routersim/profiles.py``). The dec
 ``cluster.routing.policies`` on a ``ReplicaTable``, the code the Ray Serve router runs, and each
 decision is timed. Loads are fractions of the decode pool's capacity
 (``bench/routersim/capacity.py``); every policy at a load sees the same requests and the same
-prefill. The report also gives the pool's capacity within the TPOT SLO
+prefill. The peers' routers (``bench/routersim/peers.py``: Ray Serve LLM's prefix-affinity
+router and SGLang's cache-aware one) run beside them. The report also gives the pool's capacity
+within the TPOT SLO
 (``bench/routersim/slo_capacity.py``) and each load as a fraction of it.
 
     .venv/bin/python -m bench.router_sim --profile h200 --decode-replicas 1000 \\
@@ -41,6 +43,7 @@ import numpy as np
 from bench.routersim.capacity import saturation_rps
 from bench.routersim.metrics import measure
 from bench.routersim.oracle import PREFIX
+from bench.routersim.peers import PEERS
 from bench.routersim.prefill import prefill_replicas_for, simulate_prefill
 from bench.routersim.profiles import PROFILES
 from bench.routersim.report import plot, ratios
@@ -50,7 +53,7 @@ from bench.routersim.workload import DEFAULT_MIX, generate
 from speculation.goodput import GUARD_MAX_LOSS
 
 RESULTS = Path(__file__).parent / "results"
-POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware")
+POLICIES = ("round_robin", "power_of_two", "least_kv", "acceptance_aware", "slo_aware", *PEERS)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -147,6 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "decision_us_p99": float(np.percentile(out.decision_s, 99) * 1e6),
                 "decode_steps": out.steps,
                 "choose_ks_memo_entries": out.memo_entries,
+                "decode_prefix_hit_rate": out.prefix_hits / w.size,
                 "wall_s": prefill_wall + out.wall_s,
             }
             runs.append(row)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-BASELINES = ("power_of_two", "least_kv", "round_robin")
+BASELINES = ("power_of_two", "least_kv", "round_robin", "prefix_affinity", "cache_aware")
 
 
 def ratios(runs: list[dict[str, Any]], policy: str = "acceptance_aware") -> dict[str, Any]:

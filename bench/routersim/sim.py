@@ -19,10 +19,11 @@ import numpy.typing as npt
 
 from bench.routersim.decode import DecodePool
 from bench.routersim.oracle import split_policy
+from bench.routersim.peers import PrefixedRequest, PrefixTrees, peer_policy
 from bench.routersim.prefill import PrefillResult
 from bench.routersim.profiles import Profile
 from bench.routersim.workload import Workload
-from cluster.routing.policies import RouteRequest, make_policy
+from cluster.routing.policies import make_policy
 from cluster.routing.table import ReplicaTable
 from speculation.goodput import GUARD_MAX_LOSS
 
@@ -52,6 +53,7 @@ class DecodeOutcome:
     steps: int
     memo_entries: int
     wall_s: float
+    prefix_hits: int  # requests placed where a prefix tree would hold their prefix (peers.py)
 
 
 def choose(ranks: list[list[int]], pool: DecodePool, max_ongoing: int) -> int:
@@ -90,12 +92,16 @@ def simulate_decode(
     table.configure(
         range(d), p.step_time, p.kv_tokens // 16, 16, p.max_batch, p.k_max, True, p.draft_round_s
     )
-    policy = split_policy(cfg.policy, cfg.seed) or make_policy(
-        cfg.policy, cfg.max_staleness_s, cfg.seed, cfg.tpot_slo_s
+    policy = (
+        split_policy(cfg.policy, cfg.seed)
+        or peer_policy(cfg.policy, d, lambda: pool.n_active + pool.qlen, cfg.seed)
+        or make_policy(cfg.policy, cfg.max_staleness_s, cfg.seed, cfg.tpot_slo_s)
     )
+    trees, hits = PrefixTrees(d, 400_000), 0
     max_ongoing = cfg.max_ongoing or 2 * p.max_batch
     order = np.argsort(route_at, kind="stable")
     times, alphas, prompts = route_at[order].tolist(), w.alpha_probe.tolist(), w.prompt.tolist()
+    groups, prefixes = w.group.tolist(), w.prefix.tolist()
     decision = np.empty(w.size)
     replica = np.empty(w.size, dtype=np.int64)
     n, idx = w.size, 0
@@ -110,12 +116,14 @@ def simulate_decode(
             next_publish = t + cfg.stats_period_s
         while idx < n and times[idx] < t_end:
             i, now = int(order[idx]), times[idx]
-            req = RouteRequest(alphas[i], prompts[i])
+            req = PrefixedRequest(alphas[i], prompts[i], group=groups[i], prefix_tokens=prefixes[i])
             c0 = time.perf_counter()
             ranks = policy.rank(req, table, now)
             row = choose(ranks, pool, max_ongoing)
             policy.routed(req, table, row, now)
             decision[i] = time.perf_counter() - c0
+            hits += trees.holds(row, req)
+            trees.insert(row, req)
             replica[i] = row
             pool.enqueue(row, i)
             idx += 1
@@ -130,4 +138,5 @@ def simulate_decode(
         pool.step_count,
         len(pool.memo),
         time.perf_counter() - t_start,
+        hits,
     )
