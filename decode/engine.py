@@ -31,6 +31,7 @@ from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
 from runtime.shard import BucketSpec, ShardSpec
 from serving.grammars import ReplicaGrammars
+from speculation.loop_cycle import CycleOverhead
 from speculation.routing_stats import RoutingStats
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class DecodeEngine:
         self._outbox: list[StepOutput] = []
         self.target_tokens_fed = 0
         self.steps = 0
+        self.last_step_s = 0.0  # the last step's forwards and draft rounds (0: none ran)
+        self.cycle = CycleOverhead()
         self.preemptions = 0
         self.recomputed = 0
         self.stalled = 0
@@ -215,10 +218,21 @@ class DecodeEngine:
         queued = len(self.waiting) + len(self.intake.pending)
         running = tuple(self.running.values())
         return routing_stats(
-            self.cfg, running, queued, self.allocator.num_free, self.speculation, self.drafter
+            self.cfg,
+            running,
+            queued,
+            self.allocator.num_free,
+            self.speculation,
+            self.drafter,
+            self.cycle.seconds,
         )
 
+    def observe_cycle(self, cycle_s: float) -> None:
+        """The loop's wall time from the last step's start to this one's (both busy)."""
+        self.cycle.observe(cycle_s, self.last_step_s)
+
     def step(self) -> list[StepOutput]:
+        self.last_step_s = 0.0
         self._settle_transfers()
         self._admit()
         self._land_pulls()
@@ -322,7 +336,7 @@ class DecodeEngine:
         emissions = decode_step(
             self.target, self.drafter, reqs, [p.new_tokens for p in plan], [p.k for p in plan]
         )
-        seconds = time.perf_counter() - t0
+        seconds = self.last_step_s = time.perf_counter() - t0
         rounds = self.drafter.rounds if self.drafter is not None else None
         in_rounds = rounds.take_spent() if rounds is not None else 0.0
         fed = sum(em.num_fed for em in emissions)

@@ -110,13 +110,18 @@ class EngineLoop:
             return
         finally:
             self._built.set()
+        busy_since: float | None = None  # the last step's start, while the batch ran on
         try:
             while not self._stop.is_set():
                 # nothing to compute: wait for a command, or for reads to land or blocks to free
                 self._drain(self.engine.idle_wait_s if self.engine.has_work else IDLE_WAIT_S)
                 if not self.engine.has_work:
                     self.progress_at = time.monotonic()
+                    busy_since = None
                     continue
+                started = time.perf_counter()
+                if busy_since is not None:
+                    self.engine.observe_cycle(started - busy_since)
                 try:
                     outputs = self.engine.step()
                 except RankTimeoutError as e:
@@ -129,6 +134,8 @@ class EngineLoop:
                 self.progress_at = time.monotonic()
                 for out in outputs:
                     self.on_output(out)
+                # back to back only while a batch decodes (no wait for reads in between)
+                busy_since = started if self.engine.running and self.engine.last_step_s else None
         except BaseException as e:  # pragma: no cover - surfaced through health checks
             self.error = e
             log.exception("decode loop died")

@@ -24,6 +24,7 @@ def routing_stats(
     free_blocks: int,
     spec: SpeculationPolicy | None,
     drafter: Drafter | None,
+    cycle_overhead_s: float = 0.0,
 ) -> RoutingStats:
     """``queued``: requests waiting or pulling KV."""
     batch = running[: cfg.max_batch_size]
@@ -49,6 +50,7 @@ def routing_stats(
         draft_token_s=spec.draft_cost.per_draft(len(batch) + 1) or 0.0,
         calibration=spec.calibration.cells(),
         tree_width=spec.tree_width,
+        cycle_overhead_s=cycle_overhead_s,
     )
     alphas = [spec.estimate(r) for r in batch]
     return collect_routing_stats(alphas, ks, load, state, [spec.draft_width(r) for r in batch])

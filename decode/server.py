@@ -127,6 +127,8 @@ class DecodeServer:
         spec = self.engine.speculation
         collapsed = spec.alarm.collapsed() if spec is not None else ()
         self.metrics.collapsed_cells(len(collapsed))
+        # what the served loop adds to each step; capacity counts it (speculation.loop_cycle)
+        out["cycle_overhead_ms"] = round(self.engine.cycle.seconds * 1e3, 3)
         out["drafter"] = self.cfg.draft.kind.value
         out["acceptance_collapse"] = [c.to_dict() for c in collapsed]
         out["drafter_version"] = self.drafter_version

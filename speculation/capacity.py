@@ -55,7 +55,8 @@ def _step(
         )
     else:
         ks = [stats.k_max] * n
-    step_s = model.predict(sum(1 + width * k for k in ks)) + stats.draft_round_s * max(ks)
+    forwards_s = model.predict(sum(1 + width * k for k in ks)) + stats.draft_round_s * max(ks)
+    step_s = forwards_s + stats.cycle_overhead_s  # what a client waits: the loop's whole cycle
     emitted = [expected_tokens(float(a), k) for a, k in zip(alphas, ks, strict=True)]
     return _Step(step_s / min(emitted), sum(emitted) / step_s)
 

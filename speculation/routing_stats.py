@@ -12,7 +12,7 @@ from speculation.calibration import Cell, cells_from
 from speculation.goodput import expected_tokens
 from speculation.step_time import StepTimeModel
 
-ROUTING_STATS_VERSION = 5
+ROUTING_STATS_VERSION = 6
 MAX_LISTED = 256
 
 
@@ -39,6 +39,7 @@ class RoutingStats:
     step_time: tuple[tuple[int, float], ...]
     calibration: tuple[Cell, ...] = ()
     tree_width: int = 1
+    cycle_overhead_s: float = 0.0  # the served loop's time a step beyond its forwards
     version: int = ROUTING_STATS_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +81,7 @@ class RoutingStats:
                 step_time=tuple((int(n), float(t)) for n, t in d["step_time"]),
                 calibration=cells_from(d["calibration"]),
                 tree_width=int(d["tree_width"]),
+                cycle_overhead_s=float(d["cycle_overhead_s"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed routing stats: {e!r}") from e
@@ -106,6 +108,7 @@ class SpeculationState:
     draft_token_s: float = 0.0
     calibration: tuple[Cell, ...] = ()
     tree_width: int = 1
+    cycle_overhead_s: float = 0.0
 
 
 def collect_routing_stats(
@@ -141,4 +144,5 @@ def collect_routing_stats(
         step_time=spec.step_time.points if spec.step_time is not None else (),
         calibration=spec.calibration,
         tree_width=spec.tree_width,
+        cycle_overhead_s=spec.cycle_overhead_s,
     )
