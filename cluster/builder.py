@@ -111,6 +111,7 @@ def resolve_models(cfg: TandemConfig) -> ResolvedModels:
         ngram_min=d.ngram_min,
         lookup_first=d.lookup_first,
         tree_width=d.tree_width,
+        early_stop=d.early_stop,
     )
     check_tp(folder, cfg.decode.tp, "decode")
     if cfg.mode == "disaggregated":

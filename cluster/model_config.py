@@ -91,6 +91,13 @@ class DraftConfig(_Frozen):
         description="With draft_model or eagle: propose by n-gram prompt lookup where it finds "
         "a match (copy-heavy text), and by the model only where it does not.",
     )
+    early_stop: bool = Field(
+        False,
+        description="With kind=eagle and adaptive: stop each request's chain at the position "
+        "where the head's cumulative confidence falls under a cutoff priced by the goodput "
+        "model (near 0 at light load, higher as the batch fills; damped so throughput has no "
+        "cliff). Exact either way; shown in /health as stopped draft positions.",
+    )
     tree_width: int = Field(
         1,
         ge=1,
@@ -121,6 +128,11 @@ class DraftConfig(_Frozen):
             raise ValueError(
                 f"draft.quantization={self.quantization} needs a draft checkpoint "
                 f"(kind draft_model or eagle), not kind={self.kind}"
+            )
+        if self.early_stop and (self.kind != "eagle" or not self.adaptive):
+            raise ValueError(
+                f"draft.early_stop stops an adaptive EAGLE head's chains: it needs kind=eagle "
+                f"and adaptive=true, not kind={self.kind}, adaptive={self.adaptive}"
             )
         if self.tree_width > 1 and self.kind != "eagle":
             raise ValueError(f"draft.tree_width > 1 needs kind=eagle, not {self.kind}")

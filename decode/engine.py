@@ -31,6 +31,7 @@ from models.request import FinishReason, Request, RequestStatus
 from runtime.build import build_shard
 from runtime.shard import BucketSpec, ShardSpec
 from serving.grammars import ReplicaGrammars
+from speculation.draft_stop import DraftStop
 from speculation.loop_cycle import CycleOverhead
 from speculation.routing_stats import RoutingStats
 
@@ -121,6 +122,7 @@ class DecodeEngine:
         self.steps = 0
         self.last_step_s = 0.0  # the last step's forwards and draft rounds (0: none ran)
         self.cycle = CycleOverhead()
+        self.draft_stop = DraftStop() if cfg.draft.early_stop else None
         self.preemptions = 0
         self.recomputed = 0
         self.stalled = 0
@@ -332,6 +334,9 @@ class DecodeEngine:
         if not plan:
             return []
         reqs = [p.req for p in plan]
+        if self.draft_stop is not None and self.speculation is not None and self.drafter:
+            cutoff = self.speculation.stop_cutoff(reqs, [p.k for p in plan], self.draft_stop)
+            self.drafter.stop_chains_below(cutoff)
         t0 = time.perf_counter()
         emissions = decode_step(
             self.target, self.drafter, reqs, [p.new_tokens for p in plan], [p.k for p in plan]

@@ -129,6 +129,8 @@ class DecodeServer:
         self.metrics.collapsed_cells(len(collapsed))
         # what the served loop adds to each step; capacity counts it (speculation.loop_cycle)
         out["cycle_overhead_ms"] = round(self.engine.cycle.seconds * 1e3, 3)
+        drafter = self.engine.drafter
+        out["draft_positions_stopped"] = drafter.positions_stopped if drafter else 0
         out["drafter"] = self.cfg.draft.kind.value
         out["acceptance_collapse"] = [c.to_dict() for c in collapsed]
         out["drafter_version"] = self.drafter_version

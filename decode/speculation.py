@@ -23,7 +23,15 @@ from speculation.calibration import (
     calibration_key,
 )
 from speculation.draft_cost import DraftCost
-from speculation.goodput import GUARD_MAX_LOSS, DraftBatch, StepCosts, TpotGuard, choose_ks
+from speculation.draft_stop import DraftStop
+from speculation.goodput import (
+    GUARD_MAX_LOSS,
+    DraftBatch,
+    StepCosts,
+    TpotGuard,
+    choose_ks,
+    expected_tokens,
+)
 from speculation.step_time import StepTimeModel, StepTimeTracker
 
 EMA = 0.2  # weight of a request's newest verified step in its acceptance estimate
@@ -79,6 +87,17 @@ class SpeculationPolicy:
         if drafted >= PRIOR_TOKENS:
             self.prior = sum(c.accepted for c in cells) / drafted
         return seeded
+
+    def stop_cutoff(self, reqs: Sequence[Request], ks: Sequence[int], stop: DraftStop) -> float:
+        """``stop``'s cutoff for a step of ``reqs`` granted ``ks``: the planned batch's
+        expected tokens/s times the marginal seconds of one more scored token."""
+        if self.tracker is None or not any(ks):
+            return stop.cutoff
+        model = self.tracker.model
+        scored = sum(1 + k for k in ks)
+        step_s = model.predict(scored)
+        emitted = sum(expected_tokens(self.estimate(r), k) for r, k in zip(reqs, ks, strict=True))
+        return stop.update(emitted / step_s, model.predict(scored + 1) - step_s)
 
     def estimate(self, r: Request) -> float:
         return self.prior if r.acceptance_estimate is None else r.acceptance_estimate

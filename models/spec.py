@@ -137,6 +137,7 @@ class DraftSpec:
     ngram_min: int = 1
     lookup_first: bool = False  # n-gram lookup proposes where it matches, the model elsewhere
     tree_width: int = 1  # > 1 (eagle): greedy requests verify draft trees this wide per depth
+    early_stop: bool = False  # eagle chains stop per position on the head's confidence
 
     def __post_init__(self) -> None:
         needs_model = self.kind in (DraftKind.DRAFT_MODEL, DraftKind.EAGLE)
@@ -146,6 +147,8 @@ class DraftSpec:
             raise ValueError("lookup_first puts n-gram lookup before a draft model or EAGLE head")
         if self.tree_width < 1 or (self.tree_width > 1 and self.kind is not DraftKind.EAGLE):
             raise ValueError("tree_width is at least 1, and above 1 only for an EAGLE head")
+        if self.early_stop and (self.kind is not DraftKind.EAGLE or not self.adaptive):
+            raise ValueError("early_stop stops an adaptive EAGLE head's chains on its confidence")
 
     def identity(self) -> str:
         """What both pools must agree on about the draft (part of the KV compatibility hash)."""

@@ -52,3 +52,12 @@ class Drafter(ABC):
     @property
     def tokens_fed(self) -> int:
         return 0
+
+    def stop_chains_below(self, cutoff: float) -> None:  # noqa: B027 - optional
+        """Cut each chain where its cumulative confidence falls under ``cutoff`` (a model
+        drafter with probabilities; ``speculation.draft_stop``). 0: draft every granted token."""
+
+    @property
+    def positions_stopped(self) -> int:
+        """Granted draft positions not drafted because a chain stopped early."""
+        return 0

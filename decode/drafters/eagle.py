@@ -28,10 +28,19 @@ class EagleDrafter(Drafter):
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
         self.rounds = DraftRounds()  # head forwards after the catch-up
+        self._stop_below = 0.0  # a chain ends where its tokens' probabilities' product is under it
+        self._stopped = 0
 
     @property
     def tokens_fed(self) -> int:
         return self._fed
+
+    def stop_chains_below(self, cutoff: float) -> None:
+        self._stop_below = cutoff
+
+    @property
+    def positions_stopped(self) -> int:
+        return self._stopped
 
     def observe(self, req: Request, features: torch.Tensor) -> None:
         old = self._features.get(req.request_id)
@@ -82,6 +91,24 @@ class EagleDrafter(Drafter):
             reqs[i].num_draft_computed = reqs[i].num_computed
         return out
 
+    def _stop_chains(
+        self,
+        logits: torch.Tensor,
+        drawn: torch.Tensor,
+        live: list[int],
+        j: int,
+        ends: list[int],
+        confidence: list[float],
+    ) -> None:
+        """End the chains whose tokens' product of head probabilities fell under the cutoff."""
+        # logits: [B_j, V]; drawn: [B_j]
+        p = torch.softmax(logits.float(), -1).gather(1, drawn.view(-1, 1)).view(-1).tolist()
+        for row, b in enumerate(live):
+            confidence[b] *= p[row]
+            if confidence[b] < self._stop_below and ends[b] > j + 1:
+                self._stopped += ends[b] - (j + 1)
+                ends[b] = j + 1
+
     def _catch_up(self, reqs: Sequence[Request]) -> StepResult:
         """Feed head positions ``num_draft_computed .. num_computed - 1`` (t reads f_t, x_{t+1})."""
         batch, feats = [], []
@@ -108,10 +135,14 @@ class EagleDrafter(Drafter):
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         last = [hidden[b : b + 1] for b in range(len(reqs))]
         live = list(range(len(reqs)))
+        ends = list(widths)  # where each chain ends: its grant, or where its confidence fell
+        confidence = [1.0] * len(reqs)
         for j in range(max(widths)):
             if j > 0:
+                live = [b for b in live if ends[b] > j]
+                if not live:
+                    break
                 self.rounds.start()
-                live = [b for b in live if widths[b] > j]
                 batch = [
                     SeqInput(
                         reqs[b].block_table, reqs[b].num_computed + j - 1, [tokens[b][-1]], [0]
@@ -132,6 +163,8 @@ class EagleDrafter(Drafter):
                 tokens[b].append(token)
                 if q is not None and not reqs[b].sampling.greedy:
                     probs[b].append(q[next(rows)])
+            if self._stop_below > 0:
+                self._stop_chains(logits, drawn, live, j, ends, confidence)
             if j > 0:
                 self.rounds.stop()
         return [

@@ -50,6 +50,13 @@ class LookupFirstDrafter(Drafter):
         modelled = self.model.propose(reqs, rest)
         return [p if p.tokens else m for p, m in zip(looked, modelled, strict=True)]
 
+    def stop_chains_below(self, cutoff: float) -> None:
+        self.model.stop_chains_below(cutoff)
+
+    @property
+    def positions_stopped(self) -> int:
+        return self.model.positions_stopped
+
     def propose_free(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         looked = self.lookup.propose(reqs, widths)
         for r, p, w in zip(reqs, looked, widths, strict=True):
