@@ -12,7 +12,10 @@ off and the best fixed k at every concurrency and target (no cliff as load cross
   an engine with ``decode.speculation_tpot_slo_s`` set to it runs. Computed, not measured.
 - ``cpu``: this machine, the embedded SmolLM2-135M with n-gram lookup in the decode engine
   in-process, a closed loop of ``c`` clients on ShareGPT prompts for ``c`` in 1-64; adaptive
-  is the engine's default (no TPOT guard); measured.
+  is the engine's default (no TPOT guard); measured. Beside them the shipped EAGLE head,
+  adaptive, with and without per-position draft stopping (``draft.early_stop``,
+  ``speculation/draft_stop.py``): its throughput ratio at each concurrency shows whether the
+  stopping rule has a cliff.
 
     .venv/bin/python -m bench.interactivity --parts sim cpu
 
@@ -111,6 +114,7 @@ def measured(concurrency: Sequence[int], max_tokens: int) -> dict[str, Any]:
     from bench.sharegpt import chat_prompts, first_prompts
     from decode.config import DecodeEngineConfig
     from decode.engine import DecodeEngine
+    from models.embedded import embedded_eagle_path
     from models.request import Request
     from models.sampling import SamplingParams
     from models.spec import DraftKind, DraftSpec, ModelSpec
@@ -127,20 +131,40 @@ def measured(concurrency: Sequence[int], max_tokens: int) -> dict[str, Any]:
         "k=4": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=False),
         "adaptive": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=True),
     }
+    head = ModelSpec(str(embedded_eagle_path()))
+    eagle = {
+        "eagle": DraftSpec(DraftKind.EAGLE, head, 4),
+        "eagle+stop": DraftSpec(DraftKind.EAGLE, head, 4, early_stop=True),
+    }
     engines = {
-        m: DecodeEngine(DecodeEngineConfig("m", target, d, num_blocks=4096, max_batch_size=64))
-        for m, d in drafts.items()
+        m: DecodeEngine(DecodeEngineConfig("m", target, d, num_blocks=1024, max_batch_size=64))
+        for m, d in (drafts | eagle).items()
     }
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    warm = SamplingParams(temperature=0.0, max_tokens=8)
+    for engine in engines.values():  # untimed: first-run allocations and step-time refits
+        _closed_loop(engine, [Request(uuid.uuid4().hex, p, warm) for p in prompts[-4:]], 2)
     modes: dict[str, dict[str, Any]] = {m: {} for m in drafts}
+    modes_eagle: dict[str, dict[str, Any]] = {m: {} for m in eagle}
     for n in concurrency:
         for m, engine in engines.items():  # the same prompts, each mode in turn
             reqs = [Request(uuid.uuid4().hex, p, sp) for p in prompts[: 2 * n]]
-            modes[m][str(n)] = _closed_loop(engine, reqs, n)
-            print(f"cpu c={n} {m}: {json.dumps(modes[m][str(n)])}", flush=True)
+            into = modes if m in modes else modes_eagle
+            into[m][str(n)] = _closed_loop(engine, reqs, n)
+            print(f"cpu c={n} {m}: {json.dumps(into[m][str(n)])}", flush=True)
+    stopped = {m: d.positions_stopped for m in eagle if (d := engines[m].drafter) is not None}
     for engine in engines.values():
         engine.close()
-    return {"targets_ms": list(CPU_TARGETS_MS), "max_tokens": max_tokens, "modes": modes}
+    ratio = {
+        n: modes_eagle["eagle+stop"][n]["tok_s"] / modes_eagle["eagle"][n]["tok_s"]
+        for n in modes_eagle["eagle"]
+    }
+    return {
+        "targets_ms": list(CPU_TARGETS_MS),
+        "max_tokens": max_tokens,
+        "modes": modes,
+        "eagle": {"modes": modes_eagle, "stop_over_plain": ratio, "positions_stopped": stopped},
+    }
 
 
 def _closed_loop(engine: Any, reqs: list[Any], clients: int) -> dict[str, float]:
