@@ -109,6 +109,7 @@ def config(args: argparse.Namespace, policy: str) -> TandemConfig:
                 "autoscaling": scaling,
             },
             "http": {"ingress_resource": HEAD_RESOURCE},
+            "auth": {"required": False},  # a cluster on loopback, for the run only
         }
     )
 
