@@ -6,7 +6,6 @@ plain sampling's (two-sample chi-square)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,13 +36,13 @@ def engines(
 ) -> Iterator[dict[str, DecodeEngine]]:
     target, _ = small_vocab
     head = save_random_eagle(Path(target.folder), tmp_path_factory.mktemp("eagle-stop"))
-    spec = DraftSpec(DraftKind.EAGLE, model=ModelSpec(str(head)), num_speculative_tokens=3)
+    # k pinned at 3, so every request drafts chains that can stop, whatever this machine's
+    # step times would make the goodput policy grant; the stopping rule is the engine's own
+    spec = DraftSpec(
+        DraftKind.EAGLE, model=ModelSpec(str(head)), num_speculative_tokens=3, adaptive=False
+    )
     kw = {"num_blocks": 1024, "max_batch_size": 256}
-    # small batches: the goodput policy grants chains long enough to stop (k >= 2)
-    small = kw | {"max_batch_size": 16}
-    stopping = DecodeEngine(
-        DecodeEngineConfig("t", target, replace(spec, early_stop=True), **small)
-    )  # type: ignore[arg-type]
+    stopping = DecodeEngine(DecodeEngineConfig("t", target, spec, **kw))  # type: ignore[arg-type]
     pinned = _Pinned()
     pinned.cutoff = 0.05  # a random head's tokens: some chains stop after one, some after two
     stopping.draft_stop = pinned
@@ -83,3 +82,8 @@ def test_stopped_chains_sample_the_targets_distribution(engines: dict[str, Decod
     assert drafter.positions_stopped > before
     for position in (1, 2):
         assert _same_distribution(a[:, position], b[:, position]) > 0.01
+
+
+def test_early_stop_is_refused_where_no_head_prices_it() -> None:
+    with pytest.raises(ValueError, match="early_stop"):
+        DraftSpec(DraftKind.NGRAM, early_stop=True)
