@@ -391,7 +391,8 @@ class KVConfig(_Frozen):
         True,
         description="At start-up each replica measures its KV path: another process reads "
         "64 MiB from it over NIXL, and /health shows the bandwidth and the transport UCX chose "
-        "(a TCP path shows as emulated reads).",
+        "(a TCP path shows as emulated reads). Disaggregated, each ingress replica also has a "
+        "decode replica read a prefill replica's probe (/health: kv_path_cross_pool).",
     )
     min_path_gbps: float = Field(
         0.0,
