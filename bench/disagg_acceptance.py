@@ -14,7 +14,7 @@ cannot be recomputed on decode without the target's hidden states for the whole 
 the target's own prefill again.
 
     .venv/bin/python -m bench.disagg_acceptance [--per-length 3] [--max-tokens 64]
-        [--out bench/results/disagg_acceptance.json]
+        [--lengths 1024 4096 7168] [--drafters eagle] [--merge] [--out bench/results/...json]
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ def main() -> None:
     ap.add_argument("--per-length", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    ap.add_argument("--drafters", nargs="+", choices=["eagle+lookup", "eagle"])
     ap.add_argument("--out", type=Path, default=RESULTS / "disagg_acceptance.json")
+    ap.add_argument("--merge", action="store_true", help="keep --out's rows this run does not redo")
     args = ap.parse_args()
     folder = resolve_checkpoint("embedded")
     tok = Tokenizer(folder)
@@ -134,9 +136,12 @@ def main() -> None:
         "eagle+lookup": DraftSpec(DraftKind.EAGLE, head, 4, adaptive=False, lookup_first=True),
         "eagle": DraftSpec(DraftKind.EAGLE, head, 4, adaptive=False),
     }
+    drafts = {k: v for k, v in drafts.items() if k in (args.drafters or drafts)}
     prompts = {n: _prompts(tok, n, args.per_length) for n in args.lengths}
     t0 = time.time()
     results: dict[str, Any] = {}
+    if args.merge and args.out.exists():
+        results = json.loads(args.out.read_text())["results"]
     for name, draft in drafts.items():
         decode = DecodeEngine(
             DecodeEngineConfig("m", target, draft, num_blocks=1536, max_model_len=8192)
@@ -145,7 +150,7 @@ def main() -> None:
         prefill = PrefillWorker(
             PrefillWorkerConfig("m", target, draft, num_blocks=1024, enable_prefix_caching=False)
         )
-        rows = {}
+        rows = dict(results.get(name, {}))
         for n, ps in prompts.items():
             colo, a = _serve(decode, None, ps, args.max_tokens)
             dis, b = _serve(decode, prefill, ps, args.max_tokens)
@@ -165,7 +170,8 @@ def main() -> None:
         results[name] = rows
         prefill.close()
         decode.close()
-    _write(args, results, t0, complete=True)
+    done = all(str(n) in results.get(d, {}) for d in ("eagle+lookup", "eagle") for n in LENGTHS)
+    _write(args, results, t0, complete=done)
 
 
 if __name__ == "__main__":

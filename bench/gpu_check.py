@@ -27,11 +27,14 @@ sections past ``--budget`` seconds are skipped):
    against the same step gathering, token by token, at batch 1 / 8 / 32 / 64 with 1k-token
    contexts and k = 4, each step over the time to read its bytes once at the bandwidth
    measured in the same run (``--small``: 2 layers of a small shape, 160 blocks).
-8. ``attention_8b_bf16``: ``bench.gpu_attention``, one layer's attention at the 8B KV shape
+8. ``warm_up_8b_bf16``: ``bench.gpu_warm_up``, every bucket of a 64-sequence, 8k-token, k = 4
+   replica at the 8B shape captured at start-up, timed, and what a mixed run then compiles or
+   captures (0 is the goal).
+9. ``attention_8b_bf16``: ``bench.gpu_attention``, one layer's attention at the 8B KV shape
    for every kind of step (decodes, verifications, a width-4 tree, prompt chunks, a sliding
    window), flex in place against gathering: what the flex backend's gathering rule rests on.
-9. ``moe_step_bf16``: ``bench.gpu_moe``, a Qwen3-30B-A3B-shaped MoE's decode step at batch 1
-   and 32 (grouped expert matmuls, CUDA graphs) over the bytes it reads.
+10. ``moe_step_bf16``: ``bench.gpu_moe``, a Qwen3-30B-A3B-shaped MoE's decode step at batch 1
+    and 32 (grouped expert matmuls, CUDA graphs) over the bytes it reads.
 
     python -m bench.gpu_check --out results.json --log-dir logs/
 """
@@ -54,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.gpu_models import memory_bandwidth, random_model, served_backend
+from bench.gpu_models import LLAMA_8B, SMALL_8B, memory_bandwidth, random_model, served_backend
 from runtime.runner import synchronize
 
 if TYPE_CHECKING:
@@ -404,37 +407,6 @@ def graph_steps(
     return out
 
 
-# Llama-3.1-8B's config.json, the fields the model reads (weights random)
-LLAMA_8B: dict[str, Any] = {
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-}
-SMALL_8B = LLAMA_8B | {
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1024,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 HIGH_BLOCK = 2048  # tables above this block of a block-major 8B pool pass 2**31 elements
 
 
@@ -581,6 +553,7 @@ def kv_settings(log_dir: Path, blocks: int) -> dict[str, Any]:
 
 SECTIONS = (
     "steps_8b_bf16",  # issue 53's shape first
+    "warm_up_8b_bf16",
     "attention_8b_bf16",
     "moe_step_bf16",
     "forward",
@@ -627,6 +600,10 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         return step_costs(big, dev)
     if name == "steps_8b_bf16":
         return steps_8b(dev, small)
+    if name == "warm_up_8b_bf16":
+        from bench import gpu_warm_up
+
+        return gpu_warm_up.measure(dev, small)
     if name == "attention_8b_bf16":
         from bench.gpu_attention import measure
 

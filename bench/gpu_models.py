@@ -1,5 +1,5 @@
 """What the device checks share: the model backend a GPU serves with (one flex kernel per
-model), a memory-bandwidth probe, and random bf16 models built on the device."""
+model), a memory-bandwidth probe, random bf16 models built on the device, and the 8B shape.
 
 from __future__ import annotations
 
@@ -59,3 +59,36 @@ def random_model(hf: dict[str, Any], dev: str) -> Any:
             else:
                 p.normal_(0.0, 0.02)
     return model.eval()
+
+
+# Llama-3.1-8B's config.json, the fields the model reads (weights random)
+LLAMA_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+SMALL_8B = LLAMA_8B | {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}

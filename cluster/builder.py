@@ -214,6 +214,7 @@ def engine_configs(
         max_stalled_preemptions=cfg.decode.max_stalled_preemptions,
         stream_interval_s=cfg.decode.stream_interval_s,
         step_shapes=cfg.decode.step_shapes,
+        warm_up=cfg.decode.warm_up,
     )
     if cfg.mode != "disaggregated":
         return engine, None

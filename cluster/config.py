@@ -314,6 +314,13 @@ class DecodeConfig(PoolConfig):
         "every step laid out as it comes (prompt chunks and draft trees always are); auto: "
         "bucketed on a GPU, ragged on a CPU.",
     )
+    warm_up: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Step every bucket once at start-up, before serving, so each CUDA graph is "
+        "captured and each attention kernel compiled then, never under traffic (what traffic "
+        "still compiles or captures is counted in /health and metrics); auto: on a GPU with "
+        "bucketed steps.",
+    )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,
         ge=0,

@@ -41,8 +41,14 @@ class DecodeEngineConfig:
     acceptance_alarm_window_tokens: int = 1024
     stream_interval_s: float = 0.0
     step_shapes: str = "auto"
+    warm_up: str = "auto"  # "auto" (on a GPU) | "on" | "off": every bucket stepped at start-up
 
     def bucketed(self) -> bool:
         if self.step_shapes == "auto":
             return self.device.startswith("cuda")
         return self.step_shapes == "bucketed"
+
+    def warms_up(self) -> bool:
+        if self.warm_up == "auto":
+            return self.bucketed() and self.device.startswith("cuda")
+        return self.bucketed() and self.warm_up == "on"

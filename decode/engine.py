@@ -28,8 +28,10 @@ from kvtransfer.metrics import TransferObserver
 from kvtransfer.tp_transport import RankTimeoutError
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
+from runtime.bucketed import BucketedRunner
 from runtime.build import build_shard
 from runtime.shard import BucketSpec, ShardSpec
+from runtime.warm_up import WarmUp, warm_up
 from serving.grammars import ReplicaGrammars
 from speculation.draft_stop import DraftStop
 from speculation.loop_cycle import CycleOverhead
@@ -80,6 +82,13 @@ class DecodeEngine:
         self.cfg = cfg = replace(cfg, num_blocks=self.shard.pool.spec.num_blocks)
         self.pool = self.shard.pool
         self.target = self.shard.target
+        self.warmed: WarmUp | None = None  # before any block is handed out: it writes the pool
+        bucketed = self.target.rank0()
+        self.bucketed = bucketed if isinstance(bucketed, BucketedRunner) else None
+        if self.bucketed is not None:
+            if cfg.warms_up():
+                self.warmed = warm_up(self.target, self.bucketed)
+            self.bucketed.serving()
         self.transport = self.shard.transport
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)

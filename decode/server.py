@@ -78,7 +78,10 @@ class DecodeServer:
         e = self.engine  # counts read beside the engine thread: a gauge may lag a step
         used = 1.0 - e.allocator.num_free / e.cfg.num_blocks
         waiting = len(e.waiting) + len(e.intake.pending)
-        self.gauges.publish(len(e.running), waiting, used, e.take_queue_times(), force=out.finished)
+        late = e.bucketed.during_traffic() if e.bucketed is not None else (0, 0)
+        self.gauges.publish(
+            len(e.running), waiting, used, e.take_queue_times(), late, force=out.finished
+        )
         q = self._queues.get(out.request_id)
         if q is not None:
             q.put_nowait(out)
@@ -119,6 +122,8 @@ class DecodeServer:
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
         out.update(self.engine.target.describe())
+        warmed, bucketed = self.engine.warmed, self.engine.bucketed
+        out["warm_up"] = warmed.describe() if warmed else "off" if bucketed else "ragged steps"
         out["transport"] = self.engine.transport.name
         out["kv_path"] = self.engine.shard.kv_path()
         out["transport_fallback"] = self.engine.shard.fallback_reason

@@ -52,6 +52,20 @@ class BucketedRunner(LocalRunner):
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.bucketed_steps = 0
         self.ragged_steps = 0
+        self._serving_from: tuple[int, int] | None = None  # (compiles, captures) then
+
+    @property
+    def compiles(self) -> int:
+        """Attention kernels compiled so far (ragged steps' included)."""
+        return self.backend.attention.compiles
+
+    @property
+    def captures(self) -> int:
+        return len(self._captured)
+
+    def serving(self) -> None:
+        """From here on steps are traffic's: their compiles and captures are counted."""
+        self._serving_from = (self.compiles, self.captures)
 
     def run(self, batch: Sequence[SeqInput]) -> StepResult:
         if not self.buffers.fits(batch):
@@ -106,17 +120,28 @@ class BucketedRunner(LocalRunner):
             return self._capture_once(bucket)
 
     def describe(self) -> dict[str, str | int]:
-        """``graphs``: the buckets captured so far (each a CUDA graph), or ``off``."""
+        """``graphs``: the buckets captured so far (each a CUDA graph), or ``off``; and the
+        compiles and captures traffic has waited on (since ``serving``)."""
         graphs = f"{len(self._captured)} buckets captured" if self.graphs else "off"
-        return {**super().describe(), "graphs": graphs}
+        out: dict[str, str | int] = {**super().describe(), "graphs": graphs}
+        out["compiles_during_traffic"], out["captures_during_traffic"] = self.during_traffic()
+        return out
+
+    def during_traffic(self) -> tuple[int, int]:
+        """(compiles, captures) since ``serving``: steps that waited on one."""
+        compiles, captures = self._serving_from or (self.compiles, self.captures)
+        return self.compiles - compiles, self.captures - captures
 
     def _capture_once(self, bucket: Bucket) -> _Captured:
         """Warm-up and capture compute this very step: their K/V writes are the step's own."""
-        log.info(
-            "capturing a CUDA graph for %d sequences x %d tokens over %d blocks",
+        during = self._serving_from is not None  # a step of traffic waits on it
+        log.log(
+            logging.WARNING if during else logging.DEBUG,
+            "capturing a CUDA graph for %d sequences x %d tokens over %d blocks%s",
             bucket.seqs,
             bucket.query,
             bucket.blocks,
+            " during traffic" if during else "",
         )
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))

@@ -106,6 +106,10 @@ class ModelRunner(ABC):
     def describe(self) -> dict[str, str | int]:
         """What runs the step here (``ModelBackend.describe``; a TP group: rank 0's)."""
 
+    def rank0(self) -> ModelRunner:
+        """The runner of this process's shard (a TP group's rank 0; else itself)."""
+        return self
+
 
 class LocalRunner(ModelRunner):
     """The whole model in this process; ``backend`` defaults to its modules in PyTorch ops."""

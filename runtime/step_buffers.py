@@ -19,6 +19,11 @@ def bucket_size(n: int, cap: int) -> int:
     return min(1 << max(0, n - 1).bit_length(), cap)
 
 
+def _sizes(cap: int) -> list[int]:
+    """Every value ``bucket_size(n, cap)`` takes for n in 1..cap."""
+    return sorted({bucket_size(n, cap) for n in range(1, cap + 1)})
+
+
 @dataclass(frozen=True)
 class Bucket:
     seqs: int
@@ -93,6 +98,19 @@ class StepBuffers:
             ):
                 return False
         return True
+
+    def grid(self) -> list[Bucket]:
+        """Every bucket a step can land in: one whose smallest query (one past the size below)
+        fits in its blocks beside a cached token."""
+        queries = _sizes(self.max_query)
+        smallest = dict(zip(queries, [1] + [q + 1 for q in queries[:-1]], strict=True))
+        return [
+            Bucket(b, q, nb)
+            for b in _sizes(self.max_seqs)
+            for q in queries
+            for nb in _sizes(self.max_blocks)
+            if smallest[q] < nb * self.block_size
+        ]
 
     def fill(self, batch: Sequence[SeqInput]) -> Filled:
         bs = self.block_size

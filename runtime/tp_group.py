@@ -158,6 +158,9 @@ class TPRunner(ModelRunner):
     def describe(self) -> dict[str, str | int]:
         return self.local.describe()
 
+    def rank0(self) -> ModelRunner:
+        return self.local
+
     def stop(self) -> None:
         """End the ranks' step loops (before the group is torn down)."""
         self.channel.send(None)

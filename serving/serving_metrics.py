@@ -103,13 +103,24 @@ class ReplicaGauges:
         self.running = Gauge("tandem_num_requests_running", "Requests decoding", tags)
         self.waiting = Gauge("tandem_num_requests_waiting", "Requests queued or pulling KV", tags)
         self.kv_usage = Gauge("tandem_kv_cache_usage_perc", "KV blocks in use (0 to 1)", tags)
+        self.late_compiles = Gauge(
+            "tandem_compiles_during_traffic",
+            "Attention kernels compiled after start-up: steps that waited on a compile",
+            tags,
+        )
+        self.late_captures = Gauge(
+            "tandem_graph_captures_during_traffic",
+            "CUDA graphs captured after start-up: steps that waited on a capture",
+            tags,
+        )
         self.queue_time = Histogram(
             "tandem_request_queue_time_seconds",
             "Time a request waited on the replica before it was admitted",
             boundaries=list(LATENCY_BUCKETS),
             tag_keys=tags,
         )
-        for g in (self.running, self.waiting, self.kv_usage, self.queue_time):
+        gauges = (self.running, self.waiting, self.kv_usage, self.late_compiles, self.late_captures)
+        for g in (*gauges, self.queue_time):
             g.set_default_tags(self.tags)
         self._published = 0.0
 
@@ -119,9 +130,11 @@ class ReplicaGauges:
         waiting: int,
         used_fraction: float,
         queue_times: Sequence[float],
+        during_traffic: tuple[int, int] = (0, 0),
         force: bool = False,
     ) -> None:
-        """Observe the queue times; set the gauges if ``force`` (a request just ended) or none
+        """Observe the queue times; set the gauges (``during_traffic``: the compiles and
+        captures steps waited on since start-up) if ``force`` (a request just ended) or none
         were set for ``PUBLISH_EVERY_S``."""
         for q in queue_times:
             self.queue_time.observe(q)
@@ -132,3 +145,5 @@ class ReplicaGauges:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(used_fraction)
+        self.late_compiles.set(during_traffic[0])
+        self.late_captures.set(during_traffic[1])

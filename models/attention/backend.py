@@ -34,6 +34,11 @@ class AttentionBackend(ABC):
         """Steps or groups the reference path served because this backend's kernel failed."""
         return 0
 
+    @property
+    def compiles(self) -> int:
+        """Kernels compiled so far (each a shape a step waited on); 0 where nothing compiles."""
+        return 0
+
     def plan(self, seqs: Sequence[SeqSlice]) -> StepMetadata:
         """A ragged step's metadata, ``seqs`` in the order of their tokens."""
         layout = step_layout(seqs, self.spec.block_size)

@@ -86,6 +86,10 @@ class FlexBackend(ReferenceBackend):
     def fallbacks(self) -> int:
         return self.kernel.fallbacks
 
+    @property
+    def compiles(self) -> int:
+        return self.kernel.compiles
+
     def groups(self, layout: StepLayout) -> tuple[AttentionGroup, ...]:
         spec, kernel = self.spec, self.kernel
         everyone = range(len(layout.seqs))

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 from models.attention import flex_plan
@@ -37,7 +38,8 @@ class FlexKernel:
         self.min_context_tokens = min_context_tokens
         self.max_view_elements = max_view_elements
         self._kernel: Callable[..., torch.Tensor] | None = None
-        self._shapes: set[tuple[int, int]] = set()
+        self._shapes: set[tuple[int, int]] = set()  # logged since the last reset
+        self.compiles = 0  # graphs dynamo compiled for this kernel's calls
         self.failed: str | None = None  # why no step can run in place (planning, capture)
         self.failed_shapes: dict[tuple[int, ...], str] = {}  # a kernel's shape: why it failed
         self.plan_failures: dict[str, int] = {}  # why a step could not be planned: how often
@@ -171,6 +173,7 @@ class FlexKernel:
             # CPU) until dynamo's compiled state was dropped: every compile starts afresh
             torch._dynamo.reset()
             self._kernel = None
+            self._shapes.clear()
             log.error(
                 "paged flex attention failed for %d query rows over %d KV rows, which gather "
                 "from now on (compiled kernels reset): %s",
@@ -190,6 +193,7 @@ class FlexKernel:
         if shape not in self._shapes:
             log.info("compiling paged flex attention for %d query rows, %d KV rows", *shape)
             self._shapes.add(shape)
+        graphs = counters["stats"]["unique_graphs"]
         # the Triton template's tiles must divide the mask's blocks (default 64-128 rows)
         options = {"BLOCK_M": 16, "BLOCK_N": 16} if q.is_cuda else None
         # past dynamo's default 8 recompiles it would run flex unfused, which graphs can't hold
@@ -197,4 +201,6 @@ class FlexKernel:
             out: torch.Tensor = self._kernel(
                 q, k, v, block_mask=fg.block_mask, scale=scale, kernel_options=options
             )
+        # dynamo's own count: a mask's shape or function compiles anew as well as q's and k's
+        self.compiles += counters["stats"]["unique_graphs"] - graphs
         return out

@@ -27,6 +27,10 @@ class LayeredBackend(AttentionBackend):
     def fallbacks(self) -> int:
         return self.full.fallbacks + self.local.fallbacks
 
+    @property
+    def compiles(self) -> int:
+        return self.full.compiles + self.local.compiles
+
     def plan(self, seqs: Sequence[SeqSlice]) -> StepMetadata:
         return replace(self.full.plan(seqs), local=self.local.plan(seqs))
 

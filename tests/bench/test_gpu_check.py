@@ -42,3 +42,11 @@ def test_the_moe_section_runs_small_and_reports_its_ratio(tmp_path: Path) -> Non
         row = out["batches"][batch]
         assert row["step_ms"] > 0 and row["over_bytes_read"] > 1
         assert 4 <= row["experts_read"] <= 2 * 16  # top 4 of 16, two layers
+
+
+def test_the_warm_up_section_steps_every_bucket_then_a_mixed_run(tmp_path: Path) -> None:
+    out = run_section("warm_up_8b_bf16", tmp_path, "cpu", True, tmp_path)
+    # seqs {1, 2, 4} x query {1, 2, 4, 5} x blocks {1, 2, ..., 32}
+    assert out["buckets"] == 3 * 4 * 6 and out["warm_up_s"] > 0
+    assert out["mixed_buckets_hit"] > 10 and out["ragged_steps"] == 3  # the prompt chunks
+    assert out["compiles_during_mixed_run"] == out["captures_during_mixed_run"] == 0

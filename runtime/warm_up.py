@@ -1,0 +1,63 @@
+"""Every bucket a replica can step at, run once before it serves: each captures its CUDA graph
+and compiles its attention kernels then, so no live step waits on a compile or a capture."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from runtime.bucketed import BucketedRunner
+from runtime.runner import ModelRunner, SeqInput
+from runtime.step_buffers import Bucket
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What start-up ran: ``buckets`` steps in ``seconds``, with the compiles and captures."""
+
+    buckets: int
+    seconds: float
+    compiles: int
+    captures: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.buckets} buckets in {self.seconds:.1f} s ({self.compiles} kernel compiles, "
+            f"{self.captures} graph captures)"
+        )
+
+
+def warm_batch(bucket: Bucket, block_size: int) -> list[SeqInput]:
+    """``bucket.seqs`` sequences of ``bucket.query`` new tokens (fewer where the blocks must
+    also hold a cached one) ending in the last slot of blocks 0..blocks-1, every row's logits
+    asked for (a verification's). They write the pool: run only while no block is in use."""
+    query = min(bucket.query, bucket.blocks * block_size - 1)
+    cached = bucket.blocks * block_size - query
+    table = list(range(bucket.blocks))
+    return [SeqInput(table, cached, [1] * query, list(range(query))) for _ in range(bucket.seqs)]
+
+
+def warm_up(runner: ModelRunner, bucketed: BucketedRunner) -> WarmUp:
+    """Step ``runner`` (``bucketed``, or a TP group whose rank 0 it is: each step is broadcast)
+    once per bucket of ``bucketed``'s grid, logging progress in tenths."""
+    grid = bucketed.buffers.grid()
+    t0 = time.perf_counter()
+    compiles, captures = bucketed.compiles, bucketed.captures
+    log.info("warming up %d step buckets (graphs and kernels, before serving)", len(grid))
+    shown = 0
+    for i, bucket in enumerate(grid, 1):
+        runner.run(warm_batch(bucket, bucketed.block_size))
+        if 10 * i // len(grid) > shown:
+            shown = 10 * i // len(grid)
+            bar = "#" * shown + "." * (10 - shown)
+            log.info("warm-up [%s] %d/%d buckets, %.1f s", bar, i, len(grid), _since(t0))
+    done = WarmUp(len(grid), _since(t0), bucketed.compiles - compiles, bucketed.captures - captures)
+    log.info("warm-up: %s", done.describe())
+    return done
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0

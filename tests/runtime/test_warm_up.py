@@ -1,0 +1,122 @@
+"""The start-up warm-up: its grid is every bucket a step can land in, each warm batch lands in
+its own bucket, and after it traffic compiles nothing (flex_attention compiled on this CPU,
+which is what a GPU also compiles; CUDA graph captures are counted the same way)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.attention.flex import FlexBackend
+from models.attention.flex_kernel import FlexKernel
+from models.backend import TorchBackend
+from models.kv_layout import kv_pool_shape
+from models.spec import ModelSpec
+from runtime.backends import model_attention_spec
+from runtime.bucketed import BucketedRunner
+from runtime.runner import SeqInput
+from runtime.step_buffers import StepBuffers
+from runtime.warm_up import warm_batch, warm_up
+
+BS = 16
+
+
+def test_the_grid_holds_every_bucket_a_step_lands_in_and_nothing_else() -> None:
+    bufs = StepBuffers(6, 8, 5, 4, torch.device("cpu"))
+    grid = bufs.grid()
+    # seqs {1, 2, 4, 6} x query {1, 2, 4, 8} x blocks {1, 2, 4, 5}, less what no step reaches:
+    # 5..8 new tokens and a cached one need 2 blocks of 4 or more
+    assert len(grid) == 4 * (4 * 4 - 1)
+    assert len(set(grid)) == len(grid)
+    for bucket in grid:  # each warm batch is a bucketed step of its own bucket
+        batch = warm_batch(bucket, 4)
+        assert bufs.fits(batch)
+        assert bufs.fill(batch).bucket == bucket
+    rng = random.Random(0)
+    reached = set()
+    for _ in range(3000):  # and any step that fits lands in the grid
+        batch = []
+        most_new = rng.randint(1, 8)
+        most_tokens = rng.randint(most_new + 1, 20)
+        for _ in range(rng.randint(1, 6)):
+            q = rng.randint(1, most_new)
+            cached = rng.randint(1, most_tokens - q)
+            blocks = -(-(cached + q) // 4)
+            batch.append(SeqInput(list(range(blocks)), cached, [1] * q, [0]))
+        if bufs.fits(batch):
+            reached.add(bufs.fill(batch).bucket)
+    assert reached == set(grid)
+
+
+@pytest.mark.slow  # flex_attention compiles its kernels on this CPU
+def test_after_the_warm_up_traffic_compiles_nothing(tiny_folder: Path) -> None:
+    model = ModelSpec(str(tiny_folder)).load("cpu")
+    c = model.cfg
+    g = torch.Generator().manual_seed(2)
+    traffic = []
+    for widths, cached in (([1, 1], [20, 5]), ([2], [30]), ([1, 2], [3, 17]), ([2, 2], [9, 1])):
+        traffic.append(
+            [
+                SeqInput([1, 0], n, torch.randint(3, 40000, (w,), generator=g).tolist(), [w - 1])
+                for w, n in zip(widths, cached, strict=True)
+            ]
+        )
+    compiled = {}
+    for warmed in (False, True):
+        torch._dynamo.reset()  # compiled kernels are cached per function, across instances
+        pool = torch.zeros(kv_pool_shape(8, c.num_kv_heads, c.num_layers, BS, c.head_dim))
+        # the GPU's backend, here: these contexts are short, so read them in place too
+        flex = FlexBackend(model_attention_spec(model, pool, BS), FlexKernel(min_context_tokens=0))
+        runner = BucketedRunner(model, pool, BS, 2, 2, 2, backend=TorchBackend(model, flex))
+        if warmed:
+            done = warm_up(runner, runner)
+            assert done.buckets == len(runner.buffers.grid()) == 8
+            assert done.compiles > 0 and done.captures == 0  # no CUDA graphs on a CPU
+        runner.serving()
+        for batch in traffic:
+            runner.run(batch)
+        assert runner.bucketed_steps == len(traffic) + (8 if warmed else 0)
+        compiled[warmed], captured = runner.during_traffic()
+        assert captured == 0
+        described = runner.describe()
+        assert described["compiles_during_traffic"] == compiled[warmed]
+        assert flex.fallbacks == 0
+    assert compiled[True] == 0
+    assert compiled[False] > 0  # the same traffic unwarmed compiles as it goes
+
+
+def test_an_engine_warms_up_before_serving_and_decodes_as_one_that_did_not(
+    tiny_folder: Path,
+) -> None:
+    """The warm-up writes the empty pool: greedy outputs with it equal those without."""
+    from decode.config import DecodeEngineConfig
+    from decode.engine import DecodeEngine
+    from models.sampling import SamplingParams
+    from models.spec import DraftKind, DraftSpec
+    from tests.decode.engine_utils import make_request, run_all
+
+    g = torch.Generator().manual_seed(4)
+    head = torch.randint(3, 40000, (7,), generator=g).tolist()
+    prompts = [head * 3, torch.randint(3, 40000, (20,), generator=g).tolist()]
+    spec = DraftSpec(DraftKind.NGRAM, num_speculative_tokens=3)
+    cfg = DecodeEngineConfig(
+        "t", ModelSpec(str(tiny_folder)), spec, num_blocks=16, max_batch_size=4
+    )
+    outs = {}
+    for warm in ("off", "on"):
+        engine = DecodeEngine(replace(cfg, step_shapes="bucketed", warm_up=warm))
+        if warm == "on":
+            assert engine.warmed is not None
+            # seqs {1, 2, 4} x query {1, 2, 4} x blocks {1, 2, 4, 8, 16}
+            assert engine.warmed.buckets == 3 * 3 * 5
+        else:
+            assert engine.warmed is None
+        reqs = [make_request(p, SamplingParams(temperature=0.0, max_tokens=20)) for p in prompts]
+        got = run_all(engine, reqs)
+        outs[warm] = [got[r.request_id] for r in reqs]
+        assert engine.bucketed is not None and engine.bucketed.bucketed_steps > 0
+    assert outs["on"] == outs["off"]
