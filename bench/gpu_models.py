@@ -1,5 +1,5 @@
 """What the device checks share: the model backend a GPU serves with (one flex kernel per
-model), a memory-bandwidth probe, random bf16 models built on the device, and the 8B shape.
+model), a memory-bandwidth probe, random bf16 models built on the device, and the 8B shape."""
 
 from __future__ import annotations
 
