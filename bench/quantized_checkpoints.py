@@ -93,14 +93,20 @@ def compressed_checkpoint(
     tokenizer_from: Path | None = None,
 ) -> Path:
     """``family``'s tiny checkpoint quantized by ``scheme`` (a key of SCHEMES) into ``folder``."""
+    dense = family_checkpoint(
+        folder.with_name(folder.name + "-dense"), family, vocab_size, tokenizer_from
+    )
+    return compress(dense, folder, scheme)
+
+
+def compress(dense: Path, folder: Path, scheme: str) -> Path:
+    """The transformers checkpoint in ``dense`` quantized by ``scheme`` into ``folder``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    dense = family_checkpoint(
-        folder.with_name(folder.name + "-dense"), family, vocab_size, tokenizer_from
-    )
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    vocab_size = model.config.vocab_size
     ids = torch.randint(0, vocab_size, (1, 64), generator=torch.Generator().manual_seed(9))
     ranges = _input_ranges(model, ids)
     config = QuantizationConfig(config_groups={"group_0": _scheme(scheme)}, ignore=["lm_head"])

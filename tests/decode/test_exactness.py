@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,4 +199,31 @@ def test_engine_second_and_third_tokens_match_plain_sampling(
         assert _same_distribution(a[:, position], b[:, position]) > 0.01
     # And a real difference would be caught: plain sampling at another temperature differs.
     c = _tokens(plain, 6000, SamplingParams(temperature=temperature * 0.5, top_p=top_p))
+    assert _same_distribution(c[:, 1], b[:, 1]) < 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["w4a16", "w8a8-int8"])
+def test_a_prequantized_target_samples_exactly_under_speculation(
+    small_vocab: tuple[ModelSpec, ModelSpec], tmp_path: Path, scheme: str
+) -> None:
+    """The small-vocabulary target as a compressed-tensors checkpoint, loaded as stored (int4
+    weights with group scales; int8 weights with inputs quantized per token) behind its draft
+    model: the same distribution as that target samples plainly, and a halved temperature
+    told apart."""
+    from bench.quantized_checkpoints import compress
+
+    dense, draft = small_vocab
+    folder = compress(Path(dense.folder), tmp_path / scheme, scheme)
+    target = ModelSpec(str(folder))  # the writer asserts its quantization_config
+    spec = DraftSpec(DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=False)
+    kw = {"num_blocks": 512, "max_batch_size": 128}
+    with_spec = DecodeEngine(DecodeEngineConfig("t", target, spec, **kw))  # type: ignore[arg-type]
+    plain = DecodeEngine(DecodeEngineConfig("t", target, DraftSpec(), **kw))  # type: ignore[arg-type]
+    sp = SamplingParams(temperature=1.0)
+    a, b = _tokens(with_spec, 6000, sp), _tokens(plain, 6000, sp)
+    assert with_spec.stats().draft_tokens_fed > 0
+    for position in (1, 2):
+        assert _same_distribution(a[:, position], b[:, position]) > 0.01
+    c = _tokens(plain, 6000, SamplingParams(temperature=0.5))
     assert _same_distribution(c[:, 1], b[:, 1]) < 0.01
