@@ -35,6 +35,8 @@ sections past ``--budget`` seconds are skipped):
    window), flex in place against gathering: what the flex backend's gathering rule rests on.
 10. ``moe_step_bf16``: ``bench.gpu_moe``, a Qwen3-30B-A3B-shaped MoE's decode step at batch 1
     and 32 (grouped expert matmuls, CUDA graphs) over the bytes it reads.
+11. ``host_time_1b_bf16``: ``bench.host_time`` on the 1B-shaped model, the host's time per
+    decode step outside the target forward at batch 1, 32 and 64, plain and n-gram.
 
     python -m bench.gpu_check --out results.json --log-dir logs/
 """
@@ -564,6 +566,7 @@ SECTIONS = (
     "graph_steps_1b_int8",
     "graph_steps_1b_fp8",
     "step_costs_1b_bf16",
+    "host_time_1b_bf16",
 )
 SECTION_TIMEOUT_S = 200.0
 
@@ -600,6 +603,12 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         return step_costs(big, dev)
     if name == "steps_8b_bf16":
         return steps_8b(dev, small)
+    if name == "host_time_1b_bf16":
+        from bench.host_time import measure_all
+        from models.spec import ModelSpec
+
+        spec = ModelSpec(str(big), "bfloat16" if dev == "cuda" else "float32")
+        return measure_all(spec, dev, (1, 4) if small else (1, 32, 64), 3 if small else 20)
     if name == "warm_up_8b_bf16":
         from bench import gpu_warm_up
 

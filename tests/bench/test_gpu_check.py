@@ -50,3 +50,14 @@ def test_the_warm_up_section_steps_every_bucket_then_a_mixed_run(tmp_path: Path)
     assert out["buckets"] == 3 * 4 * 6 and out["warm_up_s"] > 0
     assert out["mixed_buckets_hit"] > 10 and out["ragged_steps"] == 3  # the prompt chunks
     assert out["compiles_during_mixed_run"] == out["captures_during_mixed_run"] == 0
+
+
+def test_the_host_time_section_reports_each_batch_and_mode(tmp_path: Path) -> None:
+    from bench.gpu_check import make_models
+
+    make_models(tmp_path, "cpu", True)
+    out = run_section("host_time_1b_bf16", tmp_path, "cpu", True, tmp_path)
+    for mode in ("plain", "ngram_k4"):
+        for batch in (1, 4):
+            row = out[mode][batch]
+            assert 0 < row["host_ms"] < row["step_ms"] and row["forward_ms"] > 0
