@@ -37,6 +37,8 @@ sections past ``--budget`` seconds are skipped):
     and 32 (grouped expert matmuls, CUDA graphs) over the bytes it reads.
 11. ``host_time_1b_bf16``: ``bench.host_time`` on the 1B-shaped model, the host's time per
     decode step outside the target forward at batch 1, 32 and 64, plain and n-gram.
+12. ``syncs``: ``bench.gpu_syncs``, the device-to-host synchronisations per decode step for
+    each drafter, and where they are.
 
     python -m bench.gpu_check --out results.json --log-dir logs/
 """
@@ -567,6 +569,7 @@ SECTIONS = (
     "graph_steps_1b_fp8",
     "step_costs_1b_bf16",
     "host_time_1b_bf16",
+    "syncs",
 )
 SECTION_TIMEOUT_S = 200.0
 
@@ -603,6 +606,10 @@ def run_section(name: str, models: Path, dev: str, small: bool, log_dir: Path) -
         return step_costs(big, dev)
     if name == "steps_8b_bf16":
         return steps_8b(dev, small)
+    if name == "syncs":
+        from bench import gpu_syncs
+
+        return gpu_syncs.measure(models, dev)
     if name == "host_time_1b_bf16":
         from bench.host_time import measure_all
         from models.spec import ModelSpec

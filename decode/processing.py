@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.device_copy import to_device
 from models.logits_processing import ProcessRow, process_logits
 from models.request import Request
 
@@ -43,7 +44,7 @@ def process_spans(logits: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
             index.append(s.row + j)
     if not rows:
         return logits
-    at = torch.tensor(index, device=logits.device)
+    at = to_device(index, logits.device)
     out_logits = logits.float().clone()
     out_logits[at] = process_logits(logits[at], rows)
     return out_logits

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.device_copy import to_device
+
 
 @dataclass(frozen=True)
 class Verification:
@@ -38,7 +40,7 @@ def rejection_sample(
             if draft_probs is not None
             else torch.ones_like(p_tok)
         )  # [N]
-        n = lay.leading(uniforms.to(dev) * q_tok < p_tok)
+        n = lay.leading(uniforms.to(dev, non_blocking=True) * q_tok < p_tok)
 
     has_final = n < ws
     p_final = target_probs[row_start + n.clamp(max=ws - 1)]  # [B, V]
@@ -95,8 +97,8 @@ class _Ragged:
     @classmethod
     def of(cls, rows: Sequence[int], num_drafts: Sequence[int], dev: torch.device) -> _Ragged:
         _check_drafts(rows, num_drafts)
-        ws = torch.tensor(list(rows), dtype=torch.long, device=dev)
-        ts = torch.tensor(list(num_drafts), dtype=torch.long, device=dev)
+        ws = to_device(list(rows), dev, torch.long)
+        ts = to_device(list(num_drafts), dev, torch.long)
         draft_start = torch.cumsum(ts, 0) - ts
         seq_of = torch.repeat_interleave(
             torch.arange(len(rows), device=dev), ts, output_size=sum(num_drafts)

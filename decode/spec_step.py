@@ -12,6 +12,7 @@ from decode.drafters.base import Drafter, DraftProposal
 from decode.processing import Span, process_spans
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
+from models.device_copy import to_device
 from models.logprobs import TokenLogprob, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
@@ -154,7 +155,7 @@ def _with_logprobs(
     rows = [row for i in asks for row in emissions[i].rows]
     tokens = [t for i in asks for t in emissions[i].tokens]
     tops = [steps[i].req.sampling.logprobs or 0 for i in asks for _ in emissions[i].tokens]
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     got = iter(token_logprobs(logits[index], tokens, tops))
     for i in asks:
         em = emissions[i]
@@ -181,15 +182,11 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
             every = rows_of == list(range(logits.shape[0]))
             final = out.argmax(slice(None) if every else rows_of)  # [B]
             free = [s.proposal.tokens[0] if s.proposal.tokens else -1 for s in group]
-            n = (final == torch.tensor(free, device=dev)).long()  # [B] the free draft passed
+            n = (final == to_device(free, dev)).long()  # [B] the free draft passed
             counts.append(torch.stack([n, 1 - n, final]))
             continue
-        rows = torch.tensor(
-            [s.first_row + j for s in group for j in range(s.width)], device=dev
-        )  # [sum w_i]
-        drafts = torch.tensor(
-            [t for s in group for t in s.tested], dtype=torch.long, device=dev
-        )  # [sum t_i]
+        rows = to_device([s.first_row + j for s in group for j in range(s.width)], dev)  # [sum w_i]
+        drafts = to_device([t for s in group for t in s.tested], dev, torch.long)  # [sum t_i]
         ws, ts = [s.width for s in group], [len(s.tested) for s in group]
         if group is greedy:
             g = verify_greedy(out.argmax(rows), ws, drafts, ts)
@@ -216,9 +213,9 @@ def _draw_finals(
 ) -> torch.Tensor:
     """[B] each sampled chain's final token, drawn from ``dist`` [B, V] where it landed."""
     u_all = uniforms(*_positions(reqs, widths), Stream.SAMPLE)  # [sum w_i]
-    ws = torch.tensor(list(widths), device=dist.device)
+    ws = to_device(list(widths), dist.device)
     landed = torch.cumsum(ws, 0) - ws + accepted.clamp(max=ws - 1)  # [B] its position's row
-    return inverse_cdf(dist, torch.from_numpy(u_all).to(dist.device)[landed])
+    return inverse_cdf(dist, torch.from_numpy(u_all).to(dist.device, non_blocking=True)[landed])
 
 
 def _positions(
@@ -243,7 +240,7 @@ def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | No
         if probs is not None:
             rows.append(probs[: len(tested)].to(p.device))
         elif tested:
-            ids = torch.tensor(list(tested), dtype=torch.long, device=p.device)
+            ids = to_device(list(tested), p.device, torch.long)
             rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
     return torch.cat(rows) if rows else None
 
@@ -291,7 +288,7 @@ def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emissi
     path, final = accept_greedy_path(best.tolist(), prop.tokens, prop.parents)
     n = len(s.pending)
     rows = list(range(s.offset, s.offset + n)) + [s.offset + n + node for node in path]
-    _observe(drafter, r, out.all_hidden[torch.tensor(rows, device=out.all_hidden.device)])
+    _observe(drafter, r, out.all_hidden[to_device(rows, out.all_hidden.device)])
     r.kv_moves = path_moves(r.num_computed + n, path)
     r.num_computed += n + len(path)
     r.num_draft_computed = min(r.num_draft_computed, r.num_computed)

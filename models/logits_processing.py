@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.device_copy import to_device
 from models.sampling import SamplingParams
 
 
@@ -43,19 +44,19 @@ def process_logits(logits: torch.Tensor, rows: Sequence[ProcessRow]) -> torch.Te
     biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
     if biased:
         i, t, b = zip(*biased, strict=True)
-        idx = (torch.tensor(i, device=dev), torch.tensor(t, device=dev))
-        x.index_put_(idx, torch.tensor(b, device=dev, dtype=x.dtype), accumulate=True)
+        idx = (to_device(i, dev), to_device(t, dev))
+        x.index_put_(idx, to_device(b, dev, x.dtype), accumulate=True)
     allowed = torch.ones(n, v, dtype=torch.bool, device=dev)
     grammar = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
     if grammar:
         masks = torch.stack([m for _, m in grammar]).to(dev)  # [G, W]
-        allowed[torch.tensor([i for i, _ in grammar], device=dev)] = allowed_tokens(masks, v)
+        allowed[to_device([i for i, _ in grammar], dev)] = allowed_tokens(masks, v)
     only = [(i, t) for i, r in enumerate(rows) for t in r.params.allowed_token_ids if t < v]
     if only:
         i, t = zip(*only, strict=True)
         keep = torch.zeros(n, v, dtype=torch.bool, device=dev)
-        keep[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = True
-        listed = torch.tensor([bool(r.params.allowed_token_ids) for r in rows], device=dev)
+        keep[to_device(i, dev), to_device(t, dev)] = True
+        listed = to_device([bool(r.params.allowed_token_ids) for r in rows], dev)
         allowed &= keep | ~listed.unsqueeze(1)
     early = [
         (i, t)
@@ -67,7 +68,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[ProcessRow]) -> torch.Te
     if early:
         i, t = zip(*early, strict=True)
         ban = torch.zeros(n, v, dtype=torch.bool, device=dev)
-        ban[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = True
+        ban[to_device(i, dev), to_device(t, dev)] = True
         left = (allowed & ~ban).any(dim=1, keepdim=True)  # [N, 1]
         allowed = torch.where(left, allowed & ~ban, allowed)
     return x.masked_fill(~allowed, float("-inf"))
@@ -81,23 +82,23 @@ def _penalties(x: torch.Tensor, rows: Sequence[ProcessRow]) -> torch.Tensor:
     n, v = x.shape
     dev = x.device
     counts = _counts([r.before for r in rows], n, v, dev)  # [N, V] output occurrences
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev).unsqueeze(1)
-    if bool((rep != 1.0).any()):
+    rep = to_device([r.params.repetition_penalty for r in rows], dev).unsqueeze(1)
+    if any(r.params.repetition_penalty != 1.0 for r in rows):  # on the host: no device read
         prompts = [r.prompt if r.params.repetition_penalty != 1.0 else () for r in rows]
         seen = (_counts(prompts, n, v, dev) > 0) | (counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev).unsqueeze(1)
+    freq = to_device([r.params.frequency_penalty for r in rows], dev).unsqueeze(1)
+    pres = to_device([r.params.presence_penalty for r in rows], dev).unsqueeze(1)
     return x - freq * counts - pres * (counts > 0).float()
 
 
 def _counts(seqs: Sequence[Sequence[int]], n: int, v: int, dev: torch.device) -> torch.Tensor:
     """[n, v] float32: how often each id occurs in each sequence."""
     counts = torch.zeros(n, v, device=dev)
-    lens = torch.tensor([len(s) for s in seqs], device=dev)
-    if int(lens.sum()) == 0:
+    if not any(seqs):
         return counts
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-    row = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+    flat = [t for s in seqs for t in s]
+    ids = to_device(flat, dev, torch.long)
+    row = to_device([i for i, s in enumerate(seqs) for _ in s], dev, torch.long)
     counts.index_put_((row, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
     return counts

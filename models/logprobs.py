@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.device_copy import to_device
+
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's bound on top_logprobs
 
 
@@ -25,7 +27,7 @@ def token_logprobs(
     if not tokens:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=logits.device)
+    ids = to_device(list(tokens), logits.device, torch.long)
     chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
     k = max(tops)
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ids[:, None][:, :0])

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from models.device_copy import to_device
 from models.grammar import GrammarSpec
 
 MASK63 = (1 << 63) - 1
@@ -117,17 +118,17 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     truncated to top-k, then to the smallest set reaching top-p, renormalized."""
     _n, v = logits.shape
     dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
+    greedy = to_device([p.greedy for p in params], dev)
+    temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], dev)
     probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
     if any(p.min_p > 0.0 and not p.greedy for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+        min_p = to_device([p.min_p for p in params], dev, probs.dtype)
         floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [N, 1]
         probs = torch.where(probs < floor, 0.0, probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if any(p.truncates and not p.greedy for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else v for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
+        top_k = to_device([p.top_k if p.top_k > 0 else v for p in params], dev)
+        top_p = to_device([p.top_p for p in params], dev, probs.dtype)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=dev).unsqueeze(0)
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p
@@ -149,8 +150,8 @@ def sample_rows(
     """probs: [N, V] -> [N]: the argmax where greedy, else the inverse CDF at the row's uniform."""
     if all(p.greedy for p in params):
         return probs.argmax(dim=-1)
-    u = torch.from_numpy(uniforms(params, positions, stream)).to(probs.device)
-    greedy = torch.tensor([p.greedy for p in params], device=probs.device)
+    u = torch.from_numpy(uniforms(params, positions, stream)).to(probs.device, non_blocking=True)
+    greedy = to_device([p.greedy for p in params], probs.device)
     return torch.where(greedy, probs.argmax(dim=-1), inverse_cdf(probs, u))
 
 
@@ -169,7 +170,7 @@ def sample_logits(
     sampled = [j for j, p in enumerate(params) if not p.greedy]
     if not sampled:
         return tokens, None
-    rows = torch.tensor(sampled, device=logits.device)
+    rows = to_device(sampled, logits.device)
     sub = [params[j] for j in sampled]
     probs = probs_from_logits(logits[rows], sub)
     tokens[rows] = sample_rows(probs, sub, [positions[j] for j in sampled], stream)

@@ -68,6 +68,12 @@ def move_slots(
     src = torch.tensor([m[0] for m in moves], dtype=torch.long)
     dst = torch.tensor([m[1] for m in moves], dtype=torch.long)
     dev = pool.device
-    sb, so = table[src // block_size].to(dev), (src % block_size).to(dev)
-    db, do = table[dst // block_size].to(dev), (dst % block_size).to(dev)
+    sb, so = (
+        table[src // block_size].to(dev, non_blocking=True),
+        (src % block_size).to(dev, non_blocking=True),
+    )
+    db, do = (
+        table[dst // block_size].to(dev, non_blocking=True),
+        (dst % block_size).to(dev, non_blocking=True),
+    )
     pool[:, db, :, :, do] = pool[:, sb, :, :, so]

@@ -13,6 +13,7 @@ import torch
 from models.attention.backend import AttentionBackend
 from models.attention.metadata import SeqSlice
 from models.backend import ModelBackend
+from models.device_copy import to_device
 from models.eagle import EagleHead
 from models.llama import LlamaModel
 from models.tree import TreeSpan, move_slots
@@ -63,7 +64,7 @@ def logit_rows(batch: Sequence[SeqInput], device: torch.device) -> torch.Tensor:
     for s in batch:
         rows.extend(start + p for p in s.logit_positions)
         start += len(s.token_ids)
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return to_device(rows, device, torch.long)
 
 
 def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqInput]) -> StepResult:
@@ -76,7 +77,7 @@ def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqIn
     meta = backend.attention.plan(
         [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
     )
-    ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long).to(dev)  # [T]
+    ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)  # [T]
     hidden, features = backend.forward(ids, kv_pool, meta)  # [T, hidden], [T, F]
     picked = hidden[logit_rows(batch, dev)]  # [N, hidden], N may be 0
     logits, tokens = head_outputs(backend, picked, batch)
@@ -171,7 +172,7 @@ class EagleRunner:
         meta = self.attention.plan(
             [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
         )
-        ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=dev)
+        ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)
         hidden = self.head(ids, features.to(dev), self.kv_pool, meta, from_target)  # [T, H]
         picked = hidden[logit_rows(batch, dev)]
         return StepResult(

@@ -61,3 +61,12 @@ def test_the_host_time_section_reports_each_batch_and_mode(tmp_path: Path) -> No
         for batch in (1, 4):
             row = out[mode][batch]
             assert 0 < row["host_ms"] < row["step_ms"] and row["forward_ms"] > 0
+
+
+def test_the_syncs_section_steps_every_drafter(tmp_path: Path) -> None:
+    from bench.gpu_check import make_models
+
+    make_models(tmp_path, "cpu", True)
+    out = run_section("syncs", tmp_path, "cpu", True, tmp_path)
+    assert not out["measured"]  # nothing waits on a device here
+    assert set(out["drafters"]) == {"plain", "ngram", "draft_model", "eagle", "eagle_tree"}
