@@ -137,7 +137,7 @@ def probs_from_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    if bool(greedy.any()):
+    if any(p.greedy for p in params):  # on the host: no device read
         one_hot = torch.zeros_like(probs)
         one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)

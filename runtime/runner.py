@@ -165,14 +165,20 @@ class EagleRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: Sequence[SeqInput], features: torch.Tensor, from_target: bool = True
+        self,
+        batch: Sequence[SeqInput],
+        features: torch.Tensor,
+        from_target: bool = True,
+        ids: torch.Tensor | None = None,
     ) -> StepResult:
-        """features: [T, F] per new token, the target's (``from_target``) or the head's own."""
+        """features: [T, F] per new token, the target's (``from_target``) or the head's own;
+        ``ids``: [T] the tokens already on the device (``token_ids`` then only count them)."""
         dev = self.head.device
         meta = self.attention.plan(
             [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
         )
-        ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)
+        if ids is None:
+            ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)
         hidden = self.head(ids, features.to(dev), self.kv_pool, meta, from_target)  # [T, H]
         picked = hidden[logit_rows(batch, dev)]
         return StepResult(

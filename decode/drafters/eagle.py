@@ -3,6 +3,7 @@ whose KV is provisional (``num_draft_computed`` counts true-feature positions on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from decode.drafters.base import Drafter, DraftProposal
 from decode.drafters.eagle_tree import grow_trees
 from decode.processing import Span, process_spans
+from models.device_copy import to_device
 from models.request import Request
 from models.sampling import Stream, sample_logits
 from runtime.runner import EagleRunner, SeqInput, StepResult
@@ -125,6 +127,69 @@ class EagleDrafter(Drafter):
         return self.runner.run(batch, torch.cat(feats))
 
     def _chains(
+        self,
+        reqs: Sequence[Request],
+        widths: Sequence[int],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> list[DraftProposal]:
+        if self._stop_below > 0 or any(r.sampling.processes for r in reqs):
+            return self._chains_on_host(reqs, widths, hidden, logits)
+        return self._chains_on_device(reqs, widths, hidden, logits)
+
+    def _chains_on_device(
+        self,
+        reqs: Sequence[Request],
+        widths: Sequence[int],
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> list[DraftProposal]:
+        """Chains whose rounds feed each other's tokens on the device, read once at the end:
+        where nothing needs them on the host between rounds (no processors, no early stop)."""
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        live = list(range(len(reqs)))
+        drawn_at: list[tuple[list[int], torch.Tensor]] = []  # per round: its chains, [B_j]
+        drawn = torch.empty(0)
+        t0 = time.perf_counter()
+        for j in range(max(widths)):
+            if j > 0:
+                keep = [row for row, b in enumerate(live) if widths[b] > j]
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    rows = to_device(keep, drawn.device)
+                    drawn, hidden = drawn[rows], hidden[rows]
+                    live = [live[row] for row in keep]
+                batch = [
+                    SeqInput(reqs[b].block_table, reqs[b].num_computed + j - 1, [0], [0])
+                    for b in live
+                ]
+                self._fed += len(batch)
+                step = self.runner.run(batch, hidden, False, ids=drawn)
+                hidden, logits = step.hidden, step.logits
+            params = [reqs[b].sampling for b in live]
+            positions = [len(reqs[b].output_token_ids) + j for b in live]
+            drawn, q = sample_logits(logits, params, positions, Stream.DRAFT)  # [B_j]
+            drawn_at.append((live, drawn))
+            sampled = iter(range(q.shape[0] if q is not None else 0))
+            for b in live:
+                if q is not None and not reqs[b].sampling.greedy:
+                    probs[b].append(q[next(sampled)])
+        tokens: list[list[int]] = [[] for _ in reqs]
+        flat = iter(torch.cat([d for _, d in drawn_at]).tolist())  # the drafts' one read
+        for chains, _ in drawn_at:
+            for b in chains:
+                tokens[b].append(next(flat))
+        if len(drawn_at) > 1:  # each round's share of the rounds' time, the read included
+            spent = (time.perf_counter() - t0) / len(drawn_at)
+            for _ in range(len(drawn_at) - 1):
+                self.rounds.observe(spent)
+        return [
+            DraftProposal(tuple(t), torch.stack(p) if p else None)
+            for t, p in zip(tokens, probs, strict=True)
+        ]
+
+    def _chains_on_host(
         self,
         reqs: Sequence[Request],
         widths: Sequence[int],

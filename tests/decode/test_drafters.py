@@ -283,3 +283,30 @@ def test_seeded_lookup_first_sampling_does_not_depend_on_the_batch(
     got = run_all(engine, [*crowd, again])
     assert got[again.request_id] == want
     assert again.stats.num_draft_tokens > 0
+
+
+def test_eagle_chains_drafted_on_the_device_propose_what_host_rounds_do(
+    tiny_folder: Path, eagle_folder: Path
+) -> None:
+    """Rounds fed on the device and read once propose the tokens rounds read one at a time
+    do (forced here by a confidence cutoff no chain falls under): the same drafts accepted,
+    request by request, greedy and sampled."""
+    draft = _spec("eagle", tiny_folder, eagle_folder, 4, adaptive=False)
+    sp = [
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=0.8, max_tokens=24, seed=3, seeded=True),
+        SamplingParams(temperature=0.0, max_tokens=24),
+    ]
+    got = {}
+    for path in ("device", "host"):
+        engine = DecodeEngine(DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft))
+        assert engine.drafter is not None
+        if path == "host":
+            engine.drafter.stop_chains_below(1e-300)
+        reqs = [make_request(p, s) for p, s in zip(_prompts(), sp, strict=True)]
+        out = run_all(engine, reqs)
+        stats = [(r.stats.num_draft_tokens, r.stats.num_accepted_tokens) for r in reqs]
+        got[path] = ([out[r.request_id] for r in reqs], stats)
+        assert engine.drafter.positions_stopped == 0
+    assert got["device"] == got["host"]
+    assert sum(a for _, a in got["device"][1]) > 0  # drafts were accepted: their tokens matter

@@ -103,3 +103,15 @@ def test_processor_is_exact_under_speculation(
         for position in range(1, TOKENS)
     ]
     assert min(moved) < 0.01  # the processor changes what is sampled
+
+
+@pytest.mark.slow
+def test_unprocessed_eagle_chains_drawn_on_the_device_are_exact(
+    engines: dict[str, DecodeEngine], plain: dict[str, torch.Tensor]
+) -> None:
+    """Without processors an EAGLE head's rounds feed each other on the device, read once at
+    the end (``EagleDrafter._chains_on_device``): still the target's distribution."""
+    got, drafted = _run(engines["eagle"], BASE)
+    assert drafted > SAMPLES // 10
+    for position in range(1, TOKENS):
+        assert _same_distribution(got[:, position], plain["unprocessed"][:, position]) > 0.01
