@@ -67,10 +67,11 @@ class BucketedRunner(LocalRunner):
         """From here on steps are traffic's: their compiles and captures are counted."""
         self._serving_from = (self.compiles, self.captures)
 
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        if not self.buffers.fits(batch):
+    def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
+        """``ids`` on the device already: the step runs ragged (the buffers fill on the host)."""
+        if ids is not None or not self.buffers.fits(batch):
             self.ragged_steps += 1
-            return run_step(self.backend, self.kv_pool, batch)
+            return run_step(self.backend, self.kv_pool, batch, ids)
         self.bucketed_steps += 1
         for s in batch:  # compaction owed by an accepted tree path: before the step's reads
             move_slots(self.kv_pool, s.block_table, s.kv_moves, self.block_size)

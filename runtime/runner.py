@@ -67,8 +67,14 @@ def logit_rows(batch: Sequence[SeqInput], device: torch.device) -> torch.Tensor:
     return to_device(rows, device, torch.long)
 
 
-def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqInput]) -> StepResult:
-    """Apply each sequence's ``kv_moves``, write its K/V into ``kv_pool``, return asked logits."""
+def run_step(
+    backend: ModelBackend,
+    kv_pool: torch.Tensor,
+    batch: Sequence[SeqInput],
+    ids: torch.Tensor | None = None,
+) -> StepResult:
+    """Apply each sequence's ``kv_moves``, write its K/V into ``kv_pool``, return asked logits;
+    ``ids``: [T] the tokens already on the device (``token_ids`` then only count them)."""
     model = backend.model
     dev = model.device
     block_size = backend.attention.spec.block_size
@@ -77,7 +83,8 @@ def run_step(backend: ModelBackend, kv_pool: torch.Tensor, batch: Sequence[SeqIn
     meta = backend.attention.plan(
         [SeqSlice(s.block_table, s.num_cached, len(s.token_ids), s.tree) for s in batch]
     )
-    ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)  # [T]
+    if ids is None:
+        ids = to_device([t for s in batch for t in s.token_ids], dev, torch.long)  # [T]
     hidden, features = backend.forward(ids, kv_pool, meta)  # [T, hidden], [T, F]
     picked = hidden[logit_rows(batch, dev)]  # [N, hidden], N may be 0
     logits, tokens = head_outputs(backend, picked, batch)
@@ -127,8 +134,9 @@ class LocalRunner(ModelRunner):
         self.block_size = block_size
         self.backend = backend or model_backend(model, kv_pool, block_size, serve_cpu=False)
 
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        return run_step(self.backend, self.kv_pool, batch)
+    def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
+        """``ids``: [T] the batch's tokens on the device, if they are there already."""
+        return run_step(self.backend, self.kv_pool, batch, ids)
 
     def describe(self) -> dict[str, str | int]:
         return {

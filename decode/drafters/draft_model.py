@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
 from decode.processing import Span, process_spans
+from models.device_copy import to_device
 from models.request import Request
 from models.sampling import Stream, sample_logits
-from runtime.runner import ModelRunner, SeqInput
+from runtime.runner import LocalRunner, ModelRunner, SeqInput
 from speculation.draft_cost import DraftRounds
 
 
@@ -30,6 +32,8 @@ class DraftModelDrafter(Drafter):
         return self._fed
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
+        if isinstance(self.runner, LocalRunner) and not any(r.sampling.processes for r in reqs):
+            return self._on_device(self.runner, reqs, widths)
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         kmax = max(widths, default=0)
@@ -60,6 +64,51 @@ class DraftModelDrafter(Drafter):
                     probs[i].append(q[next(rows)])
             if j > 0:
                 self.rounds.stop()
+        return [_proposal(t, p) for t, p in zip(tokens, probs, strict=True)]
+
+    def _on_device(
+        self, runner: LocalRunner, reqs: Sequence[Request], widths: Sequence[int]
+    ) -> list[DraftProposal]:
+        """Rounds that feed each other's tokens on the device, read once at the end: where no
+        processor needs them on the host between rounds."""
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        drawn_at: list[tuple[list[int], torch.Tensor]] = []  # per round: its rows, [B_j]
+        live: list[int] = []
+        drawn = torch.empty(0)
+        t0 = time.perf_counter()
+        for j in range(max(widths, default=0)):
+            keep = [row for row, i in enumerate(live) if widths[i] > j]
+            live = [i for i, w in enumerate(widths) if w > j]
+            batch = []
+            for i in live:
+                r = reqs[i]
+                n = r.num_tokens - r.num_draft_computed if j == 0 else 1
+                feed = r.token_slice(r.num_draft_computed, r.num_tokens) if j == 0 else [0] * n
+                batch.append(SeqInput(r.block_table, r.num_draft_computed, feed, [n - 1]))
+                r.num_draft_computed += n
+                self._fed += n
+            if j == 0:
+                out = runner.run(batch)
+            else:
+                ids = drawn if len(keep) == len(drawn) else drawn[to_device(keep, drawn.device)]
+                out = runner.run(batch, ids)
+            params = [reqs[i].sampling for i in live]
+            positions = [len(reqs[i].output_token_ids) + j for i in live]
+            drawn, q = sample_logits(out.logits, params, positions, Stream.DRAFT)  # [B_j]
+            drawn_at.append((live, drawn))
+            rows = iter(range(q.shape[0] if q is not None else 0))
+            for i in live:
+                if q is not None and not reqs[i].sampling.greedy:
+                    probs[i].append(q[next(rows)])
+        tokens: list[list[int]] = [[] for _ in reqs]
+        flat = iter(torch.cat([d for _, d in drawn_at]).tolist()) if drawn_at else iter(())
+        for rows_of, _ in drawn_at:  # the drafts' one read
+            for i in rows_of:
+                tokens[i].append(next(flat))
+        if len(drawn_at) > 1:  # each round's share of the rounds' time, the read included
+            spent = (time.perf_counter() - t0) / len(drawn_at)
+            for _ in range(len(drawn_at) - 1):
+                self.rounds.observe(spent)
         return [_proposal(t, p) for t, p in zip(tokens, probs, strict=True)]
 
 

@@ -310,3 +310,31 @@ def test_eagle_chains_drafted_on_the_device_propose_what_host_rounds_do(
         assert engine.drafter.positions_stopped == 0
     assert got["device"] == got["host"]
     assert sum(a for _, a in got["device"][1]) > 0  # drafts were accepted: their tokens matter
+
+
+def test_draft_model_rounds_fed_on_the_device_propose_what_host_rounds_do(
+    tiny_folder: Path, tiny_draft_folder: Path, eagle_folder: Path
+) -> None:
+    """A draft model's rounds fed on the device and read once propose what rounds read one at
+    a time do (the host path forced by a processor that changes nothing: a zero logit bias)."""
+    draft = _spec("draft_model", tiny_draft_folder, eagle_folder, 4, adaptive=False)
+    base = [
+        SamplingParams(temperature=0.0, max_tokens=24),
+        SamplingParams(temperature=0.8, max_tokens=24, seed=3, seeded=True),
+        SamplingParams(temperature=0.0, max_tokens=24),
+    ]
+    got = {}
+    for path in ("device", "host"):
+        sp = (
+            base
+            if path == "device"
+            else [dataclasses.replace(s, logit_bias=((5, 0.0),)) for s in base]
+        )
+        assert all(s.processes for s in sp) == (path == "host")
+        engine = DecodeEngine(DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), draft))
+        reqs = [make_request(p, s) for p, s in zip(_prompts(), sp, strict=True)]
+        out = run_all(engine, reqs)
+        stats = [(r.stats.num_draft_tokens, r.stats.num_accepted_tokens) for r in reqs]
+        got[path] = ([out[r.request_id] for r in reqs], stats)
+    assert got["device"] == got["host"]
+    assert sum(a for _, a in got["device"][1]) > 0  # drafts were accepted: their tokens matter
