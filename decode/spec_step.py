@@ -134,8 +134,12 @@ def decode_step(
             _observe(drafter, s.req, out.all_hidden[s.offset : s.offset + len(s.pending)])
             s.req.num_computed += len(s.pending)
     chains = [s for s in steps if s.samples and not s.is_tree]
-    verdicts = _verify_chains(out, chains)
-    got = {s: _accept_tree(drafter, s, out) for s in steps if s.samples and s.is_tree}
+    trees = [s for s in steps if s.samples and s.is_tree]
+    counts, order = _verify_chains(out, chains)  # [3, C] on the device
+    # [1 + nodes] per tree: every row's argmax, read with the chains' counts
+    best = [out.argmax(slice(s.first_row, s.first_row + s.width)) for s in trees]
+    verdicts, bests = _read_once(counts, order, chains, best)
+    got = {s: _accept_tree(drafter, s, out, b) for s, b in zip(trees, bests, strict=True)}
     for s, (n, final) in zip(chains, verdicts, strict=True):
         got[s] = _accept_chain(drafter, s, out, n, final)
     emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in steps]
@@ -163,10 +167,35 @@ def _with_logprobs(
     return emissions
 
 
-def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int, int | None]]:
-    """Per chain: (drafts accepted, the recovered or bonus token or None), in one device copy."""
+def _read_once(
+    counts: torch.Tensor | None,
+    order: Sequence[SeqStep],
+    chains: Sequence[SeqStep],
+    best: Sequence[torch.Tensor],
+) -> tuple[list[tuple[int, int | None]], list[list[int]]]:
+    """The step's one device->host copy: per chain (drafts accepted, the recovered or bonus
+    token or None), and per tree its rows' argmax."""
+    parts = ([] if counts is None else [counts.reshape(-1)]) + list(best)
+    if not parts:
+        return [], []
+    flat = torch.cat(parts).tolist()
+    c = 0 if counts is None else counts.shape[1]
+    n, has, final = flat[:c], flat[c : 2 * c], flat[2 * c : 3 * c]
+    got = {s: (n[j], final[j] if has[j] else None) for j, s in enumerate(order)}
+    bests, at = [], 3 * c
+    for b in best:
+        bests.append(flat[at : at + b.shape[0]])
+        at += b.shape[0]
+    return [got[s] for s in chains], bests
+
+
+def _verify_chains(
+    out: StepResult, chains: Sequence[SeqStep]
+) -> tuple[torch.Tensor | None, list[SeqStep]]:
+    """[3, C] on the device: per chain, drafts accepted, whether a final token follows, and
+    that token; and the chains in the order of its columns."""
     if not chains:
-        return []
+        return None, []
     logits = out.logits  # [rows, V]
     dev = logits.device
     # a processed greedy chain takes the sampled path: its one-hot rows come after processing
@@ -203,9 +232,7 @@ def _verify_chains(out: StepResult, chains: Sequence[SeqStep]) -> list[tuple[int
         ver = rejection_sample(p, ws, drafts, ts, _draft_probs(group, p), u)
         final = _draw_finals(ver.final_dist, ver.num_accepted, members, ws)
         counts.append(torch.stack([ver.num_accepted, ver.has_final.long(), final]))
-    n, has, final = torch.cat(counts, dim=1).tolist()  # the step's one device->host copy
-    got = {s: (n[j], final[j] if has[j] else None) for j, s in enumerate(greedy + sampled)}
-    return [got[s] for s in chains]
+    return torch.cat(counts, dim=1), greedy + sampled
 
 
 def _draw_finals(
@@ -281,11 +308,13 @@ def _accept_chain(
     return Emission(emitted, len(tested), n, s.num_fed, rows)
 
 
-def _accept_tree(drafter: Drafter | None, s: SeqStep, out: StepResult) -> Emission:
+def _accept_tree(
+    drafter: Drafter | None, s: SeqStep, out: StepResult, best: Sequence[int]
+) -> Emission:
+    """``best``: the argmax of the tree's rows (its root's, then each node's)."""
     r, prop = s.req, s.proposal
     assert prop.parents is not None
-    best = out.argmax(slice(s.first_row, s.first_row + s.width))  # [1 + nodes]
-    path, final = accept_greedy_path(best.tolist(), prop.tokens, prop.parents)
+    path, final = accept_greedy_path(list(best), prop.tokens, prop.parents)
     n = len(s.pending)
     rows = list(range(s.offset, s.offset + n)) + [s.offset + n + node for node in path]
     _observe(drafter, r, out.all_hidden[to_device(rows, out.all_hidden.device)])

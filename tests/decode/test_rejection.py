@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 from decode.drafters.base import DraftProposal
 from decode.rejection import rejection_sample, verify_greedy
-from decode.spec_step import SeqStep, _verify_chains
+from decode.spec_step import SeqStep, _read_once, _verify_chains
 from models.request import Request
 from models.sampling import SamplingParams
 from runtime.runner import StepResult
@@ -154,7 +154,8 @@ def test_single_row_chains_verify_like_verify_greedy() -> None:
         (full, screened), ({i: i for i in range(5)}, {i: 4 - i for i in range(5)})
     ):
         steps = [SeqStep(reqs[i], (1,), props[i], 1, first_row[i], i) for i in range(5)]
-        got = _verify_chains(out, steps)
+        counts, order = _verify_chains(out, steps)
+        got, _ = _read_once(counts, order, steps, [])
         for i, (n, final) in enumerate(got):
             row = first_row[i]
             ref = verify_greedy(
