@@ -85,10 +85,8 @@ class DecodeEngine:
         self.warmed: WarmUp | None = None  # before any block is handed out: it writes the pool
         bucketed = self.target.rank0()
         self.bucketed = bucketed if isinstance(bucketed, BucketedRunner) else None
-        if self.bucketed is not None:
-            if cfg.warms_up():
-                self.warmed = warm_up(self.target, self.bucketed)
-            self.bucketed.serving()
+        if self.bucketed is not None and cfg.warms_up():
+            self.warmed = warm_up(self.target, self.bucketed)
         self.transport = self.shard.transport
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
@@ -141,6 +139,8 @@ class DecodeEngine:
         self.queue_timeouts = 0
         self.suspects: set[str] = set()  # requests of a failed batch, to run alone once each
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
+        if self.bucketed is not None:  # after the start-up calibration's steps, too
+            self.bucketed.serving()
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
         if handoff is not None:
