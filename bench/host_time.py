@@ -60,8 +60,9 @@ def measure(
 ) -> dict[str, float]:
     """Median step, forward and host milliseconds over ``steps`` decode steps at ``batch``."""
     blocks = batch * ((PROMPT_LEN + steps * 6 + 15) // 16 + 2)
+    # no start-up warm-up: each run steps one or two buckets, captured in its first steps
     cfg = DecodeEngineConfig(
-        "m", target, draft, num_blocks=blocks, max_batch_size=batch, device=device
+        "m", target, draft, num_blocks=blocks, max_batch_size=batch, device=device, warm_up="off"
     )
     engine = DecodeEngine(cfg)
     timed = engine.target = _Timed(engine.target, device)
