@@ -97,8 +97,7 @@ def _counts(seqs: Sequence[Sequence[int]], n: int, v: int, dev: torch.device) ->
     counts = torch.zeros(n, v, device=dev)
     if not any(seqs):
         return counts
-    flat = [t for s in seqs for t in s]
-    ids = to_device(flat, dev, torch.long)
+    ids = to_device([t for s in seqs for t in s], dev, torch.long)
     row = to_device([i for i, s in enumerate(seqs) for _ in s], dev, torch.long)
     counts.index_put_((row, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
     return counts

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.drafters.device_rounds import read_rounds
 from decode.processing import Span, process_spans
 from models.device_copy import to_device
 from models.request import Request
@@ -100,15 +101,7 @@ class DraftModelDrafter(Drafter):
             for i in live:
                 if q is not None and not reqs[i].sampling.greedy:
                     probs[i].append(q[next(rows)])
-        tokens: list[list[int]] = [[] for _ in reqs]
-        flat = iter(torch.cat([d for _, d in drawn_at]).tolist()) if drawn_at else iter(())
-        for rows_of, _ in drawn_at:  # the drafts' one read
-            for i in rows_of:
-                tokens[i].append(next(flat))
-        if len(drawn_at) > 1:  # each round's share of the rounds' time, the read included
-            spent = (time.perf_counter() - t0) / len(drawn_at)
-            for _ in range(len(drawn_at) - 1):
-                self.rounds.observe(spent)
+        tokens = read_rounds(drawn_at, len(reqs), self.rounds, t0)
         return [_proposal(t, p) for t, p in zip(tokens, probs, strict=True)]
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.drafters.device_rounds import read_rounds
 from decode.drafters.eagle_tree import grow_trees
 from decode.processing import Span, process_spans
 from models.device_copy import to_device
@@ -175,15 +176,7 @@ class EagleDrafter(Drafter):
             for b in live:
                 if q is not None and not reqs[b].sampling.greedy:
                     probs[b].append(q[next(sampled)])
-        tokens: list[list[int]] = [[] for _ in reqs]
-        flat = iter(torch.cat([d for _, d in drawn_at]).tolist())  # the drafts' one read
-        for chains, _ in drawn_at:
-            for b in chains:
-                tokens[b].append(next(flat))
-        if len(drawn_at) > 1:  # each round's share of the rounds' time, the read included
-            spent = (time.perf_counter() - t0) / len(drawn_at)
-            for _ in range(len(drawn_at) - 1):
-                self.rounds.observe(spent)
+        tokens = read_rounds(drawn_at, len(reqs), self.rounds, t0)
         return [
             DraftProposal(tuple(t), torch.stack(p) if p else None)
             for t, p in zip(tokens, probs, strict=True)
