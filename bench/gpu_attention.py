@@ -91,8 +91,10 @@ def _time(dev: str, fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float
     return 1000 * statistics.median(times), out
 
 
-def measure(dev: str, small: bool, repeats: int = 10) -> dict[str, Any]:
+def measure(dev: str, small: bool, repeats: int | None = None) -> dict[str, Any]:
+    """``repeats``: timed calls per path and case (default 10; 2 for the small dry run)."""
     shape = SMALL if small else FULL
+    repeats = repeats or (2 if small else 10)
     pool = new_kv_pool(
         shape.num_blocks, shape.kv_heads, shape.layers, BS, shape.head_dim, torch.bfloat16, dev
     )

@@ -3,8 +3,9 @@
 engine runs under ``torch.cuda.set_sync_debug_mode("warn")``, which warns at every operation
 that waits on the device (an ``.item()`` or ``.tolist()``, a synchronous copy, a
 ``nonzero``); the warnings are counted per step and their Python call sites tallied. Greedy
-and sampled requests share the batch. On a CPU nothing waits on a device: the run is a dry run
-and reports no counts.
+and sampled requests share the batch. On a CPU nothing waits on a device; there the tensor
+methods that hand the host a value (``tolist``, ``item``, ``int()`` ...) are counted instead,
+the reads a GPU would wait on (a blocking copy would be missed: the GPU run counts those).
 
     python -m bench.gpu_syncs --models DIR   (DIR: ``bench.gpu_check.make_models``' folder)
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import traceback
 import uuid
 import warnings
 from collections import Counter
@@ -42,11 +44,36 @@ def _drafters(models: Path) -> dict[str, Any]:
     }
 
 
-def _count(dev: str, step: Any) -> tuple[int, list[str]]:
-    """The syncs ``step()`` makes, and where, under the sync debug mode (CUDA only)."""
-    if dev != "cuda":
+READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+def _count_reads(step: Any) -> tuple[int, list[str]]:
+    """The host reads of tensor values ``step()`` makes, and where (a CPU's stand-in)."""
+    sites: list[str] = []
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(name: str) -> Any:
+        def read(self: torch.Tensor, *args: Any) -> Any:
+            caller = traceback.extract_stack(limit=2)[0]
+            sites.append(f"{Path(caller.filename).name}:{caller.lineno}")
+            return saved[name](self, *args)
+
+        return read
+
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, counting(name))
         step()
-        return 0, []
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+    return len(sites), sites
+
+
+def _count(dev: str, step: Any) -> tuple[int, list[str]]:
+    """The syncs ``step()`` makes, and where, under the sync debug mode (on a CPU: its reads)."""
+    if dev != "cuda":
+        return _count_reads(step)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -69,7 +96,9 @@ def measure(models: Path, dev: str) -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 4000, (40,), generator=g).tolist() for _ in range(8)]
     prompts[0] = prompts[0][:10] * 4  # something n-gram lookup predicts
-    out: dict[str, Any] = {"measured": dev == "cuda", "steps": STEPS, "drafters": {}}
+    counted = "device syncs" if dev == "cuda" else "host reads of tensor values"
+    out: dict[str, Any] = {"measured": dev == "cuda", "counted": counted, "steps": STEPS}
+    out["drafters"] = {}
     for name, spec in _drafters(models).items():
         cfg = DecodeEngineConfig("t", target, spec, device=dev, num_blocks=256, max_batch_size=8)
         engine = DecodeEngine(cfg)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
+from decode.drafters.device_rounds import read_proposals
 from decode.processing import Span, process_spans
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
@@ -17,7 +18,7 @@ from models.logprobs import TokenLogprob, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
 from models.tree import TreeSpan, chain_parents, path_moves
-from runtime.runner import ModelRunner, SeqInput, StepResult
+from runtime.runner import LocalRunner, ModelRunner, SeqInput, StepResult
 
 
 @dataclass(frozen=True)
@@ -51,17 +52,49 @@ class SeqStep:
         return self.proposal.parents is not None
 
     @property
-    def fed_drafts(self) -> tuple[int, ...]:
-        tokens = self.proposal.tokens
-        return tokens if self.is_tree else tokens[: max(self.width - 1, 0)]
+    def num_fed_drafts(self) -> int:
+        size = self.proposal.size
+        return size if self.is_tree else min(size, max(self.width - 1, 0))
 
     @property
-    def tested(self) -> tuple[int, ...]:
-        return self.proposal.tokens[: self.width]
+    def fed_drafts(self) -> tuple[int, ...] | torch.Tensor:
+        """The drafts fed to the target: on the host, or [n] on the device (unread)."""
+        return _first(self.proposal, self.num_fed_drafts)
+
+    @property
+    def num_tested(self) -> int:
+        return min(self.proposal.size, self.width)
+
+    @property
+    def tested(self) -> tuple[int, ...] | torch.Tensor:
+        return _first(self.proposal, self.num_tested)
 
     @property
     def num_fed(self) -> int:
-        return len(self.pending) + len(self.fed_drafts)
+        return len(self.pending) + self.num_fed_drafts
+
+
+def _first(p: DraftProposal, n: int) -> tuple[int, ...] | torch.Tensor:
+    return p.tokens[:n] if p.unread is None else p.unread[:n]
+
+
+def _on_device(pieces: Sequence[Sequence[int] | torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """[sum n_i] the pieces' tokens in order on ``dev``: the host's in one copy, the device's
+    (unread drafts) put in place there."""
+    flat: list[int] = []
+    at: list[int] = []
+    on_dev: list[torch.Tensor] = []
+    for piece in pieces:
+        if isinstance(piece, torch.Tensor):
+            at += range(len(flat), len(flat) + piece.shape[0])
+            flat += [0] * piece.shape[0]
+            on_dev.append(piece)
+        else:
+            flat += piece
+    out = to_device(flat, dev, torch.long)
+    if on_dev:
+        out[to_device(at, dev, torch.long)] = torch.cat(on_dev)
+    return out
 
 
 def _propose(
@@ -111,8 +144,8 @@ def _seq_steps(
 
 def _width(prop: DraftProposal, k: int) -> int:
     if prop.parents is not None:
-        return len(prop.tokens) + 1
-    return min(len(prop.tokens), k) + 1
+        return prop.size + 1
+    return min(prop.size, k) + 1
 
 
 def decode_step(
@@ -124,10 +157,25 @@ def decode_step(
 ) -> list[Emission]:
     """Advance every request by one step; ``ks[i]`` extra positions may be verified for it."""
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
+    unread = [s for s in steps if s.proposal.unread is not None]
+    if unread and not isinstance(target, LocalRunner):  # a TP group takes its tokens on the host
+        steps = _read_drafts(steps)
+        unread = []
+        if drafter is not None:
+            drafter.settle()
     batch = [_seq_input(s) for s in steps]
     for r in reqs:
         r.kv_moves = ()
-    out = target.run(batch)
+    if unread:
+        assert isinstance(target, LocalRunner)
+        first = unread[0].proposal.unread
+        assert first is not None
+        dev = first.device
+        out = target.run(
+            batch, _on_device([p for s in steps for p in (s.pending, s.fed_drafts)], dev)
+        )
+    else:
+        out = target.run(batch)
 
     for s in steps:
         if not s.samples:
@@ -138,10 +186,13 @@ def decode_step(
     counts, order = _verify_chains(out, chains)  # [3, C] on the device
     # [1 + nodes] per tree: every row's argmax, read with the chains' counts
     best = [out.argmax(slice(s.first_row, s.first_row + s.width)) for s in trees]
-    verdicts, bests = _read_once(counts, order, chains, best)
+    verdicts, bests, drafted = _read_once(counts, order, chains, best, unread)
+    if drafter is not None and unread:
+        drafter.settle()
+    known = {s: _with_tokens(s, t) for s, t in zip(unread, drafted, strict=True)}
     got = {s: _accept_tree(drafter, s, out, b) for s, b in zip(trees, bests, strict=True)}
     for s, (n, final) in zip(chains, verdicts, strict=True):
-        got[s] = _accept_chain(drafter, s, out, n, final)
+        got[s] = _accept_chain(drafter, known.get(s, s), out, n, final)
     emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in steps]
     return _with_logprobs(out.logits, steps, emissions)
 
@@ -167,26 +218,39 @@ def _with_logprobs(
     return emissions
 
 
+def _read_drafts(steps: Sequence[SeqStep]) -> list[SeqStep]:
+    props = read_proposals([s.proposal for s in steps])
+    return [replace(s, proposal=p) for s, p in zip(steps, props, strict=True)]
+
+
+def _with_tokens(s: SeqStep, tokens: Sequence[int]) -> SeqStep:
+    return replace(s, proposal=replace(s.proposal, tokens=tuple(tokens), unread=None))
+
+
 def _read_once(
     counts: torch.Tensor | None,
     order: Sequence[SeqStep],
     chains: Sequence[SeqStep],
     best: Sequence[torch.Tensor],
-) -> tuple[list[tuple[int, int | None]], list[list[int]]]:
+    unread: Sequence[SeqStep],
+) -> tuple[list[tuple[int, int | None]], list[list[int]], list[list[int]]]:
     """The step's one device->host copy: per chain (drafts accepted, the recovered or bonus
-    token or None), and per tree its rows' argmax."""
-    parts = ([] if counts is None else [counts.reshape(-1)]) + list(best)
+    token or None), per tree its rows' argmax, and the drafts left on the device."""
+    drafts = [s.proposal.unread for s in unread if s.proposal.unread is not None]
+    parts = ([] if counts is None else [counts.reshape(-1)]) + list(best) + drafts
     if not parts:
-        return [], []
+        return [], [], []
     flat = torch.cat(parts).tolist()
     c = 0 if counts is None else counts.shape[1]
     n, has, final = flat[:c], flat[c : 2 * c], flat[2 * c : 3 * c]
     got = {s: (n[j], final[j] if has[j] else None) for j, s in enumerate(order)}
-    bests, at = [], 3 * c
-    for b in best:
-        bests.append(flat[at : at + b.shape[0]])
-        at += b.shape[0]
-    return [got[s] for s in chains], bests
+    at = 3 * c
+    bests: list[list[int]] = []
+    drafted: list[list[int]] = []
+    for size, into in [(b.shape[0], bests) for b in best] + [(d.shape[0], drafted) for d in drafts]:
+        into.append(flat[at : at + size])
+        at += size
+    return [got[s] for s in chains], bests, drafted
 
 
 def _verify_chains(
@@ -210,22 +274,20 @@ def _verify_chains(
             rows_of = [s.first_row for s in group]
             every = rows_of == list(range(logits.shape[0]))
             final = out.argmax(slice(None) if every else rows_of)  # [B]
-            free = [s.proposal.tokens[0] if s.proposal.tokens else -1 for s in group]
-            n = (final == to_device(free, dev)).long()  # [B] the free draft passed
+            free = _on_device([s.tested if s.num_tested else (-1,) for s in group], dev)  # [B]
+            n = (final == free).long()  # [B] the free draft passed
             counts.append(torch.stack([n, 1 - n, final]))
             continue
         rows = to_device([s.first_row + j for s in group for j in range(s.width)], dev)  # [sum w_i]
-        drafts = to_device([t for s in group for t in s.tested], dev, torch.long)  # [sum t_i]
-        ws, ts = [s.width for s in group], [len(s.tested) for s in group]
+        drafts = _on_device([s.tested for s in group], dev)  # [sum t_i]
+        ws, ts = [s.width for s in group], [s.num_tested for s in group]
         if group is greedy:
             g = verify_greedy(out.argmax(rows), ws, drafts, ts)
             counts.append(torch.stack([g.num_accepted, g.has_final.long(), g.final_token]))
             continue
         members = [s.req for s in group]
         first = itertools.accumulate(ws, initial=0)
-        spans = [
-            Span(s.req, f, s.tested[: s.width - 1]) for s, f in zip(group, first, strict=False)
-        ]
+        spans = [Span(s.req, f, _ahead(s)) for s, f in zip(group, first, strict=False)]
         scored = process_spans(logits[rows], spans)  # [sum w_i, V]
         p = probs_from_logits(scored, _positions(members, ws)[0])  # [sum w_i, V]
         u = torch.from_numpy(uniforms(*_positions(members, ts), Stream.ACCEPT))  # [sum t_i]
@@ -263,11 +325,11 @@ def _draft_probs(group: Sequence[SeqStep], p: torch.Tensor) -> torch.Tensor | No
         return None
     rows = []
     for s in group:
-        probs, tested = s.proposal.probs, s.tested
+        probs = s.proposal.probs
         if probs is not None:
-            rows.append(probs[: len(tested)].to(p.device))
-        elif tested:
-            ids = to_device(list(tested), p.device, torch.long)
+            rows.append(probs[: s.num_tested].to(p.device))
+        elif s.num_tested:
+            ids = _on_device([s.tested], p.device)
             rows.append(torch.nn.functional.one_hot(ids, p.shape[1]).to(p.dtype))
     return torch.cat(rows) if rows else None
 
@@ -277,7 +339,8 @@ def _seq_input(s: SeqStep) -> SeqInput:
     sp = r.sampling
     only = sp.greedy and sp.logprobs is None and not sp.processes
     logit_rows = list(range(n - 1, n - 1 + s.width))
-    tokens = [*s.pending, *s.fed_drafts]
+    fed = s.fed_drafts  # unread drafts: placeholders, their ids taken from the device
+    tokens = [*s.pending, *(fed if isinstance(fed, tuple) else [0] * s.num_fed_drafts)]
     if s.proposal.parents is None:
         return SeqInput(
             r.block_table, r.num_computed, tokens, logit_rows, kv_moves=r.kv_moves, argmax_only=only
@@ -298,7 +361,7 @@ def _seq_input(s: SeqStep) -> SeqInput:
 def _accept_chain(
     drafter: Drafter | None, s: SeqStep, out: StepResult, n: int, final: int | None
 ) -> Emission:
-    r, tested = s.req, s.tested
+    r, tested = s.req, s.proposal.tokens[: s.width]
     emitted = tested[:n] + ((final,) if final is not None else ())
     valid = len(s.pending) + min(n, s.width - 1)  # in KV: pending and the fed accepted drafts
     _observe(drafter, r, out.all_hidden[s.offset : s.offset + valid])
@@ -326,6 +389,16 @@ def _accept_tree(
     # a token comes from the row after its parent: the root (row 0) or the node before it
     produced = tuple(s.first_row + row for row in (0, *(1 + node for node in path)))
     return Emission(emitted, depth, len(path), s.num_fed, produced)
+
+
+def _ahead(s: SeqStep) -> tuple[int, ...]:
+    """The drafts a processed row's span scores after (a processing request's are read: its
+    drafter's rounds needed them on the host)."""
+    if s.proposal.unread is not None:
+        if s.req.sampling.processes:
+            raise RuntimeError(f"request {s.req.request_id} processes but its drafts are unread")
+        return ()
+    return s.proposal.tokens[: s.width - 1]
 
 
 def _observe(drafter: Drafter | None, r: Request, features: torch.Tensor) -> None:

@@ -68,14 +68,17 @@ class BucketedRunner(LocalRunner):
         self._serving_from = (self.compiles, self.captures)
 
     def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
-        """``ids`` on the device already: the step runs ragged (the buffers fill on the host)."""
-        if ids is not None or not self.buffers.fits(batch):
+        """``ids``: [T] the batch's tokens on the device already (drafts not read yet): put in
+        the bucket's rows there."""
+        if not self.buffers.fits(batch):
             self.ragged_steps += 1
             return run_step(self.backend, self.kv_pool, batch, ids)
         self.bucketed_steps += 1
         for s in batch:  # compaction owed by an accepted tree path: before the step's reads
             move_slots(self.kv_pool, s.block_table, s.kv_moves, self.block_size)
         filled = self.buffers.fill(batch)
+        if ids is not None:
+            self.buffers.put_ids(filled, ids)
         hidden, features = self._forward(filled.bucket)  # [b * q, H], [b * q, F]
         picked = hidden[self.buffers.logit_rows(filled)]  # [N, H]
         logits, tokens = head_outputs(self.backend, picked, batch)

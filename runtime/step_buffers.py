@@ -173,6 +173,11 @@ class StepBuffers:
             num_new=self._dev("num_new", b),
         )
 
+    def put_ids(self, filled: Filled, ids: torch.Tensor) -> None:
+        """ids: [T] the step's tokens on the device, in batch order, over the copied ones."""
+        b = filled.bucket
+        self._dev("ids", b.seqs * b.query).index_copy_(0, self.token_rows(filled), ids)
+
     def logit_rows(self, filled: Filled) -> torch.Tensor:
         """[N] the bucket rows whose logits the step asked for, in batch order."""
         return self._dev("logit_rows", filled.num_logits)

@@ -18,6 +18,13 @@ class DraftProposal:
     probs: torch.Tensor | None  # [len(tokens), V] draft distributions; None: one-hot on `tokens`
     # a tree (greedy only): each token's parent, parents first (-1: the newest known token)
     parents: tuple[int, ...] | None = None
+    # [n] a chain's tokens still on the device, read with the step's verification (``tokens``
+    # is () until then): a drafter whose rounds fed each other on the device
+    unread: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) if self.unread is None else self.unread.shape[0]
 
 
 class Drafter(ABC):
@@ -45,6 +52,9 @@ class Drafter(ABC):
 
     def observe(self, req: Request, features: torch.Tensor) -> None:  # noqa: B027 - optional
         """features: [n, H], the target's final hidden states at ``req``'s new positions."""
+
+    def settle(self) -> None:  # noqa: B027 - optional
+        """The step has read its results from the device: time what the rounds ran there."""
 
     def forget(self, request_id: str) -> None:  # noqa: B027 - optional
         """Drop what the drafter keeps about a request (finished, aborted or preempted)."""

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
-from decode.drafters.device_rounds import read_rounds
+from decode.drafters.device_rounds import RoundsClock, gather_rounds
 from decode.processing import Span, process_spans
 from models.device_copy import to_device
 from models.request import Request
@@ -27,10 +26,14 @@ class DraftModelDrafter(Drafter):
         self.runner = runner
         self._fed = 0
         self.rounds = DraftRounds()
+        self.clock = RoundsClock(self.rounds)
 
     @property
     def tokens_fed(self) -> int:
         return self._fed
+
+    def settle(self) -> None:
+        self.clock.settle()
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         if isinstance(self.runner, LocalRunner) and not any(r.sampling.processes for r in reqs):
@@ -70,13 +73,13 @@ class DraftModelDrafter(Drafter):
     def _on_device(
         self, runner: LocalRunner, reqs: Sequence[Request], widths: Sequence[int]
     ) -> list[DraftProposal]:
-        """Rounds that feed each other's tokens on the device, read once at the end: where no
-        processor needs them on the host between rounds."""
+        """Rounds that feed each other's tokens on the device, left there for the verification
+        to read: where no processor needs them on the host between rounds."""
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         drawn_at: list[tuple[list[int], torch.Tensor]] = []  # per round: its rows, [B_j]
         live: list[int] = []
         drawn = torch.empty(0)
-        t0 = time.perf_counter()
+        t0 = self.clock.mark(runner.model.device)
         for j in range(max(widths, default=0)):
             keep = [row for row, i in enumerate(live) if widths[i] > j]
             live = [i for i, w in enumerate(widths) if w > j]
@@ -101,8 +104,14 @@ class DraftModelDrafter(Drafter):
             for i in live:
                 if q is not None and not reqs[i].sampling.greedy:
                     probs[i].append(q[next(rows)])
-        tokens = read_rounds(drawn_at, len(reqs), self.rounds, t0)
-        return [_proposal(t, p) for t, p in zip(tokens, probs, strict=True)]
+        self.clock.close(t0, runner.model.device, len(drawn_at))
+        tokens = gather_rounds(drawn_at, len(reqs))
+        return [
+            DraftProposal((), torch.stack(p) if p else None, unread=t)
+            if t.shape[0]
+            else _proposal((), p)
+            for t, p in zip(tokens, probs, strict=True)
+        ]
 
 
 def _proposal(tokens: Sequence[int], probs: Sequence[torch.Tensor]) -> DraftProposal:

@@ -3,13 +3,12 @@ whose KV is provisional (``num_draft_computed`` counts true-feature positions on
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
-from decode.drafters.device_rounds import read_rounds
+from decode.drafters.device_rounds import RoundsClock, gather_rounds
 from decode.drafters.eagle_tree import grow_trees
 from decode.processing import Span, process_spans
 from models.device_copy import to_device
@@ -31,6 +30,7 @@ class EagleDrafter(Drafter):
         self._features: dict[str, torch.Tensor] = {}  # request id -> [n, H] not yet fed
         self._fed = 0
         self.rounds = DraftRounds()  # head forwards after the catch-up
+        self.clock = RoundsClock(self.rounds)
         self._stop_below = 0.0  # a chain ends where its tokens' probabilities' product is under it
         self._stopped = 0
 
@@ -51,6 +51,9 @@ class EagleDrafter(Drafter):
 
     def forget(self, request_id: str) -> None:
         self._features.pop(request_id, None)
+
+    def settle(self) -> None:
+        self.clock.settle()
 
     def propose(self, reqs: Sequence[Request], widths: Sequence[int]) -> list[DraftProposal]:
         out = [DraftProposal((), None)] * len(reqs)
@@ -145,13 +148,14 @@ class EagleDrafter(Drafter):
         hidden: torch.Tensor,
         logits: torch.Tensor,
     ) -> list[DraftProposal]:
-        """Chains whose rounds feed each other's tokens on the device, read once at the end:
-        where nothing needs them on the host between rounds (no processors, no early stop)."""
+        """Chains whose rounds feed each other's tokens on the device, left there for the
+        verification to read: where nothing needs them on the host between rounds (no
+        processors, no early stop)."""
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         live = list(range(len(reqs)))
         drawn_at: list[tuple[list[int], torch.Tensor]] = []  # per round: its chains, [B_j]
         drawn = torch.empty(0)
-        t0 = time.perf_counter()
+        t0 = self.clock.mark(logits.device)
         for j in range(max(widths)):
             if j > 0:
                 keep = [row for row, b in enumerate(live) if widths[b] > j]
@@ -176,9 +180,10 @@ class EagleDrafter(Drafter):
             for b in live:
                 if q is not None and not reqs[b].sampling.greedy:
                     probs[b].append(q[next(sampled)])
-        tokens = read_rounds(drawn_at, len(reqs), self.rounds, t0)
+        self.clock.close(t0, logits.device, len(drawn_at))
+        tokens = gather_rounds(drawn_at, len(reqs))
         return [
-            DraftProposal(tuple(t), torch.stack(p) if p else None)
+            DraftProposal((), torch.stack(p) if p else None, unread=t)
             for t, p in zip(tokens, probs, strict=True)
         ]
 

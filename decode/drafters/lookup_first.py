@@ -68,6 +68,9 @@ class LookupFirstDrafter(Drafter):
     def observe(self, req: Request, features: torch.Tensor) -> None:
         self.model.observe(req, features)
 
+    def settle(self) -> None:
+        self.model.settle()
+
     def forget(self, request_id: str) -> None:
         self._by_lookup.pop(request_id, None)
         self.lookup.forget(request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -338,3 +339,52 @@ def test_draft_model_rounds_fed_on_the_device_propose_what_host_rounds_do(
         got[path] = ([out[r.request_id] for r in reqs], stats)
     assert got["device"] == got["host"]
     assert sum(a for _, a in got["device"][1]) > 0  # drafts were accepted: their tokens matter
+
+
+_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "draft_model", "ngram", "eagle+lookup"])
+def test_a_drafted_step_reads_from_the_device_once(
+    tiny_folder: Path,
+    tiny_draft_folder: Path,
+    eagle_folder: Path,
+    kind: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Drafting and verification together read tensors on the host once a step (the drafts
+    travel with the verdicts), greedy and sampled chains in one batch: every tensor method
+    that hands the host a value is counted, where a GPU would wait."""
+    reads: list[str] = []
+    armed = [False]
+    for name in _READS:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _m: Any = method, _n: str = name) -> Any:
+            if armed[0]:
+                reads.append(_n)
+            return _m(self, *a)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    spec = _spec(kind, tiny_draft_folder, eagle_folder, 3, False)
+    engine = DecodeEngine(DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), spec))
+    sp = [
+        SamplingParams(temperature=0.8 if i == 1 else 0.0, max_tokens=40, seed=i, seeded=True)
+        for i in range(3)
+    ]
+    reqs = [make_request(p, s) for p, s in zip(_prompts(), sp, strict=True)]
+    for r in reqs:
+        engine.add(r, None)
+    while any(not r.output_token_ids for r in reqs):  # prompts and first tokens
+        engine.step()
+    per_step = []
+    for _ in range(4):
+        reads.clear()
+        armed[0] = True
+        engine.step()
+        armed[0] = False
+        per_step.append(len(reads))
+    drafted = sum(r.stats.num_draft_tokens for r in reqs)
+    engine.close()
+    assert drafted > 0
+    assert per_step == [1] * 4, reads

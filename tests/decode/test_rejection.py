@@ -139,23 +139,26 @@ def test_greedy_verification_is_the_rejection_rule_over_one_hot_distributions() 
 def test_single_row_chains_verify_like_verify_greedy() -> None:
     """A step without verified drafts takes a shortcut in ``decode.spec_step`` (each row's
     argmax against at most one free draft); it must give ``verify_greedy``'s verdicts, rows
-    in any order."""
+    in any order, its drafts read or still on the device (read with the verdicts)."""
 
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(7))  # [rows, V]
     best = logits.argmax(dim=-1).tolist()
     free = [(), (best[1],), ((best[2] + 1) % V,), (), (best[4],)]  # none, pass, fail, ...
     reqs = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(5)]
-    props = [DraftProposal(t, None) for t in free]
+    read = [DraftProposal(t, None) for t in free]
+    unread = [DraftProposal((), None, unread=torch.tensor(t, dtype=torch.long)) for t in free]
     rows = (1,) * 5
     full = StepResult(torch.zeros(5, 1), logits, rows, torch.zeros(5, 1))
     # a screened head's step: the argmax of every row, its logits not computed
     screened = replace(full, logits=torch.full_like(logits, math.nan), tokens=logits.argmax(-1))
-    for out, first_row in itertools.product(
-        (full, screened), ({i: i for i in range(5)}, {i: 4 - i for i in range(5)})
+    for out, first_row, props in itertools.product(
+        (full, screened), ({i: i for i in range(5)}, {i: 4 - i for i in range(5)}), (read, unread)
     ):
         steps = [SeqStep(reqs[i], (1,), props[i], 1, first_row[i], i) for i in range(5)]
         counts, order = _verify_chains(out, steps)
-        got, _ = _read_once(counts, order, steps, [])
+        on_dev = [s for s in steps if s.proposal.unread is not None]
+        got, _, drafted = _read_once(counts, order, steps, [], on_dev)
+        assert drafted == [list(free[i]) for i in range(5) if props is unread]
         for i, (n, final) in enumerate(got):
             row = first_row[i]
             ref = verify_greedy(

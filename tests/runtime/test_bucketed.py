@@ -47,7 +47,10 @@ def _written(batch: list[SeqInput], pool: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel) -> None:
+@pytest.mark.parametrize("ids_on_device", [False, True])
+def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel, ids_on_device: bool) -> None:
+    """``ids_on_device``: the bucketed steps take their tokens as a tensor (drafts not read
+    yet), their ``token_ids`` placeholders; they stay bucketed."""
     ragged_pool, bucket_pool = _pools(model)
     ragged = LocalRunner(model, ragged_pool, BS)
     bucketed = BucketedRunner(model, bucket_pool, BS, max_seqs=8, max_query=4, max_blocks=8)
@@ -60,7 +63,13 @@ def test_bucketed_steps_equal_the_ragged_path(model: LlamaModel) -> None:
         for i, w in enumerate(widths):
             ids = torch.randint(3, 40000, (w,), generator=g).tolist()
             batch.append(SeqInput(tables[i], cached[i], ids, list(range(w))))
-        want, got = ragged.run(batch), bucketed.run(batch)
+        want = ragged.run(batch)
+        if ids_on_device:
+            ids = torch.tensor([t for s in batch for t in s.token_ids])  # [T]
+            blank = [replace(s, token_ids=[0] * len(s.token_ids)) for s in batch]
+            got = bucketed.run(blank, ids)
+        else:
+            got = bucketed.run(batch)
         assert got.rows_per_seq == want.rows_per_seq
         assert (got.logits - want.logits).abs().max() <= 1e-4, step
         assert torch.equal(got.logits.argmax(-1), want.logits.argmax(-1))
