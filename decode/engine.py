@@ -85,8 +85,13 @@ class DecodeEngine:
         self.warmed: WarmUp | None = None  # before any block is handed out: it writes the pool
         bucketed = self.target.rank0()
         self.bucketed = bucketed if isinstance(bucketed, BucketedRunner) else None
+        draft = self.shard.draft
+        # a draft model's rounds: captured and compiled at start-up like the target's steps
+        self.draft_bucketed = draft if isinstance(draft, BucketedRunner) else None
         if self.bucketed is not None and cfg.warms_up():
             self.warmed = warm_up(self.target, self.bucketed)
+            if self.draft_bucketed is not None:
+                self.warmed = self.warmed.plus(warm_up(self.draft_bucketed, self.draft_bucketed))
         self.transport = self.shard.transport
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)
@@ -139,8 +144,15 @@ class DecodeEngine:
         self.queue_timeouts = 0
         self.suspects: set[str] = set()  # requests of a failed batch, to run alone once each
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
-        if self.bucketed is not None:  # after the start-up calibration's steps, too
-            self.bucketed.serving()
+        for runner in (self.bucketed, self.draft_bucketed):  # after the calibration's steps
+            if runner is not None:
+                runner.serving()
+
+    def during_traffic(self) -> tuple[int, int]:
+        """(compiles, captures) live steps waited on: the target's and a draft model's."""
+        runners = [r for r in (self.bucketed, self.draft_bucketed) if r is not None]
+        late = [r.during_traffic() for r in runners]
+        return sum(c for c, _ in late), sum(g for _, g in late)
 
     def add(self, req: Request, handoff: KVHandoff | None) -> None:
         if handoff is not None:

@@ -78,7 +78,7 @@ class DecodeServer:
         e = self.engine  # counts read beside the engine thread: a gauge may lag a step
         used = 1.0 - e.allocator.num_free / e.cfg.num_blocks
         waiting = len(e.waiting) + len(e.intake.pending)
-        late = e.bucketed.during_traffic() if e.bucketed is not None else (0, 0)
+        late = e.during_traffic()
         self.gauges.publish(
             len(e.running), waiting, used, e.take_queue_times(), late, force=out.finished
         )
@@ -122,6 +122,10 @@ class DecodeServer:
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
         out.update(self.engine.target.describe())
+        if self.engine.draft_bucketed is not None:
+            out["draft_graphs"] = self.engine.draft_bucketed.describe()["graphs"]
+            late = self.engine.during_traffic()
+            out["compiles_during_traffic"], out["captures_during_traffic"] = late
         warmed, bucketed = self.engine.warmed, self.engine.bucketed
         out["warm_up"] = warmed.describe() if warmed else "off" if bucketed else "ragged steps"
         out["transport"] = self.engine.transport.name

@@ -141,18 +141,19 @@ def target_runner(spec: ShardSpec, model: LlamaModel, pool: KVPool) -> LocalRunn
     """``model`` over ``pool`` as the spec runs it (bucketed or ragged)."""
     kv = pool.tensor("target")
     backend = _served(model_backend(model, kv, spec.block_size), "target")
+    return _bucketed_or_ragged(spec, model, kv, backend)
+
+
+def _bucketed_or_ragged(
+    spec: ShardSpec, model: LlamaModel, kv: torch.Tensor, backend: ModelBackend
+) -> LocalRunner:
+    """``model`` over ``kv`` at the spec's buckets, or ragged. A draft model's rounds fit the
+    target's buckets: a token a sequence (its catch-up at most k + 1), as many sequences."""
     b = spec.buckets
     if b is None:
         return LocalRunner(model, kv, spec.block_size, backend)
     return BucketedRunner(
-        model,
-        kv,
-        spec.block_size,
-        b.max_seqs,
-        b.max_query,
-        b.max_blocks,
-        b.graphs,
-        backend,
+        model, kv, spec.block_size, b.max_seqs, b.max_query, b.max_blocks, b.graphs, backend
     )
 
 
@@ -167,7 +168,7 @@ def load_draft(
     if isinstance(loaded, EagleHead):
         return EagleRunner(loaded, kv, spec.block_size)
     backend = _served(model_backend(loaded, kv, spec.block_size), "draft")
-    return LocalRunner(loaded, kv, spec.block_size, backend)
+    return _bucketed_or_ragged(spec, loaded, kv, backend)
 
 
 def load_draft_model(spec: ShardSpec) -> EagleHead | LlamaModel | None:

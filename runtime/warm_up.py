@@ -23,6 +23,15 @@ class WarmUp:
     compiles: int
     captures: int
 
+    def plus(self, other: WarmUp) -> WarmUp:
+        """Both warm-ups (a target's and its draft model's), one after the other."""
+        return WarmUp(
+            self.buckets + other.buckets,
+            self.seconds + other.seconds,
+            self.compiles + other.compiles,
+            self.captures + other.captures,
+        )
+
     def describe(self) -> str:
         return (
             f"{self.buckets} buckets in {self.seconds:.1f} s ({self.compiles} kernel compiles, "

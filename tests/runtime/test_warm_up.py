@@ -120,3 +120,45 @@ def test_an_engine_warms_up_before_serving_and_decodes_as_one_that_did_not(
         outs[warm] = [got[r.request_id] for r in reqs]
         assert engine.bucketed is not None and engine.bucketed.bucketed_steps > 0
     assert outs["on"] == outs["off"]
+
+
+def test_a_draft_models_rounds_step_in_buckets_warmed_with_the_targets(
+    tiny_folder: Path, tiny_draft_folder: Path
+) -> None:
+    """A draft model's rounds run at the target's buckets (its tokens put there from the
+    device), warmed at start-up beside the target's: the same tokens as ragged steps."""
+    from decode.config import DecodeEngineConfig
+    from decode.engine import DecodeEngine
+    from models.sampling import SamplingParams
+    from models.spec import DraftKind, DraftSpec
+    from tests.decode.engine_utils import make_request, run_all
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (9, 20, 14)]
+    draft = ModelSpec(str(tiny_draft_folder))
+    spec = DraftSpec(DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=False)
+    cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), spec, num_blocks=16)
+    sp = [
+        SamplingParams(temperature=0.0, max_tokens=16),
+        SamplingParams(temperature=0.8, max_tokens=16, seed=3, seeded=True),
+        SamplingParams(temperature=0.0, max_tokens=16),
+    ]
+    outs = {}
+    for shapes in ("ragged", "bucketed"):
+        engine = DecodeEngine(replace(cfg, step_shapes=shapes, warm_up="on"))
+        reqs = [make_request(p, s) for p, s in zip(prompts, sp, strict=True)]
+        got = run_all(engine, reqs)
+        outs[shapes] = [got[r.request_id] for r in reqs]
+        if shapes == "bucketed":
+            rounds = engine.draft_bucketed
+            assert rounds is not None and engine.bucketed is not None and engine.warmed
+            grid = len(rounds.buffers.grid())
+            assert engine.warmed.buckets == grid + len(engine.bucketed.buffers.grid())
+            # every round of traffic but the prompts' first catch-up (nothing cached yet)
+            assert rounds.bucketed_steps > grid and rounds.ragged_steps == 1
+            assert engine.during_traffic() == (0, 0)
+        else:
+            assert engine.draft_bucketed is None
+        assert sum(r.stats.num_accepted_tokens for r in reqs) > 0
+        engine.close()
+    assert outs["bucketed"] == outs["ragged"]
