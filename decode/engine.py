@@ -143,6 +143,10 @@ class DecodeEngine:
         self.step_failures = 0
         self.queue_timeouts = 0
         self.suspects: set[str] = set()  # requests of a failed batch, to run alone once each
+        # on a GPU the intake runs while the device computes a step (on a CPU the step has
+        # finished by then: nothing to overlap)
+        self.intake_beside_step = cfg.device.startswith("cuda")
+        self._beside_error: Exception | None = None
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
         for runner in (self.bucketed, self.draft_bucketed):  # after the calibration's steps
             if runner is not None:
@@ -256,9 +260,7 @@ class DecodeEngine:
 
     def step(self) -> list[StepOutput]:
         self.last_step_s = 0.0
-        self._settle_transfers()
-        self._admit()
-        self._land_pulls()
+        self._intake()
         plan = self.scheduler.plan(self._schedulable(), self._preempt)
         for p, em in zip(plan, self._isolated_step(plan), strict=True):
             if em.tokens:
@@ -266,7 +268,24 @@ class DecodeEngine:
         for r in self.choices.ready(self.running):
             self._start_choices(r)
         out, self._outbox = self._outbox, []
+        if self._beside_error is not None:  # the intake beside the step failed: after it
+            e, self._beside_error = self._beside_error, None
+            raise e
         return out
+
+    def _intake(self) -> None:
+        """Transfers settled, queued requests admitted and landed KV pulls started running."""
+        self._settle_transfers()
+        self._admit()
+        self._land_pulls()
+
+    def _intake_beside(self) -> None:
+        """The intake while the device runs a step (the next step's start runs it again, for
+        what the step's finished requests free); its error is raised after the step."""
+        try:
+            self._intake()
+        except Exception as e:
+            self._beside_error = e
 
     def _settle_transfers(self) -> None:
         self.transport.progress()
@@ -360,7 +379,12 @@ class DecodeEngine:
             self.drafter.stop_chains_below(cutoff)
         t0 = time.perf_counter()
         emissions = decode_step(
-            self.target, self.drafter, reqs, [p.new_tokens for p in plan], [p.k for p in plan]
+            self.target,
+            self.drafter,
+            reqs,
+            [p.new_tokens for p in plan],
+            [p.k for p in plan],
+            self._intake_beside if self.intake_beside_step else None,
         )
         seconds = self.last_step_s = time.perf_counter() - t0
         rounds = self.drafter.rounds if self.drafter is not None else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -154,8 +154,11 @@ def decode_step(
     reqs: Sequence[Request],
     new_tokens: Sequence[int],
     ks: Sequence[int],
+    while_waiting: Callable[[], None] | None = None,
 ) -> list[Emission]:
-    """Advance every request by one step; ``ks[i]`` extra positions may be verified for it."""
+    """Advance every request by one step; ``ks[i]`` extra positions may be verified for it.
+    ``while_waiting``: host work run once the step's device work is queued, before its read
+    waits on it (on a GPU it overlaps the forward)."""
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
     unread = [s for s in steps if s.proposal.unread is not None]
     if unread and not isinstance(target, LocalRunner):  # a TP group takes its tokens on the host
@@ -186,6 +189,8 @@ def decode_step(
     counts, order = _verify_chains(out, chains)  # [3, C] on the device
     # [1 + nodes] per tree: every row's argmax, read with the chains' counts
     best = [out.argmax(slice(s.first_row, s.first_row + s.width)) for s in trees]
+    if while_waiting is not None:
+        while_waiting()
     verdicts, bests, drafted = _read_once(counts, order, chains, best, unread)
     if drafter is not None and unread:
         drafter.settle()

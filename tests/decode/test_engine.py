@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +213,70 @@ def test_abort_and_expired_lease_free_every_block(tiny_specs: tuple[ModelSpec, M
     outs = engine.step()
     assert outs and outs[0].finish_reason == "error" and "lease" in (outs[0].error or "")
     assert engine.allocator.num_free == 64
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_the_intake_beside_a_step_serves_what_the_intake_before_it_does(
+    tiny_specs: tuple[ModelSpec, ModelSpec], mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the intake (transfers progressed, queued requests admitted, landed KV pulls
+    started) also runs while the device computes a step, so the next step's start finds it
+    done: forced here on the CPU, requests arriving one a step while others decode get the
+    tokens they get without it, and it runs before that step's read."""
+    import decode.spec_step
+
+    target, _ = tiny_specs
+    spec = DraftSpec(DraftKind.NGRAM, num_speculative_tokens=3, adaptive=False)
+    prompts = _prompts(5, 20, seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=10)
+    events: list[str] = []
+    read_once = decode.spec_step._read_once
+
+    def read(*args: Any) -> Any:
+        events.append("read")
+        return read_once(*args)
+
+    monkeypatch.setattr(decode.spec_step, "_read_once", read)
+    outs = {}
+    for beside in (False, True):
+        prefill = (
+            PrefillWorker(PrefillWorkerConfig("t", target, spec, num_blocks=64))
+            if mode == "disaggregated"
+            else None
+        )
+        engine = DecodeEngine(DecodeEngineConfig("t", target, spec, num_blocks=128))
+        engine.intake_beside_step = beside
+        intake = engine._intake_beside
+
+        def watched(_intake: Callable[[], None] = intake) -> None:
+            events.append("intake")
+            _intake()
+
+        monkeypatch.setattr(engine, "_intake_beside", watched)
+        reqs = [make_request(p, sp) for p in prompts]
+        got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+        done: set[str] = set()
+        arriving = list(reqs)
+        steps: list[list[str]] = []
+        deadline = time.monotonic() + 120
+        while len(done) < len(reqs) and time.monotonic() < deadline:
+            if arriving:  # one a step, while the others decode
+                r = arriving.pop(0)
+                handoff = prefill.prefill(r) if prefill is not None else None
+                if handoff is not None:
+                    got[r.request_id].append(handoff.first_token)
+                engine.add(r, handoff)
+            events.clear()
+            for o in engine.step():
+                assert o.error is None, o.error
+                got[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    done.add(o.request_id)
+            steps.append(list(events))
+        engine.close()
+        assert len(done) == len(reqs)
+        outs[beside] = [got[r.request_id] for r in reqs]
+        ran = [s for s in steps if "read" in s]
+        assert ran
+        assert all(s == (["intake", "read"] if beside else ["read"]) for s in ran), steps
+    assert outs[True] == outs[False]
