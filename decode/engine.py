@@ -29,9 +29,10 @@ from kvtransfer.tp_transport import RankTimeoutError
 from models.logprobs import TokenLogprob
 from models.request import FinishReason, Request, RequestStatus
 from runtime.bucketed import BucketedRunner
+from runtime.bucketed_eagle import BucketedEagleRunner
 from runtime.build import build_shard
 from runtime.shard import BucketSpec, ShardSpec
-from runtime.warm_up import WarmUp, warm_up
+from runtime.warm_up import WarmUp, warm_grid, warm_up
 from serving.grammars import ReplicaGrammars
 from speculation.draft_stop import DraftStop
 from speculation.loop_cycle import CycleOverhead
@@ -86,12 +87,16 @@ class DecodeEngine:
         bucketed = self.target.rank0()
         self.bucketed = bucketed if isinstance(bucketed, BucketedRunner) else None
         draft = self.shard.draft
-        # a draft model's rounds: captured and compiled at start-up like the target's steps
-        self.draft_bucketed = draft if isinstance(draft, BucketedRunner) else None
+        # a drafter's chain rounds: captured and compiled at start-up like the target's steps
+        self.draft_bucketed = (
+            draft if isinstance(draft, (BucketedRunner, BucketedEagleRunner)) else None
+        )
         if self.bucketed is not None and cfg.warms_up():
             self.warmed = warm_up(self.target, self.bucketed)
-            if self.draft_bucketed is not None:
-                self.warmed = self.warmed.plus(warm_up(self.draft_bucketed, self.draft_bucketed))
+            if isinstance(draft, BucketedRunner):
+                self.warmed = self.warmed.plus(warm_up(draft, draft))
+            elif isinstance(draft, BucketedEagleRunner):
+                self.warmed = self.warmed.plus(warm_grid(draft, draft.warm, "EAGLE head"))
         self.transport = self.shard.transport
         self.drafter: Drafter | None = build_drafter(cfg.draft, self.shard.draft)
         self.allocator = BlockAllocator(cfg.num_blocks)

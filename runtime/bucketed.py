@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.metadata import BucketInputs
 from models.backend import ModelBackend
 from models.llama import LlamaModel
 from models.moe import SparseMoE
 from models.tree import move_slots
+from runtime.graph_capture import capture
 from runtime.runner import LocalRunner, SeqInput, StepResult, head_outputs, run_step
 from runtime.step_buffers import Bucket, StepBuffers
 
@@ -100,19 +100,8 @@ class BucketedRunner(LocalRunner):
         return got.hidden, got.features
 
     def _static_forward(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        v = self.buffers.views(bucket)
-        meta = self.backend.attention.plan_bucket(
-            BucketInputs(
-                positions=v.positions,
-                slot_blocks=v.slot_blocks,
-                slot_offsets=v.slot_offsets,
-                write_rows=v.write_rows,
-                tables=v.tables,
-                cached=v.cached,
-                num_new=v.num_new,
-            )
-        )
-        return self.backend.forward(v.ids, self.kv_pool, meta)
+        meta = self.backend.attention.plan_bucket(self.buffers.bucket_inputs(bucket))
+        return self.backend.forward(self.buffers.views(bucket).ids, self.kv_pool, meta)
 
     def _capture(self, bucket: Bucket) -> _Captured:
         try:
@@ -137,7 +126,6 @@ class BucketedRunner(LocalRunner):
         return self.compiles - compiles, self.captures - captures
 
     def _capture_once(self, bucket: Bucket) -> _Captured:
-        """Warm-up and capture compute this very step: their K/V writes are the step's own."""
         during = self._serving_from is not None  # a step of traffic waits on it
         log.log(
             logging.WARNING if during else logging.DEBUG,
@@ -147,15 +135,9 @@ class BucketedRunner(LocalRunner):
             bucket.blocks,
             " during traffic" if during else "",
         )
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._static_forward(bucket)
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            hidden, features = self._static_forward(bucket)
+        graph, (hidden, features) = capture(
+            lambda: self._static_forward(bucket), self.model.device, self._graph_pool
+        )
         got = _Captured(graph, hidden, features)
         self._captured[bucket] = got
         return got

@@ -27,6 +27,7 @@ from models.quant import check_supported
 from models.spec import DraftKind, DraftSpec, ModelSpec
 from runtime.backends import model_backend, row_ops_for
 from runtime.bucketed import BucketedRunner
+from runtime.bucketed_eagle import BucketedEagleRunner
 from runtime.runner import EagleRunner, LocalRunner, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,12 @@ def load_draft(
         return None
     kv = pool.tensor("draft")
     if isinstance(loaded, EagleHead):
-        return EagleRunner(loaded, kv, spec.block_size)
+        b = spec.buckets
+        if b is None:
+            return EagleRunner(loaded, kv, spec.block_size)
+        return BucketedEagleRunner(
+            loaded, kv, spec.block_size, b.max_seqs, b.max_query, b.max_blocks, b.graphs
+        )
     backend = _served(model_backend(loaded, kv, spec.block_size), "draft")
     return _bucketed_or_ragged(spec, loaded, kv, backend)
 

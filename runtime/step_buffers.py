@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.attention.metadata import BucketInputs
 from runtime.runner import SeqInput
 
 ROW_FIELDS = ("ids", "positions", "slot_blocks", "slot_offsets", "write_rows", "logit_rows")
@@ -171,6 +172,19 @@ class StepBuffers:
             tables=tables,
             cached=self._dev("cached", b),
             num_new=self._dev("num_new", b),
+        )
+
+    def bucket_inputs(self, bucket: Bucket) -> BucketInputs:
+        """What the attention plans a bucketed step from: the buffers' device views."""
+        v = self.views(bucket)
+        return BucketInputs(
+            positions=v.positions,
+            slot_blocks=v.slot_blocks,
+            slot_offsets=v.slot_offsets,
+            write_rows=v.write_rows,
+            tables=v.tables,
+            cached=v.cached,
+            num_new=v.num_new,
         )
 
     def put_ids(self, filled: Filled, ids: torch.Tensor) -> None:

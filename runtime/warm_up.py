@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from runtime.bucketed import BucketedRunner
 from runtime.runner import ModelRunner, SeqInput
-from runtime.step_buffers import Bucket
+from runtime.step_buffers import Bucket, StepBuffers
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,34 @@ def warm_batch(bucket: Bucket, block_size: int) -> list[SeqInput]:
 def warm_up(runner: ModelRunner, bucketed: BucketedRunner) -> WarmUp:
     """Step ``runner`` (``bucketed``, or a TP group whose rank 0 it is: each step is broadcast)
     once per bucket of ``bucketed``'s grid, logging progress in tenths."""
-    grid = bucketed.buffers.grid()
+    return warm_grid(bucketed, lambda b: runner.run(warm_batch(b, bucketed.block_size)), "step")
+
+
+class Warmable(Protocol):
+    buffers: StepBuffers
+
+    @property
+    def compiles(self) -> int: ...
+
+    @property
+    def captures(self) -> int: ...
+
+
+def warm_grid(runner: Warmable, step: Callable[[Bucket], object], what: str) -> WarmUp:
+    """``step`` once per bucket of ``runner``'s grid, logging progress in tenths."""
+    grid = runner.buffers.grid()
     t0 = time.perf_counter()
-    compiles, captures = bucketed.compiles, bucketed.captures
-    log.info("warming up %d step buckets (graphs and kernels, before serving)", len(grid))
+    compiles, captures = runner.compiles, runner.captures
+    log.info("warming up %d %s buckets (graphs and kernels, before serving)", len(grid), what)
     shown = 0
     for i, bucket in enumerate(grid, 1):
-        runner.run(warm_batch(bucket, bucketed.block_size))
+        step(bucket)
         if 10 * i // len(grid) > shown:
             shown = 10 * i // len(grid)
             bar = "#" * shown + "." * (10 - shown)
-            log.info("warm-up [%s] %d/%d buckets, %.1f s", bar, i, len(grid), _since(t0))
-    done = WarmUp(len(grid), _since(t0), bucketed.compiles - compiles, bucketed.captures - captures)
-    log.info("warm-up: %s", done.describe())
+            log.info("warm-up [%s] %d/%d %s buckets, %.1f s", bar, i, len(grid), what, _since(t0))
+    done = WarmUp(len(grid), _since(t0), runner.compiles - compiles, runner.captures - captures)
+    log.info("warm-up of %s buckets: %s", what, done.describe())
     return done
 
 

@@ -122,21 +122,35 @@ def test_an_engine_warms_up_before_serving_and_decodes_as_one_that_did_not(
     assert outs["on"] == outs["off"]
 
 
-def test_a_draft_models_rounds_step_in_buckets_warmed_with_the_targets(
-    tiny_folder: Path, tiny_draft_folder: Path
+@pytest.mark.parametrize("kind", ["draft_model", "eagle", "eagle3"])
+def test_a_drafters_rounds_step_in_buckets_warmed_with_the_targets(
+    tiny_folder: Path, tiny_draft_folder: Path, tmp_path: Path, kind: str
 ) -> None:
-    """A draft model's rounds run at the target's buckets (its tokens put there from the
-    device), warmed at start-up beside the target's: the same tokens as ragged steps."""
+    """A draft model's or EAGLE head's chain rounds run at the target's buckets (their tokens
+    put there from the device; a head's catch-up and rounds each with their own features),
+    warmed at start-up beside the target's: the same tokens as ragged steps."""
     from decode.config import DecodeEngineConfig
     from decode.engine import DecodeEngine
+    from models.eagle import save_random_eagle, save_random_eagle3
     from models.sampling import SamplingParams
     from models.spec import DraftKind, DraftSpec
     from tests.decode.engine_utils import make_request, run_all
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 40000, (n,), generator=g).tolist() for n in (9, 20, 14)]
-    draft = ModelSpec(str(tiny_draft_folder))
-    spec = DraftSpec(DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=3, adaptive=False)
+    if kind == "draft_model":
+        draft = ModelSpec(str(tiny_draft_folder))
+    elif kind == "eagle":
+        draft = ModelSpec(str(save_random_eagle(tiny_folder, tmp_path / "e")))
+    else:
+        folder = save_random_eagle3(tiny_folder, tmp_path / "e3", aux_layers=(0, 1, 1))
+        draft = ModelSpec(str(folder))
+    spec = DraftSpec(
+        DraftKind.EAGLE if kind.startswith("eagle") else DraftKind.DRAFT_MODEL,
+        model=draft,
+        num_speculative_tokens=3,
+        adaptive=False,
+    )
     cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), spec, num_blocks=16)
     sp = [
         SamplingParams(temperature=0.0, max_tokens=16),
@@ -154,8 +168,9 @@ def test_a_draft_models_rounds_step_in_buckets_warmed_with_the_targets(
             assert rounds is not None and engine.bucketed is not None and engine.warmed
             grid = len(rounds.buffers.grid())
             assert engine.warmed.buckets == grid + len(engine.bucketed.buffers.grid())
+            warm = grid * (2 if kind.startswith("eagle") else 1)  # a head: both feature sources
             # every round of traffic but the prompts' first catch-up (nothing cached yet)
-            assert rounds.bucketed_steps > grid and rounds.ragged_steps == 1
+            assert rounds.bucketed_steps > warm and rounds.ragged_steps == 1
             assert engine.during_traffic() == (0, 0)
         else:
             assert engine.draft_bucketed is None
