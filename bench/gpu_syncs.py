@@ -100,7 +100,10 @@ def measure(models: Path, dev: str) -> dict[str, Any]:
     out: dict[str, Any] = {"measured": dev == "cuda", "counted": counted, "steps": STEPS}
     out["drafters"] = {}
     for name, spec in _drafters(models).items():
-        cfg = DecodeEngineConfig("t", target, spec, device=dev, num_blocks=256, max_batch_size=8)
+        # 256-token sequences: a small grid of buckets, every one captured before the count
+        cfg = DecodeEngineConfig(
+            "t", target, spec, device=dev, num_blocks=256, max_batch_size=8, max_model_len=256
+        )
         engine = DecodeEngine(cfg)
         reqs = [
             Request(
