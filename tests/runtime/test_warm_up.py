@@ -151,7 +151,9 @@ def test_a_drafters_rounds_step_in_buckets_warmed_with_the_targets(
         num_speculative_tokens=3,
         adaptive=False,
     )
-    cfg = DecodeEngineConfig("t", ModelSpec(str(tiny_folder)), spec, num_blocks=16)
+    cfg = DecodeEngineConfig(
+        "t", ModelSpec(str(tiny_folder)), spec, num_blocks=16, max_batch_size=4
+    )
     sp = [
         SamplingParams(temperature=0.0, max_tokens=16),
         SamplingParams(temperature=0.8, max_tokens=16, seed=3, seeded=True),

@@ -11,8 +11,9 @@ import torch
 from models.attention.backend import AttentionBackend, paged_attention
 from models.attention.metadata import SeqSlice
 from models.attention.reference import ReferenceBackend
+from models.cpu import native
 from models.cpu.attention import CpuAttentionBackend
-from models.cpu.paged import CpuPagedAttention, NativeGroup, build_library
+from models.cpu.paged import FLAGS, CpuPagedAttention, NativeGroup
 from models.tree import TreeSpan
 from tests.models.attention.cases import layer_spec
 
@@ -279,13 +280,21 @@ def test_without_a_compiler_every_step_gathers_named_and_counted(
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.slow  # compiles the kernel from scratch
 def test_the_build_is_cached_per_source_and_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
-    first = build_library()
+    """``native.build_library`` (which builds the kernel) on a small source, with the kernel's
+    flags: a second call returns the same file untouched, a changed source builds anew, and no
+    temporary is left behind. (Every kernel test builds the kernel itself, once a machine.)"""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(cache))
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { return 1; }\n")
+    first = native.build_library(source, FLAGS)
     stamp = first.stat().st_mtime_ns
-    again = build_library()
+    again = native.build_library(source, FLAGS)
     assert again == first and again.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    source.write_text("int probe(void) { return 2; }\n")
+    changed = native.build_library(source, FLAGS)
+    assert changed != first and first.exists()
+    assert sorted(p.name for p in cache.iterdir()) == sorted([first.name, changed.name])
