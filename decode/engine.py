@@ -158,7 +158,7 @@ class DecodeEngine:
                 runner.serving()
 
     def during_traffic(self) -> tuple[int, int]:
-        """(compiles, captures) live steps waited on: the target's and a draft model's."""
+        """(compiles, captures) live steps waited on: the target's and its drafter's."""
         runners = [r for r in (self.bucketed, self.draft_bucketed) if r is not None]
         late = [r.during_traffic() for r in runners]
         return sum(c for c, _ in late), sum(g for _, g in late)

@@ -26,7 +26,7 @@ class WarmUp:
     captures: int
 
     def plus(self, other: WarmUp) -> WarmUp:
-        """Both warm-ups (a target's and its draft model's), one after the other."""
+        """Both warm-ups (a target's and its drafter's), one after the other."""
         return WarmUp(
             self.buckets + other.buckets,
             self.seconds + other.seconds,
