@@ -215,6 +215,7 @@ def engine_configs(
         stream_interval_s=cfg.decode.stream_interval_s,
         step_shapes=cfg.decode.step_shapes,
         warm_up=cfg.decode.warm_up,
+        overlap=cfg.decode.overlap,
     )
     if cfg.mode != "disaggregated":
         return engine, None

@@ -321,6 +321,13 @@ class DecodeConfig(PoolConfig):
         "still compiles or captures is counted in /health and metrics); auto: on a GPU with "
         "bucketed steps.",
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Plan and launch decode step n + 1 while the device runs step n, feeding "
+        "its plain decodes the tokens step n sampled straight from the device, then read step "
+        "n (what step n ends is dropped from n + 1). Steps with drafts, logit processors, "
+        "logprobs or a TP group are read before the next is planned; auto: on a GPU.",
+    )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,
         ge=0,

@@ -42,6 +42,7 @@ class DecodeEngineConfig:
     stream_interval_s: float = 0.0
     step_shapes: str = "auto"
     warm_up: str = "auto"  # "auto" (on a GPU) | "on" | "off": every bucket stepped at start-up
+    overlap: str = "auto"  # "auto" (on a GPU) | "on" | "off": plan step n + 1 beside step n
 
     def bucketed(self) -> bool:
         if self.step_shapes == "auto":
@@ -52,3 +53,8 @@ class DecodeEngineConfig:
         if self.warm_up == "auto":
             return self.bucketed() and self.device.startswith("cuda")
         return self.bucketed() and self.warm_up == "on"
+
+    def overlaps(self) -> bool:
+        if self.overlap == "auto":
+            return self.device.startswith("cuda")
+        return self.overlap == "on"

@@ -16,11 +16,12 @@ from decode.choices import Choices
 from decode.config import DecodeEngineConfig
 from decode.drafters.base import Drafter
 from decode.drafters.build import build_drafter
+from decode.flight import UNREAD, Flight, goes_on_unread
 from decode.intake import KVIntake
 from decode.outputs import EngineStats, SpecUsage, StepOutput
 from decode.routing_view import routing_stats
 from decode.scheduler import Planned, Scheduler
-from decode.spec_step import Emission, decode_step
+from decode.spec_step import Emission, decode_step, land_step, launch_step
 from decode.speculation import build_speculation
 from kvtransfer.allocator import BlockAllocator
 from kvtransfer.handoff import KVCompatError, KVHandoff, check_compat, kv_compat
@@ -31,6 +32,7 @@ from models.request import FinishReason, Request, RequestStatus
 from runtime.bucketed import BucketedRunner
 from runtime.bucketed_eagle import BucketedEagleRunner
 from runtime.build import build_shard
+from runtime.runner import LocalRunner, synchronize
 from runtime.shard import BucketSpec, ShardSpec
 from runtime.warm_up import WarmUp, warm_grid, warm_up
 from serving.grammars import ReplicaGrammars
@@ -152,6 +154,9 @@ class DecodeEngine:
         # finished by then: nothing to overlap)
         self.intake_beside_step = cfg.device.startswith("cuda")
         self._beside_error: Exception | None = None
+        self.overlap = self._overlaps(cfg)
+        self._flight: Flight | None = None  # overlap: the step in the air, launched, unread
+        self.steps_overlapped = 0
         self._recent_failed: deque[bool] = deque(maxlen=cfg.kv_health_window)
         for runner in (self.bucketed, self.draft_bucketed):  # after the calibration's steps
             if runner is not None:
@@ -211,13 +216,16 @@ class DecodeEngine:
             or self.intake.quarantine
             or self.running
             or self._outbox
+            or self._flight is not None
         )
 
     @property
     def idle_wait_s(self) -> float:
         """How long the loop may wait for a command before stepping: 0 while a step has work,
         a little while reads land, longer when only blocks held elsewhere can free."""
-        if self.running or self._outbox or self.admission.head_fits(others_running=False):
+        if self.running or self._outbox or self._flight is not None:
+            return 0.0
+        if self.admission.head_fits(others_running=False):
             return 0.0
         if self.intake.pending or self.intake.cancelled:
             return PULL_WAIT_S
@@ -243,6 +251,7 @@ class DecodeEngine:
             retired_blocks=self.intake.retired_blocks,
             queue_timeouts=self.queue_timeouts,
             step_failures=self.step_failures,
+            steps_overlapped=self.steps_overlapped,
         )
 
     def routing_stats(self) -> RoutingStats:
@@ -263,13 +272,32 @@ class DecodeEngine:
         """The loop's wall time from the last step's start to this one's (both busy)."""
         self.cycle.observe(cycle_s, self.last_step_s)
 
+    def _overlaps(self, cfg: DecodeEngineConfig) -> bool:
+        if not cfg.overlaps():
+            return False
+        why = None
+        if self.drafter is not None:
+            why = "a drafter's steps need their tokens on the host before the next is planned"
+        elif not isinstance(self.target, LocalRunner):
+            why = "a TP group's steps take their inputs from the host"
+        if why is not None:
+            log.log(
+                logging.WARNING if cfg.overlap == "on" else logging.INFO,
+                "decode.overlap off: %s",
+                why,
+            )
+        return why is None
+
     def step(self) -> list[StepOutput]:
         self.last_step_s = 0.0
         self._intake()
-        plan = self.scheduler.plan(self._schedulable(), self._preempt)
-        for p, em in zip(plan, self._isolated_step(plan), strict=True):
-            if em.tokens:
-                self._apply(p.req, em)
+        if self.overlap:
+            self._step_ahead()
+        else:
+            plan = self.scheduler.plan(self._schedulable(), self._preempt)
+            for p, em in zip(plan, self._isolated_step(plan), strict=True):
+                if em.tokens:
+                    self._apply(p.req, em)
         for r in self.choices.ready(self.running):
             self._start_choices(r)
         out, self._outbox = self._outbox, []
@@ -345,9 +373,139 @@ class DecodeEngine:
                 self._end_source(req)
 
     def _schedulable(self) -> list[Request]:
-        """Every running request, or one suspect alone while a failed batch is bisected."""
+        """Every running request, or one suspect alone while a failed batch is bisected; not
+        one whose step in the air emits its last token."""
         suspect = next((r for r in self.running.values() if r.request_id in self.suspects), None)
-        return list(self.running.values()) if suspect is None else [suspect]
+        if suspect is not None:
+            return [suspect]
+        f = self._flight
+        if f is None:
+            return list(self.running.values())
+        return [r for r in self.running.values() if r.request_id not in f.at or self._room(r)]
+
+    def _room(self, r: Request) -> bool:
+        """Whether ``r`` may go on after its token in the air (ends known without reading it)."""
+        return (
+            len(r.output_token_ids) < r.sampling.max_tokens
+            and r.num_tokens < self.cfg.max_model_len
+        )
+
+    def _step_ahead(self) -> None:
+        """Overlapped: plan and launch step n + 1 while step n (launched by the last call) is
+        in the air, then read step n. What step n ends is dropped from step n + 1's reading;
+        step n + 1 stays in the air if every request in it may go on unread."""
+        prev, self._flight = self._flight, None
+        if prev is not None and (self.suspects or not self._room_beside()):
+            self._land(prev)
+            prev = None
+        self._flight = prev  # beside it: what waits for its read is not scheduled
+        plan = self.scheduler.plan(self._schedulable(), self._preempt)
+        t0 = time.perf_counter()
+        try:
+            launched = self._launch(plan, prev)
+        except Exception as e:
+            if prev is None:
+                self._step_failed(plan, e)
+            else:
+                self._ahead_failed([], plan, e)  # with the step in the air
+            return
+        self._flight = launched  # in the air while step n is read: what that read frees waits
+        if prev is not None:
+            self._land(prev)
+        if launched is not None and self._flight is launched and not launched.ahead:
+            self._flight = None  # some request in it needs its tokens before its next step
+            self._land(launched)
+        self.last_step_s = time.perf_counter() - t0
+
+    def _room_beside(self) -> bool:
+        """Planning beside a step in the air must not preempt: a preempted request is
+        recomputed from its tokens, and the host has not read the last one yet. (Nor does it
+        while a failed batch is bisected: a suspect runs alone.)"""
+        bs = self.cfg.block_size
+        need = sum(
+            max(0, math.ceil(r.num_tokens / bs) - len(r.block_table)) for r in self.running.values()
+        )
+        return need <= self.allocator.num_free
+
+    def _launch(self, plan: Sequence[Planned], prev: Flight | None) -> Flight | None:
+        """Step ``plan`` queued on the device; its plain decodes of ``prev`` fed the tokens
+        ``prev`` sampled, on the device. Each of its requests that may go on unread gets a
+        placeholder token and its pending token counted computed."""
+        if not plan:
+            return None
+        reqs = [p.req for p in plan]
+        sampled = prev.launched.sampled() if prev is not None else {}
+        fed = {
+            r.request_id: sampled[r.request_id] for r in reqs if prev and r.request_id in prev.at
+        }
+        launched = launch_step(
+            self.target, None, reqs, [p.new_tokens for p in plan], [p.k for p in plan], fed
+        )
+        self.steps += 1
+        self.steps_overlapped += prev is not None
+        self.target_tokens_fed += sum(s.num_fed for s in launched.steps)
+        at: dict[str, int] = {}
+        sources = {r.request_id for r in reqs if self.choices.is_source(r.request_id)}
+        ahead = all(
+            goes_on_unread(s, s.req.request_id in self.suspects, s.req.request_id in sources)
+            for s in launched.steps
+        )
+        for s in launched.steps if ahead else ():
+            if s.samples:  # its pending tokens are in the KV once the step has run
+                r = s.req
+                r.num_computed += len(s.pending)
+                at[r.request_id] = len(r.output_token_ids)
+                r.output_token_ids.append(UNREAD)
+        return Flight(tuple(plan), launched, ahead, at)
+
+    def _land(self, f: Flight) -> None:
+        """Read ``f`` and apply its tokens; a request that ended or was aborted while it was
+        in the air takes none. Its held blocks are freed after the read."""
+        try:
+            emissions = land_step(f.launched, advanced=f.ahead)
+        except Exception as e:
+            self._ahead_failed([f], [], e)
+            return
+        self.suspects.difference_update(
+            p.req.request_id for p, em in zip(f.plan, emissions, strict=True) if em.tokens
+        )
+        for p, em in zip(f.plan, emissions, strict=True):
+            r = p.req
+            if self.running.get(r.request_id) is not r:
+                continue
+            later: list[int] = []
+            if r.request_id in f.at:  # the placeholder (and one of the step now in the air) go
+                at = f.at[r.request_id]
+                later = r.output_token_ids[at + 1 :]
+                del r.output_token_ids[at:]
+            if em.tokens:
+                self._apply(r, em)
+            if later and self.running.get(r.request_id) is r:
+                r.output_token_ids += later
+        self.allocator.free(f.held)
+
+    def _ahead_failed(
+        self, flights: Sequence[Flight], plan: Sequence[Planned], e: Exception
+    ) -> None:
+        """A step failed with another in the air or planned on it: their requests fail as one
+        batch, their placeholders gone, once the device has finished what it was given."""
+        if self._flight is not None:
+            flights = [*flights, self._flight]
+            self._flight = None
+        try:
+            synchronize(self.cfg.device)
+        except Exception:
+            log.exception("waiting for the device after a failed step")
+        failed: dict[str, Planned] = {}
+        for f in flights:
+            self.allocator.free(f.held)
+            for p in f.plan:
+                if p.req.request_id in f.at:
+                    del p.req.output_token_ids[f.at[p.req.request_id] :]
+        for p in [p for f in flights for p in f.plan] + list(plan):
+            if self.running.get(p.req.request_id) is p.req:
+                failed.setdefault(p.req.request_id, p)
+        self._step_failed(list(failed.values()), e)
 
     def _isolated_step(self, plan: Sequence[Planned]) -> list[Emission]:
         """The step's emissions; a step that raises fails its request if it ran alone, else
@@ -356,24 +514,29 @@ class DecodeEngine:
         try:
             emissions = self._run_step(plan)
         except Exception as e:
-            self.step_failures += 1
-            if len(plan) == 1:
-                r = plan[0].req
-                log.exception("the decode step of request %s failed", r.request_id)
-                self.running.pop(r.request_id, None)
-                self._finish(r, FinishReason.ERROR, f"decode step failed for this request: {e}")
-            else:
-                log.warning("a step of %d requests failed (%s): each runs alone", len(plan), e)
-                for p in plan:
-                    self.running.pop(p.req.request_id)
-                    self.suspects.add(p.req.request_id)
-                    self._requeue(p.req)
+            self._step_failed(plan, e)
             return [Emission((), 0, 0, 0) for _ in plan]
         # cleared once it emits: a fault may lie in sampling, after its prompt's recompute
         self.suspects.difference_update(
             p.req.request_id for p, em in zip(plan, emissions, strict=True) if em.tokens
         )
         return emissions
+
+    def _step_failed(self, plan: Sequence[Planned], e: Exception) -> None:
+        if not plan:
+            raise e
+        self.step_failures += 1
+        if len(plan) == 1:
+            r = plan[0].req
+            log.exception("the decode step of request %s failed", r.request_id)
+            self.running.pop(r.request_id, None)
+            self._finish(r, FinishReason.ERROR, f"decode step failed for this request: {e}")
+            return
+        log.warning("a step of %d requests failed (%s): each runs alone", len(plan), e)
+        for p in plan:
+            self.running.pop(p.req.request_id)
+            self.suspects.add(p.req.request_id)
+            self._requeue(p.req)
 
     def _run_step(self, plan: Sequence[Planned]) -> list[Emission]:
         if not plan:
@@ -522,7 +685,10 @@ class DecodeEngine:
         if self.drafter is not None:
             self.drafter.forget(r.request_id)
         if r.block_table:
-            self.allocator.free(r.block_table)
+            if self._flight is not None:  # the step in the air may still write them
+                self._flight.held.extend(r.block_table)
+            else:
+                self.allocator.free(r.block_table)
             r.block_table = []
         r.status = RequestStatus.FINISHED
 

@@ -56,3 +56,4 @@ class EngineStats:
     retired_blocks: int = 0  # of reads that never ended within kv.quarantine_timeout_s
     queue_timeouts: int = 0  # requests ended after decode.max_queue_wait_s without blocks
     step_failures: int = 0  # steps that raised (each then isolated to the request at fault)
+    steps_overlapped: int = 0  # planned and launched while the step before was in the air

@@ -121,6 +121,7 @@ class DecodeServer:
         out.update(process_memory())
         out["onednn_cache_capacity"] = onednn_cache_capacity()
         out["switch_interval_s"] = sys.getswitchinterval()
+        out["overlap"] = self.engine.overlap  # step n + 1 planned beside step n
         out.update(self.engine.target.describe())
         if self.engine.draft_bucketed is not None:
             out["draft_graphs"] = self.engine.draft_bucketed.describe()["graphs"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -13,7 +13,7 @@ from decode.drafters.device_rounds import read_proposals
 from decode.processing import Span, process_spans
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
-from models.device_copy import to_device
+from models.device_copy import HostCopy, to_device
 from models.logprobs import TokenLogprob, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
@@ -148,6 +148,29 @@ def _width(prop: DraftProposal, k: int) -> int:
     return min(prop.size, k) + 1
 
 
+@dataclass(frozen=True, eq=False)
+class Launched:
+    """A step whose device work is queued: ``land_step`` reads its one copy and accepts."""
+
+    drafter: Drafter | None
+    steps: list[SeqStep]
+    out: StepResult
+    chains: list[SeqStep]
+    trees: list[SeqStep]
+    counts: torch.Tensor | None  # [3, C] on the device, the chains in ``order``
+    order: list[SeqStep]
+    unread: list[SeqStep]
+    read: Staged
+
+    def sampled(self) -> dict[str, torch.Tensor]:
+        """Per request id, [1] on the device: the last token its chain step emits (a plain
+        decode's one token), before the read."""
+        if self.counts is None:
+            return {}
+        finals = self.counts[2]  # [C]
+        return {s.req.request_id: finals[j : j + 1] for j, s in enumerate(self.order)}
+
+
 def decode_step(
     target: ModelRunner,
     drafter: Drafter | None,
@@ -159,6 +182,25 @@ def decode_step(
     """Advance every request by one step; ``ks[i]`` extra positions may be verified for it.
     ``while_waiting``: host work run once the step's device work is queued, before its read
     waits on it (on a GPU it overlaps the forward)."""
+    launched = launch_step(target, drafter, reqs, new_tokens, ks)
+    if while_waiting is not None:
+        while_waiting()
+    return land_step(launched)
+
+
+def launch_step(
+    target: ModelRunner,
+    drafter: Drafter | None,
+    reqs: Sequence[Request],
+    new_tokens: Sequence[int],
+    ks: Sequence[int],
+    pending_on_device: Mapping[str, torch.Tensor] | None = None,
+) -> Launched:
+    """Draft, queue the target's forward and the verification, and queue their copy to the
+    host. ``pending_on_device``: [1] per request whose pending token is still unread (the
+    previous step's, landed after this one is launched), by request id; its host token is a
+    placeholder."""
+    on_dev = pending_on_device or {}
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
     unread = [s for s in steps if s.proposal.unread is not None]
     if unread and not isinstance(target, LocalRunner):  # a TP group takes its tokens on the host
@@ -169,14 +211,12 @@ def decode_step(
     batch = [_seq_input(s) for s in steps]
     for r in reqs:
         r.kv_moves = ()
-    if unread:
-        assert isinstance(target, LocalRunner)
-        first = unread[0].proposal.unread
+    if unread or on_dev:
+        assert isinstance(target, LocalRunner), "a TP group takes its tokens on the host"
+        first = next(iter(on_dev.values())) if on_dev else unread[0].proposal.unread
         assert first is not None
-        dev = first.device
-        out = target.run(
-            batch, _on_device([p for s in steps for p in (s.pending, s.fed_drafts)], dev)
-        )
+        pieces = [p for s in steps for p in (on_dev.get(s.req.request_id, s.pending), s.fed_drafts)]
+        out = target.run(batch, _on_device(pieces, first.device))
     else:
         out = target.run(batch)
 
@@ -189,17 +229,24 @@ def decode_step(
     counts, order = _verify_chains(out, chains)  # [3, C] on the device
     # [1 + nodes] per tree: every row's argmax, read with the chains' counts
     best = [out.argmax(slice(s.first_row, s.first_row + s.width)) for s in trees]
-    if while_waiting is not None:
-        while_waiting()
-    verdicts, bests, drafted = _read_once(counts, order, chains, best, unread)
-    if drafter is not None and unread:
+    read = _stage(counts, best, unread)
+    return Launched(drafter, steps, out, chains, trees, counts, order, unread, read)
+
+
+def land_step(launched: Launched, advanced: bool = False) -> list[Emission]:
+    """Wait for the step's one copy and accept its tokens. ``advanced``: its requests'
+    computed counts already took their pending token (a step launched before this one landed
+    was planned on them)."""
+    lc, drafter = launched, launched.drafter
+    verdicts, bests, drafted = _read_once(lc.read, lc.order, lc.chains)
+    if drafter is not None and lc.unread:
         drafter.settle()
-    known = {s: _with_tokens(s, t) for s, t in zip(unread, drafted, strict=True)}
-    got = {s: _accept_tree(drafter, s, out, b) for s, b in zip(trees, bests, strict=True)}
-    for s, (n, final) in zip(chains, verdicts, strict=True):
-        got[s] = _accept_chain(drafter, known.get(s, s), out, n, final)
-    emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in steps]
-    return _with_logprobs(out.logits, steps, emissions)
+    known = {s: _with_tokens(s, t) for s, t in zip(lc.unread, drafted, strict=True)}
+    got = {s: _accept_tree(drafter, s, lc.out, b) for s, b in zip(lc.trees, bests, strict=True)}
+    for s, (n, final) in zip(lc.chains, verdicts, strict=True):
+        got[s] = _accept_chain(drafter, known.get(s, s), lc.out, n, final, advanced)
+    emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in lc.steps]
+    return _with_logprobs(lc.out.logits, lc.steps, emissions)
 
 
 def _with_logprobs(
@@ -232,30 +279,45 @@ def _with_tokens(s: SeqStep, tokens: Sequence[int]) -> SeqStep:
     return replace(s, proposal=replace(s.proposal, tokens=tuple(tokens), unread=None))
 
 
-def _read_once(
-    counts: torch.Tensor | None,
-    order: Sequence[SeqStep],
-    chains: Sequence[SeqStep],
-    best: Sequence[torch.Tensor],
-    unread: Sequence[SeqStep],
-) -> tuple[list[tuple[int, int | None]], list[list[int]], list[list[int]]]:
-    """The step's one device->host copy: per chain (drafts accepted, the recovered or bonus
-    token or None), per tree its rows' argmax, and the drafts left on the device."""
+@dataclass(frozen=True)
+class Staged:
+    """The step's one device->host copy, queued: the chains' counts, then each tree's rows'
+    argmax, then the drafts left on the device."""
+
+    copy: HostCopy | None
+    num_chains: int
+    tree_sizes: tuple[int, ...]
+    draft_sizes: tuple[int, ...]
+
+
+def _stage(
+    counts: torch.Tensor | None, best: Sequence[torch.Tensor], unread: Sequence[SeqStep]
+) -> Staged:
     drafts = [s.proposal.unread for s in unread if s.proposal.unread is not None]
     parts = ([] if counts is None else [counts.reshape(-1)]) + list(best) + drafts
-    if not parts:
-        return [], [], []
-    flat = torch.cat(parts).tolist()
     c = 0 if counts is None else counts.shape[1]
+    trees, rows = tuple(b.shape[0] for b in best), tuple(d.shape[0] for d in drafts)
+    return Staged(HostCopy(torch.cat(parts)) if parts else None, c, trees, rows)
+
+
+def _read_once(
+    staged: Staged, order: Sequence[SeqStep], chains: Sequence[SeqStep]
+) -> tuple[list[tuple[int, int | None]], list[list[int]], list[list[int]]]:
+    """The step's one read: per chain (drafts accepted, the recovered or bonus token or None),
+    per tree its rows' argmax, and the drafts that were left on the device."""
+    if staged.copy is None:
+        return [], [], []
+    flat = staged.copy.tolist()
+    c = staged.num_chains
     n, has, final = flat[:c], flat[c : 2 * c], flat[2 * c : 3 * c]
     got = {s: (n[j], final[j] if has[j] else None) for j, s in enumerate(order)}
     at = 3 * c
-    bests: list[list[int]] = []
-    drafted: list[list[int]] = []
-    for size, into in [(b.shape[0], bests) for b in best] + [(d.shape[0], drafted) for d in drafts]:
-        into.append(flat[at : at + size])
+    pieces: list[list[int]] = []
+    for size in staged.tree_sizes + staged.draft_sizes:
+        pieces.append(flat[at : at + size])
         at += size
-    return [got[s] for s in chains], bests, drafted
+    trees = len(staged.tree_sizes)
+    return [got[s] for s in chains], pieces[:trees], pieces[trees:]
 
 
 def _verify_chains(
@@ -364,13 +426,19 @@ def _seq_input(s: SeqStep) -> SeqInput:
 
 
 def _accept_chain(
-    drafter: Drafter | None, s: SeqStep, out: StepResult, n: int, final: int | None
+    drafter: Drafter | None,
+    s: SeqStep,
+    out: StepResult,
+    n: int,
+    final: int | None,
+    advanced: bool = False,
 ) -> Emission:
     r, tested = s.req, s.proposal.tokens[: s.width]
     emitted = tested[:n] + ((final,) if final is not None else ())
     valid = len(s.pending) + min(n, s.width - 1)  # in KV: pending and the fed accepted drafts
     _observe(drafter, r, out.all_hidden[s.offset : s.offset + valid])
-    r.num_computed += valid
+    if not advanced:
+        r.num_computed += valid
     r.num_draft_computed = min(r.num_draft_computed, r.num_computed)
     rows = tuple(range(s.first_row, s.first_row + len(emitted)))
     return Emission(emitted, len(tested), n, s.num_fed, rows)

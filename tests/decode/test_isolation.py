@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from decode.config import DecodeEngineConfig
@@ -37,11 +38,13 @@ def _drive(engine: DecodeEngine, reqs: list[Request]) -> dict[str, tuple[list[in
     return out
 
 
-def test_a_request_that_breaks_the_step_fails_alone(tiny_folder: Path) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_request_that_breaks_the_step_fails_alone(tiny_folder: Path, overlap: str) -> None:
     """``top_k`` past int64 (which the API refuses) makes the batched sampler raise: before,
-    the exception escaped ``step`` and the loop ended every request on the replica."""
+    the exception escaped ``step`` and the loop ended every request on the replica. The same
+    with steps planned beside the one in the air."""
     target = ModelSpec(str(tiny_folder))
-    cfg = DecodeEngineConfig("t", target, DraftSpec(), num_blocks=64)
+    cfg = DecodeEngineConfig("t", target, DraftSpec(), num_blocks=64, overlap=overlap)
     engine, reference = DecodeEngine(cfg), DecodeEngine(cfg)
     prompts = _prompts(3, 20, seed=5)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
