@@ -28,11 +28,13 @@ STEPS = 12
 
 
 def _drafters(models: Path) -> dict[str, Any]:
+    """By name, each engine's drafter (``plain_overlap``: no drafter, ``decode.overlap`` on)."""
     from models.spec import DraftKind, DraftSpec, ModelSpec
 
     draft, eagle = ModelSpec(str(models / "d")), ModelSpec(str(models / "e"))
     return {
         "plain": DraftSpec(),
+        "plain_overlap": DraftSpec(),
         "ngram": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=False),
         "draft_model": DraftSpec(
             DraftKind.DRAFT_MODEL, model=draft, num_speculative_tokens=4, adaptive=False
@@ -74,6 +76,24 @@ def _count(dev: str, step: Any) -> tuple[int, list[str]]:
     """The syncs ``step()`` makes, and where, under the sync debug mode (on a CPU: its reads)."""
     if dev != "cuda":
         return _count_reads(step)
+    from models.device_copy import HostCopy
+
+    waits: list[str] = []
+    read = HostCopy.tolist
+
+    def waited(self: HostCopy) -> list[int]:  # an event wait: the sync debug mode misses it
+        waits.append("HostCopy.tolist")
+        return read(self)
+
+    HostCopy.tolist = waited  # type: ignore[method-assign]
+    try:
+        n, sites = _count_syncs(step)
+    finally:
+        HostCopy.tolist = read  # type: ignore[method-assign]
+    return n + len(waits), sites + waits
+
+
+def _count_syncs(step: Any) -> tuple[int, list[str]]:
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -102,7 +122,14 @@ def measure(models: Path, dev: str) -> dict[str, Any]:
     for name, spec in _drafters(models).items():
         # 256-token sequences: a small grid of buckets, every one captured before the count
         cfg = DecodeEngineConfig(
-            "t", target, spec, device=dev, num_blocks=256, max_batch_size=8, max_model_len=256
+            "t",
+            target,
+            spec,
+            device=dev,
+            num_blocks=256,
+            max_batch_size=8,
+            max_model_len=256,
+            overlap="on" if name == "plain_overlap" else "off",
         )
         engine = DecodeEngine(cfg)
         reqs = [

@@ -3,10 +3,14 @@ time less its target forward (timed around the runner's ``run`` and a device syn
 after it, so on a GPU the forward includes the device's time). What is left is the host's own
 work per step: scheduling, drafting by lookup, laying out the step's inputs, acceptance, each
 request's bookkeeping and its outputs. Only the intake (transfers, admissions) overlaps the
-device's step on a GPU (this timing's synchronisation after the forward undoes that here).
+device's step on a GPU (this timing's synchronisation after the forward undoes that here), so
+these modes run with ``decode.overlap`` off.
 
 Plain decoding and n-gram drafting (k = 4, fixed), greedy, prompts computed first and not
-timed; the median of ``--steps`` steady steps per batch.
+timed; the median of ``--steps`` steady steps per batch. ``plain_overlap`` times plain steps
+with ``decode.overlap`` on (step n + 1 planned and launched beside step n), nothing
+synchronised but each step's own read: its ``step_ms`` against ``plain``'s is what the
+overlap hides (on a CPU the forward has ended before the host plans: about 1.0).
 
     python -m bench.host_time [--device cpu] [--model embedded] [--steps 30]
         [--out bench/results/host_time.json]
@@ -57,16 +61,26 @@ class _Timed(ModelRunner):
 
 
 def measure(
-    target: ModelSpec, draft: DraftSpec, device: str, batch: int, steps: int
+    target: ModelSpec, draft: DraftSpec, device: str, batch: int, steps: int, overlap: bool = False
 ) -> dict[str, float]:
-    """Median step, forward and host milliseconds over ``steps`` decode steps at ``batch``."""
+    """Median step, forward and host milliseconds over ``steps`` decode steps at ``batch``
+    (``overlap``: the step only, its forward not timed apart)."""
     blocks = batch * ((PROMPT_LEN + steps * 6 + 15) // 16 + 2)
     # no start-up warm-up: each run steps one or two buckets, captured in its first steps
     cfg = DecodeEngineConfig(
-        "m", target, draft, num_blocks=blocks, max_batch_size=batch, device=device, warm_up="off"
+        "m",
+        target,
+        draft,
+        num_blocks=blocks,
+        max_batch_size=batch,
+        device=device,
+        warm_up="off",
+        overlap="on" if overlap else "off",
     )
     engine = DecodeEngine(cfg)
-    timed = engine.target = _Timed(engine.target, device)
+    timed = _Timed(engine.target, device)
+    if not overlap:
+        engine.target = timed
     g = torch.Generator().manual_seed(batch)
     vocab = target.config().vocab_size
     sp = SamplingParams(temperature=0.0, max_tokens=steps * 6 + 8)
@@ -88,6 +102,8 @@ def measure(
         walls.append(time.perf_counter() - t0)
         forwards.append(timed.spent)
     engine.close()
+    if overlap:
+        return {"step_ms": 1000 * statistics.median(walls)}
     hosts = [w - f for w, f in zip(walls, forwards, strict=True)]
     return {
         "step_ms": 1000 * statistics.median(walls),
@@ -100,16 +116,20 @@ def measure(
 def measure_all(
     target: ModelSpec, device: str, batches: Sequence[int], steps: int
 ) -> dict[str, Any]:
-    """Plain decoding and n-gram drafting at each batch size."""
+    """Plain decoding and n-gram drafting at each batch size; plain overlapped, its step time
+    over plain's (``vs_plain``)."""
     modes = {
-        "plain": DraftSpec(),
-        "ngram_k4": DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=False),
+        "plain": (DraftSpec(), False),
+        "ngram_k4": (DraftSpec(DraftKind.NGRAM, num_speculative_tokens=4, adaptive=False), False),
+        "plain_overlap": (DraftSpec(), True),
     }
     rows: dict[str, Any] = {}
-    for name, draft in modes.items():
+    for name, (draft, overlap) in modes.items():
         rows[name] = {}
         for batch in batches:
-            rows[name][batch] = got = measure(target, draft, device, batch, steps)
+            rows[name][batch] = got = measure(target, draft, device, batch, steps, overlap)
+            if overlap:
+                got["vs_plain"] = got["step_ms"] / rows["plain"][batch]["step_ms"]
             print(name, batch, json.dumps(got), flush=True)
     return rows
 

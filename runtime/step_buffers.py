@@ -68,17 +68,34 @@ class StepBuffers:
         for name, n in zip(names, sizes, strict=True):
             self._at[name] = (start, n)
             start += n
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(start, dtype=torch.long, pin_memory=pinned)
+        on_cpu = device.type == "cpu"
+        # a GPU stages in two pinned buffers by turns: with overlapped scheduling the next
+        # step's inputs are written while this step's asynchronous copy may not have run yet
+        self._stages = [
+            torch.zeros(start, dtype=torch.long, pin_memory=not on_cpu)
+            for _ in range(1 if on_cpu else 2)
+        ]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._stages)
+        self._turn = 0
         self.device = (
-            self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+            self._stages[0] if on_cpu else torch.zeros(start, dtype=torch.long, device=device)
         )
-        self._np = self.host.numpy()
+        self._np = self._stages[0].numpy()
 
     def _host(self, name: str) -> np.ndarray:
         s, n = self._at[name]
         out: np.ndarray = self._np[s : s + n]
         return out
+
+    def _next_stage(self) -> torch.Tensor:
+        """The staging buffer to write now, once the copy that last read it has run."""
+        self._turn = (self._turn + 1) % len(self._stages)
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
+        stage = self._stages[self._turn]
+        self._np = stage.numpy()
+        return stage
 
     def _dev(self, name: str, n: int) -> torch.Tensor:
         s, _ = self._at[name]
@@ -120,6 +137,7 @@ class StepBuffers:
         need = [-(-(s.num_cached + len(s.token_ids)) // bs) for s in batch]
         nb = bucket_size(max(need), self.max_blocks)
         rows = b * q
+        stage = self._next_stage()
         h = {name: self._host(name) for name in self._at}
         for name in (*ROW_FIELDS, "token_rows"):
             h[name][:rows] = 0
@@ -153,8 +171,10 @@ class StepBuffers:
         h["slot_blocks"][:rows][pad] = h["slot_blocks"][0]
         h["slot_offsets"][:rows][pad] = h["slot_offsets"][0]
         h["positions"][:rows][pad] = h["positions"][0]
-        if self.device is not self.host:
-            self.device.copy_(self.host, non_blocking=True)
+        if self.device is not stage:
+            self.device.copy_(stage, non_blocking=True)
+            copied = self._copied[self._turn] = torch.cuda.Event()
+            copied.record()
         return Filled(
             Bucket(b, q, nb), logits, tokens, tuple(len(s.logit_positions) for s in batch)
         )

@@ -61,6 +61,12 @@ def test_the_host_time_section_reports_each_batch_and_mode(tmp_path: Path) -> No
         for batch in (1, 4):
             row = out[mode][batch]
             assert 0 < row["host_ms"] < row["step_ms"] and row["forward_ms"] > 0
+    for batch in (1, 4):
+        row = out["plain_overlap"][batch]
+        assert (
+            row["step_ms"] > 0
+            and row["vs_plain"] == row["step_ms"] / out["plain"][batch]["step_ms"]
+        )
 
 
 def test_the_syncs_section_steps_every_drafter(tmp_path: Path) -> None:
@@ -69,7 +75,15 @@ def test_the_syncs_section_steps_every_drafter(tmp_path: Path) -> None:
     make_models(tmp_path, "cpu", True)
     out = run_section("syncs", tmp_path, "cpu", True, tmp_path)
     assert not out["measured"]  # nothing waits on a device here: host reads are counted
-    assert set(out["drafters"]) == {"plain", "ngram", "draft_model", "eagle", "eagle_tree"}
-    for chains in ("plain", "ngram", "draft_model", "eagle"):  # drafts read with the verdicts
+    assert set(out["drafters"]) == {
+        "plain",
+        "plain_overlap",
+        "ngram",
+        "draft_model",
+        "eagle",
+        "eagle_tree",
+    }
+    # drafts read with the verdicts; overlapped steps each read once too (a step later)
+    for chains in ("plain", "plain_overlap", "ngram", "draft_model", "eagle"):
         assert out["drafters"][chains]["syncs_per_step_max"] == 1, out["drafters"][chains]
     assert out["drafters"]["eagle_tree"]["syncs_per_step_median"] > 1  # a read per level
