@@ -17,6 +17,7 @@ from models.tree import move_slots
 from runtime.graph_capture import capture
 from runtime.runner import LocalRunner, SeqInput, StepResult, head_outputs, run_step
 from runtime.step_buffers import Bucket, StepBuffers
+from runtime.traffic_waits import TrafficWaits
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class _Captured:
     features: torch.Tensor
 
 
-class BucketedRunner(LocalRunner):
+class BucketedRunner(LocalRunner, TrafficWaits):
     def __init__(
         self,
         model: LlamaModel,
@@ -52,20 +53,14 @@ class BucketedRunner(LocalRunner):
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.bucketed_steps = 0
         self.ragged_steps = 0
-        self._serving_from: tuple[int, int] | None = None  # (compiles, captures) then
 
     @property
     def compiles(self) -> int:
-        """Attention kernels compiled so far (ragged steps' included)."""
         return self.backend.attention.compiles
 
     @property
     def captures(self) -> int:
         return len(self._captured)
-
-    def serving(self) -> None:
-        """From here on steps are traffic's: their compiles and captures are counted."""
-        self._serving_from = (self.compiles, self.captures)
 
     def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
         """``ids``: [T] the batch's tokens on the device already (drafts not read yet): put in
@@ -120,13 +115,8 @@ class BucketedRunner(LocalRunner):
         out["compiles_during_traffic"], out["captures_during_traffic"] = self.during_traffic()
         return out
 
-    def during_traffic(self) -> tuple[int, int]:
-        """(compiles, captures) since ``serving``: steps that waited on one."""
-        compiles, captures = self._serving_from or (self.compiles, self.captures)
-        return self.compiles - compiles, self.captures - captures
-
     def _capture_once(self, bucket: Bucket) -> _Captured:
-        during = self._serving_from is not None  # a step of traffic waits on it
+        during = self.is_serving  # a step of traffic waits on it
         log.log(
             logging.WARNING if during else logging.DEBUG,
             "capturing a CUDA graph for %d sequences x %d tokens over %d blocks%s",

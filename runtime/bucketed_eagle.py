@@ -14,12 +14,13 @@ from models.eagle import EagleHead
 from runtime.graph_capture import capture
 from runtime.runner import EagleRunner, SeqInput, StepResult
 from runtime.step_buffers import Bucket, StepBuffers
+from runtime.traffic_waits import TrafficWaits
 from runtime.warm_up import warm_batch
 
 log = logging.getLogger(__name__)
 
 
-class BucketedEagleRunner(EagleRunner):
+class BucketedEagleRunner(EagleRunner, TrafficWaits):
     def __init__(
         self,
         head: EagleHead,
@@ -45,7 +46,6 @@ class BucketedEagleRunner(EagleRunner):
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.bucketed_steps = 0
         self.ragged_steps = 0
-        self._serving_from: tuple[int, int] | None = None
 
     @property
     def compiles(self) -> int:
@@ -54,13 +54,6 @@ class BucketedEagleRunner(EagleRunner):
     @property
     def captures(self) -> int:
         return len(self._captured)
-
-    def serving(self) -> None:
-        self._serving_from = (self.compiles, self.captures)
-
-    def during_traffic(self) -> tuple[int, int]:
-        compiles, captures = self._serving_from or (self.compiles, self.captures)
-        return self.compiles - compiles, self.captures - captures
 
     def describe(self) -> dict[str, str | int]:
         graphs = f"{len(self._captured)} buckets captured" if self.graphs else "off"
@@ -106,7 +99,7 @@ class BucketedEagleRunner(EagleRunner):
         got = self._captured.get((bucket, from_target))
         if got is None:
             log.log(
-                logging.WARNING if self._serving_from is not None else logging.DEBUG,
+                logging.WARNING if self.is_serving else logging.DEBUG,
                 "capturing an EAGLE head graph for %s (target features: %s)",
                 bucket,
                 from_target,

@@ -1,6 +1,8 @@
 """A request that cannot make progress beside the others, over real HTTP: in a colocated pool
 of 24 blocks it is preempted before its first token, ends with a clear error naming the pool
-and the setting, and everything else is served as if it had never come."""
+and the setting, and everything else is served as if it had never come. Plain decoding with
+``decode.overlap`` on (a GPU's default): steps are planned beside the one in the air, except
+where planning would preempt."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def app(tiny_folder: Path) -> Iterator[str]:
             "mode": "colocated",
             "model": {"source": str(tiny_folder), "name": "tiny"},
             "ingress": {"replicas": 1},
+            "draft": {"kind": "none"},
             "decode": {
+                "overlap": "on",
                 "num_blocks": BLOCKS,
                 "num_threads": 1,
                 "max_num_batched_tokens": 2,
@@ -97,3 +101,4 @@ def test_a_request_that_cannot_progress_gets_an_error_and_the_rest_are_served(ap
     decode = httpx.get(f"{app}/health", timeout=30).json()["decode"]
     assert decode["stalled"] == 1 and decode["preemptions"] >= 1
     assert decode["free_blocks"] == BLOCKS
+    assert decode["overlap"] is True and decode["steps_overlapped"] > 300
