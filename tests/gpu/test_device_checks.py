@@ -6,6 +6,7 @@ VRAM, decode) greedy-identical to plain decoding for every drafter."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -350,3 +351,31 @@ def test_prequantized_checkpoints_serve_in_the_kernels(
     want, dense = logits("cpu")
     assert dense is Quant.NONE and served is (Quant(kind) if device == "cuda" else Quant.NONE)
     assert float((got - want).abs().max()) <= 0.1 * float(want.abs().max())
+
+
+def test_overlapped_steps_serve_what_steps_read_one_by_one_serve(
+    gpu_target: Path, device: str
+) -> None:
+    """fp32 on the device with CUDA graphs: ``decode.overlap`` on (a GPU's default) gives each
+    request the tokens and ending it gets with it off. Step n + 1's inputs are staged in the
+    other pinned buffer while step n's copy may be pending, its tokens come from the device,
+    and step n is read through its queued copy (a stop token and an abort in the air)."""
+    from tests.decode.test_overlap import _params, _prompts, _serve
+
+    t = ModelSpec(str(gpu_target))
+    prompts = _prompts(6, 20, seed=17)
+    base = DecodeEngineConfig(
+        "t", t, device=device, num_blocks=128, max_batch_size=8, max_model_len=512
+    )
+    got = {}
+    for overlap in ("off", "on"):
+        engine = DecodeEngine(replace(base, step_shapes="bucketed", overlap=overlap))
+        reqs = [
+            Request(uuid.uuid4().hex, p, sp)
+            for p, sp in zip(prompts, _params("plain", 3, 2), strict=True)
+        ]
+        got[overlap] = _serve(engine, reqs, abort=5)
+        assert engine.bucketed is not None and engine.bucketed.bucketed_steps > 10
+        assert (engine.stats().steps_overlapped > 10) is (overlap == "on")
+        engine.close()
+    assert got["on"] == got["off"]
