@@ -523,9 +523,10 @@ class DecodeEngine:
         return emissions
 
     def _step_failed(self, plan: Sequence[Planned], e: Exception) -> None:
-        if not plan:
-            raise e
         self.step_failures += 1
+        if not plan:  # every request in it had ended or been aborted meanwhile
+            log.warning("a step whose requests had all ended failed: %s", e)
+            return
         if len(plan) == 1:
             r = plan[0].req
             log.exception("the decode step of request %s failed", r.request_id)
