@@ -48,10 +48,11 @@ class _Timed(ModelRunner):
 
     def __init__(self, inner: ModelRunner, device: str) -> None:
         self.inner, self.device, self.spent = inner, device, 0.0
+        self.takes_device_ids = inner.takes_device_ids
 
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
+    def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
         t0 = time.perf_counter()
-        out = self.inner.run(batch)
+        out = self.inner.run(batch, ids)
         synchronize(self.device)
         self.spent += time.perf_counter() - t0
         return out

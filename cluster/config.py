@@ -325,8 +325,9 @@ class DecodeConfig(PoolConfig):
         "auto",
         description="Plan and launch decode step n + 1 while the device runs step n, feeding "
         "its plain decodes the tokens step n sampled straight from the device, then read step "
-        "n (what step n ends is dropped from n + 1). Steps with drafts, logit processors, "
-        "logprobs or a TP group are read before the next is planned; auto: on a GPU.",
+        "n (what step n ends is dropped from n + 1); a TP group's other ranks get those tokens "
+        "over its collectives. Steps with drafts, logit processors or logprobs are read before "
+        "the next is planned; auto: on a GPU.",
     )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,

@@ -32,7 +32,7 @@ from models.request import FinishReason, Request, RequestStatus
 from runtime.bucketed import BucketedRunner
 from runtime.bucketed_eagle import BucketedEagleRunner
 from runtime.build import build_shard
-from runtime.runner import LocalRunner, synchronize
+from runtime.runner import synchronize
 from runtime.shard import BucketSpec, ShardSpec
 from runtime.warm_up import WarmUp, warm_grid, warm_up
 from serving.grammars import ReplicaGrammars
@@ -278,8 +278,8 @@ class DecodeEngine:
         why = None
         if self.drafter is not None:
             why = "a drafter's steps need their tokens on the host before the next is planned"
-        elif not isinstance(self.target, LocalRunner):
-            why = "a TP group's steps take their inputs from the host"
+        elif not self.target.takes_device_ids:
+            why = f"{type(self.target).__name__} takes its steps' tokens from the host"
         if why is not None:
             log.log(
                 logging.WARNING if cfg.overlap == "on" else logging.INFO,

@@ -18,7 +18,7 @@ from models.logprobs import TokenLogprob, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
 from models.tree import TreeSpan, chain_parents, path_moves
-from runtime.runner import LocalRunner, ModelRunner, SeqInput, StepResult
+from runtime.runner import ModelRunner, SeqInput, StepResult
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def launch_step(
     on_dev = pending_on_device or {}
     steps = _seq_steps(drafter, reqs, new_tokens, ks)
     unread = [s for s in steps if s.proposal.unread is not None]
-    if unread and not isinstance(target, LocalRunner):  # a TP group takes its tokens on the host
+    if unread and not target.takes_device_ids:  # a runner that takes its tokens on the host
         steps = _read_drafts(steps)
         unread = []
         if drafter is not None:
@@ -212,7 +212,7 @@ def launch_step(
     for r in reqs:
         r.kv_moves = ()
     if unread or on_dev:
-        assert isinstance(target, LocalRunner), "a TP group takes its tokens on the host"
+        assert target.takes_device_ids, f"{type(target).__name__} takes its tokens on the host"
         first = next(iter(on_dev.values())) if on_dev else unread[0].proposal.unread
         assert first is not None
         pieces = [p for s in steps for p in (on_dev.get(s.req.request_id, s.pending), s.fed_drafts)]

@@ -106,9 +106,13 @@ def synchronize(device: torch.device | str) -> None:
 class ModelRunner(ABC):
     """Forward steps of one model over its paged KV; logits come back full-vocabulary."""
 
+    # whether ``run`` takes the step's tokens on the device (drafts or sampled tokens not read)
+    takes_device_ids = False
+
     @abstractmethod
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        """One forward step over ``batch``."""
+    def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
+        """One forward step over ``batch``; ``ids``: [T] its tokens on the device, where
+        ``takes_device_ids`` (``token_ids`` then only count them)."""
 
     @abstractmethod
     def describe(self) -> dict[str, str | int]:
@@ -121,6 +125,8 @@ class ModelRunner(ABC):
 
 class LocalRunner(ModelRunner):
     """The whole model in this process; ``backend`` defaults to its modules in PyTorch ops."""
+
+    takes_device_ids = True
 
     def __init__(
         self,

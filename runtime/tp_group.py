@@ -60,27 +60,38 @@ STOP = -1
 
 
 class StepChannel:
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    """Each step's inputs from rank 0: the layout over the steps group (gloo, from the host);
+    tokens still on the device (drafts or sampled tokens not read) over the compute group
+    (NCCL on a GPU: queued on the stream, no host sync)."""
 
-    def send(self, batch: Sequence[SeqInput] | None) -> None:
-        """Rank 0: the next step's inputs (None: stop)."""
+    def __init__(self, group: Any, compute: Any, device: torch.device) -> None:
+        self.group, self.compute, self.device = group, compute, device
+
+    def send(self, batch: Sequence[SeqInput] | None, ids: torch.Tensor | None = None) -> None:
+        """Rank 0: the next step's inputs (None: stop); ``ids``: [T] its tokens on the device."""
         flat = pack(batch) if batch is not None else None
-        size = torch.tensor([STOP if flat is None else flat.numel()])
+        n = STOP if flat is None else flat.numel()
+        size = torch.tensor([n, 0 if ids is None else ids.numel()])
         self.group.broadcast(size, 0).wait()
         if flat is not None:
             self.group.broadcast(flat, 0).wait()
+        if ids is not None:
+            self.compute.broadcast(ids.contiguous(), 0).wait()
 
-    def receive(self) -> list[SeqInput] | None:
-        """Ranks 1..: the next step's inputs, or None when rank 0 stopped the group."""
-        size = torch.empty(1, dtype=torch.long)
+    def receive(self) -> tuple[list[SeqInput], torch.Tensor | None] | None:
+        """Ranks 1..: the next step's inputs and device tokens, or None when rank 0 stopped."""
+        size = torch.empty(2, dtype=torch.long)
         self.group.broadcast(size, 0).wait()
-        n = int(size.item())
+        n, t = size.tolist()
         if n == STOP:
             return None
         flat = torch.empty(n, dtype=torch.long)
         self.group.broadcast(flat, 0).wait()
-        return unpack(flat)
+        ids = None
+        if t:
+            ids = torch.empty(t, dtype=torch.long, device=self.device)
+            self.compute.broadcast(ids, 0).wait()
+        return unpack(flat), ids
 
 
 class RankWorker:
@@ -107,7 +118,7 @@ class RankWorker:
             self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size, backend=fabric.backend
         )
         self.pulls = RankPulls(transport)
-        self.channel = StepChannel(self.groups.steps)
+        self.channel = StepChannel(self.groups.steps, self.groups.compute, self.pool.device)
 
     def _run_steps(self, spec: ShardSpec, rank: int) -> None:
         try:
@@ -118,8 +129,8 @@ class RankWorker:
         finally:
             self._ready.set()
         try:
-            while (batch := self.channel.receive()) is not None:
-                self.runner.run(batch)
+            while (got := self.channel.receive()) is not None:
+                self.runner.run(*got)
                 self.steps += 1
         except Exception:  # the group broke (rank 0 gone): nothing more will come
             log.exception("TP rank step loop ended")
@@ -147,13 +158,15 @@ class RankWorker:
 
 
 class TPRunner(ModelRunner):
+    takes_device_ids = True
+
     def __init__(self, local: LocalRunner, channel: StepChannel) -> None:
         self.local = local
         self.channel = channel
 
-    def run(self, batch: Sequence[SeqInput]) -> StepResult:
-        self.channel.send(batch)
-        return self.local.run(batch)
+    def run(self, batch: Sequence[SeqInput], ids: torch.Tensor | None = None) -> StepResult:
+        self.channel.send(batch, ids)
+        return self.local.run(batch, ids)
 
     def describe(self) -> dict[str, str | int]:
         return self.local.describe()
@@ -194,7 +207,7 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
         pool, role=spec.role, rank=0, tp_size=spec.tp_size, backend=fabric.backend
     )
     transport = GroupTransport(rank0, actors)
-    runner = TPRunner(local, StepChannel(groups.steps))
+    runner = TPRunner(local, StepChannel(groups.steps, groups.compute, pool.device))
     probe = (
         PathProbe(fabric, spec.device, spec.min_path_gbps, spec.role) if spec.path_check else None
     )

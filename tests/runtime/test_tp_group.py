@@ -212,6 +212,37 @@ def test_an_int8_tp2_engine_starts_and_decodes_what_int8_tp1_does(
     assert outs[0] == outs[1]
 
 
+def test_tp2_takes_a_chains_drafts_from_rank_0s_device(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    """A draft model's chain stays on rank 0's device and reaches rank 1 over the group's
+    collectives: with the target as its own draft every greedy draft is accepted, which a
+    rank fed anything else than the drafts (its host placeholders) would break."""
+    target, _ = specs
+    draft = DraftSpec(DraftKind.DRAFT_MODEL, model=target, num_speculative_tokens=3, adaptive=False)
+    engine = DecodeEngine(DecodeEngineConfig("t", target, draft, tp_size=2, **KW))  # type: ignore[arg-type]
+    sp = SamplingParams(temperature=0.0, max_tokens=13)
+    reqs = [make_request(p, sp) for p in _prompts()]
+    run_all(engine, reqs)
+    engine.close()
+    for r in reqs:
+        assert r.stats.num_draft_tokens == r.stats.num_accepted_tokens == 12
+
+
+def test_tp2_overlapped_plain_decoding_matches_tp1(specs: tuple[ModelSpec, DraftSpec]) -> None:
+    """``decode.overlap`` over TP = 2: step n + 1 is launched before step n is read, and the
+    tokens step n sampled reach rank 1 over the group's collectives, not from the host; greedy
+    and seeded sampled requests get TP = 1's tokens (read step by step)."""
+    target, _ = specs
+    outs, overlapped = [], []
+    for tp, overlap in ((1, "off"), (2, "on")):
+        cfg = DecodeEngineConfig("t", target, DraftSpec(), tp_size=tp, overlap=overlap, **KW)  # type: ignore[arg-type]
+        engine = DecodeEngine(cfg)
+        outs.append(_run(engine, None))
+        overlapped.append(engine.stats().steps_overlapped)
+        engine.close()
+    assert outs[0] == outs[1]
+    assert overlapped[0] == 0 and overlapped[1] > 10
+
+
 def test_a_silent_rank_wedges_the_replica_and_ends_its_requests(
     tp2: tuple[DecodeEngine, PrefillWorker],
 ) -> None:
