@@ -316,7 +316,7 @@ def _baseline_engine(spec: ModelSpec, kind: str) -> DecodeEngine:
     from models.layers import RowOps
 
     patches: list[tuple[Any, str, Any]] = (
-        [  # the worker builds its target with these (``runtime.shard.rank_target``)
+        [  # the worker builds its target with these (``runtime.shard.target_runner``)
             (runtime.shard, "row_ops_for", lambda device: RowOps()),
             (runtime.shard, "model_backend", partial(model_backend, serve_cpu=False)),
         ]

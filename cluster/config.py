@@ -72,7 +72,8 @@ class PoolConfig(_Frozen):
         description="Size each replica's KV pool from GPU memory: this share of the device, "
         "less the loaded models and the largest step's activations (profiled at start-up), "
         "goes to the pool, in whole blocks. num_blocks is then the least the pool may hold: a "
-        "replica with less memory refuses to start, naming the numbers. CUDA and tp 1 only.",
+        "replica with less memory refuses to start, naming the numbers. CUDA only; with tp > 1 "
+        "every rank profiles its shard and the pools take the fewest blocks any rank holds.",
     )
     resource: str = Field(..., description="Ray custom resource that marks this pool's nodes.")
     onednn_cache_capacity: int | None = Field(
@@ -106,11 +107,6 @@ class PoolConfig(_Frozen):
             raise ValueError(
                 f"gpu_memory_utilization={u:g} sizes the KV pool from GPU memory; on device "
                 "cpu set num_blocks"
-            )
-        if u is not None and self.tp > 1:
-            raise ValueError(
-                f"gpu_memory_utilization={u:g} is built for tp 1 only; with tp {self.tp} set "
-                "num_blocks"
             )
         if u is not None and self.gpu_fraction < 1:
             raise ValueError(

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from kvtransfer.path_check import PathProbe
 from kvtransfer.select import make_transport
-from runtime.kv_sizing import size_pool
+from runtime.kv_sizing import check_sizable, size_pool
 from runtime.shard import (
     Shard,
     ShardSpec,
@@ -23,12 +23,8 @@ log = logging.getLogger(__name__)
 
 def build_shard(spec: ShardSpec) -> Shard:
     spec.configure_process()
+    check_sizable(spec)
     if spec.tp_size > 1:
-        if spec.memory_utilization is not None:
-            raise ValueError(
-                f"{spec.role}.gpu_memory_utilization is built for tp 1 only; with tp "
-                f"{spec.tp_size} set {spec.role}.num_blocks"
-            )
         # imported here: TP ranks are Ray actors; a one-process shard runs without Ray
         from runtime.tp_group import build_tp_shard
 

@@ -8,8 +8,10 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from models.llama import LlamaModel
 from runtime.runner import SeqInput
@@ -69,21 +71,30 @@ def profile_steps(spec: ShardSpec, tokens: int, seqs: int, query: int) -> tuple[
     return replace(spec, num_blocks=blocks, buckets=None, memory_utilization=None), blocks
 
 
-def size_pool(spec: ShardSpec, model: LlamaModel, tokens: int, seqs: int, query: int) -> int:
-    """Blocks for ``spec``'s pool on its GPU, ``model`` (the target) loaded with the draft;
-    ValueError off a GPU."""
-    assert spec.memory_utilization is not None
-    if not spec.device.startswith("cuda"):
+def check_sizable(spec: ShardSpec) -> None:
+    """ValueError where ``spec`` asks for its pool sized from memory off a GPU."""
+    if spec.memory_utilization is not None and not spec.device.startswith("cuda"):
         raise ValueError(
             f"{spec.role}.gpu_memory_utilization sizes the KV pool from GPU memory; on "
             f"{spec.device} set {spec.role}.num_blocks instead"
         )
-    mem, block_bytes = _profile(spec, model, tokens, seqs, query)
+
+
+def size_pool(
+    spec: ShardSpec, model: LlamaModel, tokens: int, seqs: int, query: int, rank: int = 0
+) -> int:
+    """Blocks for ``spec``'s pool on its GPU, ``model`` (the target, or TP rank ``rank``'s
+    shard of it: every rank profiles the same steps at once, their collectives in step)
+    loaded with the draft; ValueError off a GPU."""
+    assert spec.memory_utilization is not None
+    check_sizable(spec)
+    mem, block_bytes = _profile(spec, model, tokens, seqs, query, rank)
     got = blocks_for_memory(mem, spec.memory_utilization, block_bytes, spec.num_blocks, spec.role)
     log.info(
-        "%s KV pool sized from memory: %d blocks (%.2f GiB) of %.1f GiB at utilization %g; "
-        "%.2f GiB in use with the models, a %.2f GiB step",
+        "%s KV pool (rank %d) sized from memory: %d blocks (%.2f GiB) of %.1f GiB at "
+        "utilization %g; %.2f GiB in use with the models, a %.2f GiB step",
         spec.role,
+        rank,
         got,
         got * block_bytes / GIB,
         mem.total / GIB,
@@ -94,13 +105,23 @@ def size_pool(spec: ShardSpec, model: LlamaModel, tokens: int, seqs: int, query:
     return got
 
 
+def agree_blocks(blocks: int, group: Any) -> int:
+    """The fewest blocks any rank of ``group`` (a CPU process group, every rank calling) can
+    hold: a TP group's pools all have one size, so block ids mean the same on every rank."""
+    t = torch.tensor([blocks], dtype=torch.long)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
+    group.allreduce([t], opts).wait()
+    return int(t.item())
+
+
 def _profile(
-    spec: ShardSpec, model: LlamaModel, tokens: int, seqs: int, query: int
+    spec: ShardSpec, model: LlamaModel, tokens: int, seqs: int, query: int, rank: int
 ) -> tuple[DeviceMemory, int]:
     """The largest steps over a probe pool: the device's memory without that pool, and the
     bytes of one block."""
     probe, blocks = profile_steps(spec, tokens, seqs, query)
-    pool = rank_pool(probe, 0)
+    pool = rank_pool(probe, rank)
     runner = target_runner(probe, model, pool)
     bs = spec.block_size
     per = math.ceil(query / bs)
@@ -116,3 +137,27 @@ def _profile(
 
     mem = measure_cuda(torch.device(spec.device), largest_steps)
     return replace(mem, in_use=mem.in_use - pool.nbytes), pool.nbytes // blocks
+
+
+def sized_rank(spec: ShardSpec, model: LlamaModel, rank: int, group: Any) -> ShardSpec:
+    """``spec`` with the blocks every rank of a TP group can hold (``sized_rank`` runs on each
+    at once, ``group`` the ranks' CPU group); as it is where its pool is not sized from
+    memory. A rank that cannot hold ``num_blocks`` fails every rank's start-up with its numbers."""
+    if spec.memory_utilization is None:
+        return spec
+    error: KVSizingError | None = None
+    try:
+        blocks = size_pool(
+            spec, model, spec.profile_tokens, spec.profile_seqs, spec.profile_query, rank
+        )
+    except KVSizingError as e:
+        blocks, error = -1, e
+    agreed = agree_blocks(blocks, group)
+    if error is not None:
+        raise error
+    if agreed < 0:
+        raise KVSizingError(
+            f"{spec.role}.gpu_memory_utilization: another rank of this TP group cannot hold "
+            f"{spec.role}.num_blocks ({spec.num_blocks}); its log has the numbers"
+        )
+    return replace(spec, num_blocks=agreed, memory_utilization=None)

@@ -127,11 +127,6 @@ def feature_layers(spec: ShardSpec) -> tuple[int, ...]:
     return head.aux_layers or ()
 
 
-def rank_target(spec: ShardSpec, pool: KVPool, tp: TPContext | None = None) -> LocalRunner:
-    """This rank's shard of the target over its pool (``tp`` None: the whole model)."""
-    return target_runner(spec, load_target(spec, tp), pool)
-
-
 def load_target(spec: ShardSpec, tp: TPContext | None = None) -> LlamaModel:
     model = spec.target.load(spec.device, tp, row_ops_for(spec.device))
     model.feature_layers = feature_layers(spec)

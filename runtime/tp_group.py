@@ -22,9 +22,18 @@ from kvtransfer.nixl_transport import NixlTransport
 from kvtransfer.path_check import PathProbe
 from kvtransfer.tp_transport import GroupTransport, RankPulls
 from models.parallel import TPContext
+from runtime.kv_sizing import sized_rank
 from runtime.ports import free_port
 from runtime.runner import LocalRunner, ModelRunner, SeqInput, StepResult
-from runtime.shard import Shard, ShardSpec, load_draft, rank_pool, rank_target
+from runtime.shard import (
+    Shard,
+    ShardSpec,
+    load_draft,
+    load_draft_model,
+    load_target,
+    rank_pool,
+    target_runner,
+)
 from runtime.step_wire import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -111,8 +120,10 @@ class RankWorker:
     def _build(self, spec: ShardSpec, rank: int) -> None:
         spec.configure_process()
         tp = TPContext(rank, spec.tp_size, self.groups.compute)
+        model = load_target(spec, tp)
+        spec = sized_rank(spec, model, rank, self.groups.steps)  # beside the other ranks
         self.pool = rank_pool(spec, rank)
-        self.runner = rank_target(spec, self.pool, tp)
+        self.runner = target_runner(spec, model, self.pool)
         fabric = spec.resolve_fabric()
         transport = NixlTransport(
             self.pool, role=spec.role, rank=rank, tp_size=spec.tp_size, backend=fabric.backend
@@ -196,12 +207,16 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
         actor_cls = ray.remote(RankWorker)
         actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
     groups = _process_groups(spec, 0, host, port)
-    pool = rank_pool(spec, 0)
     # beside the ranks' loads, not after them: a quantized load runs collectives (row maxima
-    # over the group's columns), so each side would wait on the other
-    local = rank_target(spec, pool, TPContext(0, spec.tp_size, groups.compute))
+    # over the group's columns), so each side would wait on the other; so does the sizing
+    model = load_target(spec, TPContext(0, spec.tp_size, groups.compute))
+    # the draft (rank 0's) counts in what its pool is sized after
+    loaded = load_draft_model(spec) if spec.memory_utilization is not None else None
+    spec = sized_rank(spec, model, 0, groups.steps)
+    pool = rank_pool(spec, 0)
+    local = target_runner(spec, model, pool)
     ray.get([a.source.remote() for a in actors])  # every rank loaded (or its error raised)
-    draft = load_draft(spec, pool)
+    draft = load_draft(spec, pool, loaded)
     fabric = spec.resolve_fabric()
     rank0 = NixlTransport(
         pool, role=spec.role, rank=0, tp_size=spec.tp_size, backend=fabric.backend

@@ -1,19 +1,24 @@
 """Sizing a KV pool from device memory (``runtime.kv_sizing``): the arithmetic, the refusal with
-its numbers, and where it is refused by name (off a GPU, with tp > 1 or a shared GPU). The
-sizing itself runs on a GPU (tests/gpu)."""
+its numbers, where it is refused by name (off a GPU, or a shared GPU), and how a TP group's
+ranks agree on one size. The sizing itself runs on a GPU (tests/gpu)."""
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from pydantic import ValidationError
+from torch.distributed.distributed_c10d import PrefixStore
 
 from cluster.config import TandemConfig
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
 from models.spec import DraftSpec, ModelSpec
 from runtime.kv_sizing import DeviceMemory, KVSizingError, blocks_for_memory, profile_steps
+from runtime.ports import free_port
 from runtime.shard import ShardSpec
 
 GIB = 2**30
@@ -74,12 +79,64 @@ def test_off_a_gpu_sizing_is_refused_by_name(tiny_folder: Path) -> None:
     base = {"model": {"source": str(tiny_folder)}}
     for pool, why in (
         ({"device": "cpu"}, "on device cpu set num_blocks"),
-        ({"device": "cuda", "tp": 2}, "tp 1 only"),
         ({"device": "cuda", "gpu_fraction": 0.5}, "sharing a GPU"),
     ):
         with pytest.raises(ValidationError, match=why):
             TandemConfig.model_validate(base | {"decode": pool | {"gpu_memory_utilization": 0.9}})
-    ok = TandemConfig.model_validate(
-        base | {"decode": {"device": "cuda", "gpu_memory_utilization": 0.9}}
+    for pool in ({"device": "cuda"}, {"device": "cuda", "tp": 2}):
+        ok = TandemConfig.model_validate(base | {"decode": pool | {"gpu_memory_utilization": 0.9}})
+        assert ok.decode.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_tp_groups_ranks_take_the_fewest_blocks_any_rank_holds(
+    tiny_folder: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """Each rank sizes its own pool (rank 0's also holds the draft's KV and weights); the ranks
+    agree over their CPU group on the fewest blocks, so block ids mean the same everywhere. A
+    rank below num_blocks fails every rank, not only itself (the others would wait on it).
+    The measurement is a GPU's: here each rank's count stands in for it, over a real gloo
+    group of two threads."""
+    from runtime import kv_sizing
+
+    spec = ShardSpec(
+        "decode",
+        ModelSpec(str(tiny_folder)),
+        DraftSpec(),
+        64,
+        16,
+        "cuda",
+        2,
+        memory_utilization=0.9,
     )
-    assert ok.decode.gpu_memory_utilization == 0.9
+    counts = {0: 900, 1: 800 if fits else -1}
+
+    def measured(spec: ShardSpec, model: object, *args: int) -> int:
+        n = counts[args[-1]]
+        if n < 0:
+            raise KVSizingError(f"rank {args[-1]}: 12 blocks, fewer than decode.num_blocks (64)")
+        return n
+
+    monkeypatch.setattr(kv_sizing, "size_pool", measured)
+    port = free_port()
+    got: dict[int, ShardSpec | Exception] = {}
+
+    def rank(r: int) -> None:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=r == 0, use_libuv=False)
+        group = dist.ProcessGroupGloo(PrefixStore("s/", store), r, 2, timedelta(seconds=60))
+        try:
+            got[r] = kv_sizing.sized_rank(spec, None, r, group)  # type: ignore[arg-type]
+        except KVSizingError as e:
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if fits:
+        assert all(isinstance(g, ShardSpec) and g.num_blocks == 800 for g in got.values())
+        assert all(isinstance(g, ShardSpec) and g.memory_utilization is None for g in got.values())
+    else:
+        assert "rank 1: 12 blocks" in str(got[1])
+        assert "another rank of this TP group cannot hold decode.num_blocks (64)" in str(got[0])
