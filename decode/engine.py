@@ -70,8 +70,8 @@ class DecodeEngine:
                     max_seqs=cfg.max_batch_size,
                     max_query=cfg.draft.num_speculative_tokens + 1,
                     max_blocks=math.ceil(cfg.max_model_len / cfg.block_size),
-                    # CUDA graphs over TP all-reduces are untested: a TP group runs eagerly
-                    graphs=cfg.device.startswith("cuda") and cfg.tp_size == 1,
+                    # under TP each rank captures its shard, NCCL all-reduces inside
+                    graphs=cfg.device.startswith("cuda"),
                 )
                 if cfg.bucketed()
                 else None,

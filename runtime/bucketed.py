@@ -1,6 +1,6 @@
-"""Decodes and chain verifications at fixed shapes, one CUDA graph per bucket on a GPU (TP = 1:
-capturing NCCL all-reduces is unchecked; not over quantized experts, which sync the host);
-other steps run ragged."""
+"""Decodes and chain verifications at fixed shapes, one CUDA graph per bucket on a GPU (a TP
+shard's NCCL all-reduces inside it, every rank capturing the same bucket in the same step; not
+over quantized experts, which sync the host); other steps run ragged."""
 
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ class BucketedRunner(LocalRunner, TrafficWaits):
             return self._capture_once(bucket)
         except RuntimeError as e:
             if not self.backend.attention.capture_failed(e):
+                if self.model.tp.world_size > 1:
+                    raise RuntimeError(
+                        f"capturing a CUDA graph over TP rank {self.model.tp.rank}'s NCCL "
+                        f"all-reduces failed ({e}); decode.step_shapes: ragged runs this "
+                        "group without graphs"
+                    ) from e
                 raise
             torch.cuda.synchronize(self.model.device)
             return self._capture_once(bucket)

@@ -228,16 +228,27 @@ def test_tp2_takes_a_chains_drafts_from_rank_0s_device(specs: tuple[ModelSpec, D
 
 
 def test_tp2_overlapped_plain_decoding_matches_tp1(specs: tuple[ModelSpec, DraftSpec]) -> None:
-    """``decode.overlap`` over TP = 2: step n + 1 is launched before step n is read, and the
-    tokens step n sampled reach rank 1 over the group's collectives, not from the host; greedy
-    and seeded sampled requests get TP = 1's tokens (read step by step)."""
+    """``decode.overlap`` over TP = 2 with bucketed steps (a GPU's): step n + 1 is launched
+    before step n is read, and the tokens step n sampled reach rank 1 over the group's
+    collectives, not from the host, into each rank's bucket; greedy and seeded sampled
+    requests get TP = 1's tokens (ragged, read step by step)."""
     target, _ = specs
     outs, overlapped = [], []
-    for tp, overlap in ((1, "off"), (2, "on")):
-        cfg = DecodeEngineConfig("t", target, DraftSpec(), tp_size=tp, overlap=overlap, **KW)  # type: ignore[arg-type]
+    for tp, overlap, shapes in ((1, "off", "ragged"), (2, "on", "bucketed")):
+        cfg = DecodeEngineConfig(
+            "t",
+            target,
+            DraftSpec(),
+            tp_size=tp,
+            overlap=overlap,
+            step_shapes=shapes,
+            **KW,  # type: ignore[arg-type]
+        )
         engine = DecodeEngine(cfg)
         outs.append(_run(engine, None))
         overlapped.append(engine.stats().steps_overlapped)
+        if tp == 2:
+            assert engine.bucketed is not None and engine.bucketed.bucketed_steps > 10
         engine.close()
     assert outs[0] == outs[1]
     assert overlapped[0] == 0 and overlapped[1] > 10
