@@ -206,6 +206,14 @@ def build_tp_shard(spec: ShardSpec) -> Shard:
             opts["num_gpus"] = 1
         actor_cls = ray.remote(RankWorker)
         actors.append(actor_cls.options(**opts).remote(spec, rank, host, port))
+    try:
+        return _build_rank0(spec, host, port, actors)
+    except BaseException:  # the ranks already started would outlive the failed replica
+        _kill(actors)
+        raise
+
+
+def _build_rank0(spec: ShardSpec, host: str, port: int, actors: list[Any]) -> Shard:
     groups = _process_groups(spec, 0, host, port)
     # beside the ranks' loads, not after them: a quantized load runs collectives (row maxima
     # over the group's columns), so each side would wait on the other; so does the sizing
