@@ -29,15 +29,13 @@ class Flight:
 
 def goes_on_unread(s: SeqStep, suspect: bool, source: bool) -> bool:
     """Whether the next step may be planned before ``s`` is read: no drafts, at most one
-    token sampled (a decode, or a prompt's chunk), logits that depend on the model only and
-    no logprobs; ``suspect``: being re-run alone after a failed batch; ``source``: an n > 1
-    request's prompt, which ends once computed."""
-    sp = s.req.sampling
+    token sampled (a decode, or a prompt's chunk; its logprobs, if asked, staged with its
+    token) and logits that depend on the model only; ``suspect``: being re-run alone after a
+    failed batch; ``source``: an n > 1 request's prompt, which ends once computed."""
     return (
         s.width <= 1
         and s.proposal.size == 0
-        and not sp.processes
-        and sp.logprobs is None
+        and not s.req.sampling.processes
         and not suspect
         and not source
     )

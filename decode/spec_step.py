@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from decode.drafters.base import Drafter, DraftProposal
@@ -14,7 +15,7 @@ from decode.processing import Span, process_spans
 from decode.rejection import rejection_sample, verify_greedy
 from decode.tree_verify import accept_greedy_path
 from models.device_copy import HostCopy, to_device
-from models.logprobs import TokenLogprob, token_logprobs
+from models.logprobs import TokenLogprob, logprobs_of, token_logprobs
 from models.request import Request
 from models.sampling import SamplingParams, Stream, inverse_cdf, probs_from_logits, uniforms
 from models.tree import TreeSpan, chain_parents, path_moves
@@ -229,7 +230,14 @@ def launch_step(
     counts, order = _verify_chains(out, chains)  # [3, C] on the device
     # [1 + nodes] per tree: every row's argmax, read with the chains' counts
     best = [out.argmax(slice(s.first_row, s.first_row + s.width)) for s in trees]
-    read = _stage(counts, best, unread)
+    # one token, no draft tested: the token the step emits is its final one
+    asked = [
+        s
+        for s in chains
+        if s.width == 1 and not s.num_tested and s.req.sampling.logprobs is not None
+    ]
+    logprobs = _logprobs_on_device(out, counts, order, asked)
+    read = _stage(counts, best, unread, logprobs)
     return Launched(drafter, steps, out, chains, trees, counts, order, unread, read)
 
 
@@ -238,7 +246,7 @@ def land_step(launched: Launched, advanced: bool = False) -> list[Emission]:
     computed counts already took their pending token (a step launched before this one landed
     was planned on them)."""
     lc, drafter = launched, launched.drafter
-    verdicts, bests, drafted = _read_once(lc.read, lc.order, lc.chains)
+    verdicts, bests, drafted, staged = _read_once(lc.read, lc.order, lc.chains)
     if drafter is not None and lc.unread:
         drafter.settle()
     known = {s: _with_tokens(s, t) for s, t in zip(lc.unread, drafted, strict=True)}
@@ -246,7 +254,27 @@ def land_step(launched: Launched, advanced: bool = False) -> list[Emission]:
     for s, (n, final) in zip(lc.chains, verdicts, strict=True):
         got[s] = _accept_chain(drafter, known.get(s, s), lc.out, n, final, advanced)
     emissions = [got[s] if s.samples else Emission((), 0, 0, s.num_fed) for s in lc.steps]
+    emissions = [
+        replace(em, logprobs=(staged[s],)) if s in staged else em
+        for s, em in zip(lc.steps, emissions, strict=True)
+    ]
     return _with_logprobs(lc.out.logits, lc.steps, emissions)
+
+
+def _logprobs_on_device(
+    out: StepResult, counts: torch.Tensor | None, order: Sequence[SeqStep], asked: list[SeqStep]
+) -> StagedLogprobs | None:
+    """One-token chain steps' logprobs, computed where their token is (``models.logprobs``'
+    arithmetic, on the device), for the step's one copy: the read then needs no second one."""
+    if not asked or counts is None:
+        return None
+    dev = out.logits.device
+    col = {s: j for j, s in enumerate(order)}
+    rows = to_device([s.first_row for s in asked], dev)  # [N]
+    tokens = counts[2][to_device([col[s] for s in asked], dev)]  # [N] each one's final token
+    tops = tuple(s.req.sampling.logprobs or 0 for s in asked)
+    values, top_ids = logprobs_of(out.logits[rows], tokens, max(tops))  # [N, 1 + k], [N, k]
+    return StagedLogprobs(tuple(asked), tops, values, top_ids)
 
 
 def _with_logprobs(
@@ -255,7 +283,7 @@ def _with_logprobs(
     asks = [
         i
         for i, (s, em) in enumerate(zip(steps, emissions, strict=True))
-        if em.tokens and s.req.sampling.logprobs is not None
+        if em.tokens and s.req.sampling.logprobs is not None and not em.logprobs
     ]
     if not asks:
         return emissions
@@ -279,34 +307,54 @@ def _with_tokens(s: SeqStep, tokens: Sequence[int]) -> SeqStep:
     return replace(s, proposal=replace(s.proposal, tokens=tuple(tokens), unread=None))
 
 
+@dataclass(frozen=True, eq=False)
+class StagedLogprobs:
+    steps: tuple[SeqStep, ...]
+    tops: tuple[int, ...]
+    values: torch.Tensor  # [N, 1 + k] fp32: each token's logprob, then the top k's
+    top_ids: torch.Tensor  # [N, k]
+
+
 @dataclass(frozen=True)
 class Staged:
     """The step's one device->host copy, queued: the chains' counts, then each tree's rows'
-    argmax, then the drafts left on the device."""
+    argmax, then the drafts left on the device, then the staged logprobs' top ids and their
+    fp32 values (as their bits)."""
 
     copy: HostCopy | None
     num_chains: int
     tree_sizes: tuple[int, ...]
     draft_sizes: tuple[int, ...]
+    logprobs: StagedLogprobs | None = None
 
 
 def _stage(
-    counts: torch.Tensor | None, best: Sequence[torch.Tensor], unread: Sequence[SeqStep]
+    counts: torch.Tensor | None,
+    best: Sequence[torch.Tensor],
+    unread: Sequence[SeqStep],
+    logprobs: StagedLogprobs | None = None,
 ) -> Staged:
     drafts = [s.proposal.unread for s in unread if s.proposal.unread is not None]
     parts = ([] if counts is None else [counts.reshape(-1)]) + list(best) + drafts
+    if logprobs is not None:  # fp32 bits ride in the int64 copy: still one copy to wait on
+        bits = logprobs.values.reshape(-1).contiguous().view(torch.int32).long()
+        parts += [logprobs.top_ids.reshape(-1), bits]
     c = 0 if counts is None else counts.shape[1]
     trees, rows = tuple(b.shape[0] for b in best), tuple(d.shape[0] for d in drafts)
-    return Staged(HostCopy(torch.cat(parts)) if parts else None, c, trees, rows)
+    copy = HostCopy(torch.cat(parts)) if parts else None
+    return Staged(copy, c, trees, rows, logprobs)
 
 
 def _read_once(
     staged: Staged, order: Sequence[SeqStep], chains: Sequence[SeqStep]
-) -> tuple[list[tuple[int, int | None]], list[list[int]], list[list[int]]]:
+) -> tuple[
+    list[tuple[int, int | None]], list[list[int]], list[list[int]], dict[SeqStep, TokenLogprob]
+]:
     """The step's one read: per chain (drafts accepted, the recovered or bonus token or None),
-    per tree its rows' argmax, and the drafts that were left on the device."""
+    per tree its rows' argmax, the drafts that were left on the device, and the staged
+    logprobs by step."""
     if staged.copy is None:
-        return [], [], []
+        return [], [], [], {}
     flat = staged.copy.tolist()
     c = staged.num_chains
     n, has, final = flat[:c], flat[c : 2 * c], flat[2 * c : 3 * c]
@@ -317,7 +365,20 @@ def _read_once(
         pieces.append(flat[at : at + size])
         at += size
     trees = len(staged.tree_sizes)
-    return [got[s] for s in chains], pieces[:trees], pieces[trees:]
+    lp = staged.logprobs
+    if lp is None:
+        return [got[s] for s in chains], pieces[:trees], pieces[trees:], {}
+    k = lp.top_ids.shape[1]
+    bits = np.asarray(flat[at + len(lp.steps) * k :], dtype=np.int64).astype(np.int32)
+    values = bits.view(np.float32).tolist()
+    logprobs = {}
+    for i, (s, top) in enumerate(zip(lp.steps, lp.tops, strict=True)):
+        v = values[i * (1 + k) : (i + 1) * (1 + k)]
+        ids = flat[at + i * k : at + i * k + top]
+        token = got[s][1]
+        assert token is not None  # a one-token chain always has its final token
+        logprobs[s] = TokenLogprob(token, v[0], tuple(zip(ids, v[1 : 1 + top], strict=True)))
+    return [got[s] for s in chains], pieces[:trees], pieces[trees:], logprobs
 
 
 def _verify_chains(

@@ -6,6 +6,7 @@ from pageable memory is staged by the driver before the call returns: the source
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ class HostCopy:
         self._done = torch.cuda.Event()
         self._done.record()
 
-    def tolist(self) -> list[int]:
+    def tolist(self) -> list[Any]:
         """The values (waiting for their copy on a GPU)."""
         if self._done is not None:
             self._done.synchronize()

@@ -26,14 +26,22 @@ def token_logprobs(
     """logits: [N, V] the rows that produced ``tokens``; ``tops[i]`` alternatives for row i."""
     if not tokens:
         return []
-    logp = torch.log_softmax(logits.float(), dim=-1)
     ids = to_device(list(tokens), logits.device, torch.long)
-    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
-    k = max(tops)
-    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ids[:, None][:, :0])
-    values = torch.cat([chosen.unsqueeze(1), top_v], dim=1).tolist()  # [N, 1 + k]
+    got, top_i = logprobs_of(logits, ids, max(tops))
+    values = got.tolist()  # [N, 1 + k]
     top_ids = top_i.tolist()
     return [
         TokenLogprob(t, v[0], tuple(zip(ti[:n], v[1 : 1 + n], strict=True)))
         for t, v, ti, n in zip(tokens, values, top_ids, tops, strict=True)
     ]
+
+
+def logprobs_of(
+    logits: torch.Tensor, ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device: [N, 1 + k] fp32 each row's logprob of ``ids`` ([N]) then its top k's,
+    and [N, k] those top ids, most likely first."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], ids[:, None][:, :0])
+    return torch.cat([chosen.unsqueeze(1), top_v], dim=1), top_i

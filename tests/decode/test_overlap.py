@@ -15,6 +15,7 @@ import torch
 
 from decode.config import DecodeEngineConfig
 from decode.engine import DecodeEngine
+from models.logprobs import TokenLogprob
 from models.request import Request
 from models.sampling import SamplingParams
 from models.spec import DraftKind, DraftSpec, ModelSpec
@@ -28,9 +29,15 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 49152, (length + 6 * i,), generator=g).tolist() for i in range(n)]
 
 
-def _serve(engine: DecodeEngine, reqs: list[Request], abort: int | None) -> Served:
+def _serve(
+    engine: DecodeEngine,
+    reqs: list[Request],
+    abort: int | None,
+    logprobs: dict[int, list[TokenLogprob]] | None = None,
+) -> Served:
     """Requests arrive one a step while the others decode; ``abort`` (an index) is aborted
-    once it has three tokens. Returns each one's tokens and finish reason, by index."""
+    once it has three tokens. Returns each one's tokens and finish reason, by index (and
+    gathers the logprobs reported into ``logprobs``)."""
     got: Served = {i: ([], None) for i in range(len(reqs))}
     index = {r.request_id: i for i, r in enumerate(reqs)}
     arriving = list(reqs)
@@ -42,6 +49,8 @@ def _serve(engine: DecodeEngine, reqs: list[Request], abort: int | None) -> Serv
         for o in engine.step():
             assert o.error is None, o.error
             i = index[o.request_id]
+            if logprobs is not None:
+                logprobs.setdefault(i, []).extend(o.logprobs)
             tokens = got[i][0] + list(o.new_token_ids)
             got[i] = (tokens, o.finish_reason)
             if o.finished:
@@ -67,8 +76,9 @@ def _params(kind: str, stop: int | None, longer: int) -> list[SamplingParams]:
         replace(greedy, max_tokens=2),
         SamplingParams(temperature=1.0, top_k=20, max_tokens=10, seed=7, seeded=True),
     ]
-    if kind == "mixed":  # each keeps its batch's steps read before the next is planned
+    if kind == "mixed":  # logprobs go on unread (staged with the token); a penalty does not
         out[2] = replace(out[2], logprobs=2)
+        out[3] = replace(out[3], logprobs=0)
         out[4] = replace(out[4], max_tokens=7, presence_penalty=0.5)
     return [replace(sp, max_tokens=sp.max_tokens * longer) for sp in out]
 
@@ -108,19 +118,26 @@ def test_overlapped_steps_serve_what_steps_read_one_by_one_serve(
     stop = first[0][0][4]  # request 0 then stops at its fifth token (or before, if it repeats)
     served: dict[str, Served] = {}
     stats = {}
+    logprobs: dict[str, dict[int, list[TokenLogprob]]] = {}
     for overlap in ("off", "on"):
         engine = DecodeEngine(replace(base, overlap=overlap))
         assert engine.overlap is (overlap == "on")
         reqs = [
             make_request(p, sp) for p, sp in zip(prompts, _params(kind, stop, longer), strict=True)
         ]
-        served[overlap] = _serve(engine, reqs, abort=5)
+        logprobs[overlap] = {}
+        served[overlap] = _serve(engine, reqs, abort=5, logprobs=logprobs[overlap])
         stats[overlap] = engine.stats()
         if shapes == "bucketed":
             assert engine.bucketed is not None and engine.bucketed.bucketed_steps > 0
         engine.close()
     assert served["on"] == served["off"]
     assert served["on"][0][1] == "stop" and served["on"][5][1] == "aborted"
+    assert logprobs["on"] == logprobs["off"]  # the same values, staged with the token or not
+    if kind == "mixed":
+        tokens, lps = served["on"][2][0], logprobs["on"][2]
+        assert [lp.token for lp in lps] == tokens and all(len(lp.top) == 2 for lp in lps)
+        assert len(logprobs["on"][3]) == 1 and logprobs["on"][3][0].top == ()
     assert stats["off"].steps_overlapped == 0
     assert stats["on"].steps_overlapped > (10 if kind == "plain" else 0)
     if num_blocks == 10:

@@ -157,7 +157,7 @@ def test_single_row_chains_verify_like_verify_greedy() -> None:
         steps = [SeqStep(reqs[i], (1,), props[i], 1, first_row[i], i) for i in range(5)]
         counts, order = _verify_chains(out, steps)
         on_dev = [s for s in steps if s.proposal.unread is not None]
-        got, _, drafted = _read_once(_stage(counts, [], on_dev), order, steps)
+        got, _, drafted, _ = _read_once(_stage(counts, [], on_dev), order, steps)
         assert drafted == [list(free[i]) for i in range(5) if props is unread]
         for i, (n, final) in enumerate(got):
             row = first_row[i]
