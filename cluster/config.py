@@ -322,8 +322,8 @@ class DecodeConfig(PoolConfig):
         description="Plan and launch decode step n + 1 while the device runs step n, feeding "
         "its plain decodes the tokens step n sampled straight from the device, then read step "
         "n (what step n ends is dropped from n + 1); a TP group's other ranks get those tokens "
-        "over its collectives. Steps with drafts, logit processors or logprobs are read before "
-        "the next is planned; auto: on a GPU.",
+        "over its collectives. Steps with drafts or logit processors are read before the next "
+        "is planned; auto: on a GPU.",
     )
     speculation_tpot_slo_max_loss: float = Field(
         GUARD_MAX_LOSS,
