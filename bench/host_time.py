@@ -2,9 +2,9 @@
 time less its target forward (timed around the runner's ``run`` and a device synchronisation
 after it, so on a GPU the forward includes the device's time). What is left is the host's own
 work per step: scheduling, drafting by lookup, laying out the step's inputs, acceptance, each
-request's bookkeeping and its outputs. Only the intake (transfers, admissions) overlaps the
-device's step on a GPU (this timing's synchronisation after the forward undoes that here), so
-these modes run with ``decode.overlap`` off.
+request's bookkeeping and its outputs. The synchronisation after the forward undoes any
+overlap with the device's step (the intake beside it, ``decode.overlap``), so these modes run
+with ``decode.overlap`` off.
 
 Plain decoding and n-gram drafting (k = 4, fixed), greedy, prompts computed first and not
 timed; the median of ``--steps`` steady steps per batch. ``plain_overlap`` times plain steps
